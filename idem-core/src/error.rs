@@ -1,0 +1,308 @@
+//! Errors of every layer: keys, codecs, stores and the executor.
+//!
+//! Each error says whether retrying the same call can help
+//! (`is_retryable`), so a consumer knows whether to nack for redelivery or
+//! to park the message.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::key::IdempotencyKey;
+
+/// A boxed error source, kept so that the cause chain is not lost.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// An invalid idempotency key. Never retryable: the same input fails again.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The scope is empty.
+    #[error("invalid idempotency key: the scope is empty")]
+    EmptyScope,
+    /// The scope is longer than 64 bytes.
+    #[error("invalid idempotency key: the scope is {len} bytes, the limit is 64")]
+    ScopeTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The scope holds a character outside `[A-Za-z0-9._:-]`.
+    #[error("invalid idempotency key: scope character {ch:?} at byte {index} is not one of [A-Za-z0-9._:-]")]
+    InvalidScopeChar {
+        /// Byte offset of the character.
+        index: usize,
+        /// The character.
+        ch: char,
+    },
+    /// The id is empty.
+    #[error("invalid idempotency key: the id is empty")]
+    EmptyId,
+    /// The id is longer than 512 bytes.
+    #[error("invalid idempotency key: the id is {len} bytes, the limit is 512")]
+    IdTooLong {
+        /// Its length in bytes.
+        len: usize,
+    },
+    /// The id holds a control character.
+    #[error("invalid idempotency key: control character in the id at byte {index}")]
+    ControlCharInId {
+        /// Byte offset of the character.
+        index: usize,
+    },
+    /// The id was given as bytes that are not UTF-8.
+    #[error("invalid idempotency key: the id is not UTF-8 (valid up to byte {valid_up_to})")]
+    IdNotUtf8 {
+        /// Length of the valid UTF-8 prefix.
+        valid_up_to: usize,
+    },
+    /// `windowed` was given a zero-length window.
+    #[error("invalid idempotency key: the time window is zero")]
+    ZeroWindow,
+    /// `from_content` could not serialize the content.
+    #[error("invalid idempotency key: the content does not serialize to JSON: {0}")]
+    Content(String),
+}
+
+impl KeyError {
+    /// Always `false`: the same input gives the same error.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+}
+
+/// A value that could not be encoded or a stored response that could not be
+/// decoded. Not retryable.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CodecError {
+    /// The handler's response (or the payload, for its fingerprint) did not
+    /// serialize.
+    #[error("could not encode: {0}")]
+    Encode(#[source] BoxError),
+    /// The recorded response did not decode as the requested type.
+    #[error("could not decode the recorded response: {0}")]
+    Decode(#[source] BoxError),
+}
+
+impl CodecError {
+    /// Always `false`.
+    pub fn is_retryable(&self) -> bool {
+        false
+    }
+}
+
+/// An error of an [`IdempotencyStore`](crate::IdempotencyStore) operation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The lease token no longer owns the key: another worker took it over
+    /// after the lease ran out, or the record was completed, released,
+    /// deleted or expired. Nothing was changed. Not retryable.
+    #[error("lease lost: the key is no longer held by this lease token")]
+    LeaseLost,
+    /// The store could not be reached or did not answer in time. Retryable.
+    #[error("idempotency store unavailable: {0}")]
+    Unavailable(#[source] BoxError),
+    /// A stored record does not decode. It is reported, never treated as
+    /// absent (that could run a side effect twice). Not retryable until an
+    /// operator deletes or repairs the record.
+    #[error("corrupt idempotency record for {key}: {detail}")]
+    Corrupt {
+        /// The key whose record is corrupt.
+        key: IdempotencyKey,
+        /// What is wrong with it.
+        detail: String,
+    },
+    /// A bounded store is full of live records; nothing was evicted.
+    /// Retryable once records complete and expire.
+    #[error("idempotency store is full ({max_records} records); no live record is evicted")]
+    CapacityExceeded {
+        /// The configured limit.
+        max_records: usize,
+    },
+    /// Any other backend failure (a query error, a script error). Not
+    /// retryable as such.
+    #[error("idempotency store error: {0}")]
+    Backend(#[source] BoxError),
+}
+
+impl StoreError {
+    /// Wraps a connection or timeout failure.
+    pub fn unavailable(err: impl Into<BoxError>) -> Self {
+        StoreError::Unavailable(err.into())
+    }
+
+    /// Wraps any other backend failure.
+    pub fn backend(err: impl Into<BoxError>) -> Self {
+        StoreError::Backend(err.into())
+    }
+
+    /// Whether retrying the same call later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Unavailable(_) | StoreError::CapacityExceeded { .. }
+        )
+    }
+}
+
+/// The error of [`Idempotency::process`](crate::Idempotency::process), generic
+/// over the handler's own error `E`.
+#[non_exhaustive]
+pub enum IdemError<E> {
+    /// Another worker holds the key and its lease is live (policy
+    /// `Reject`). Retryable after `retry_after`.
+    InProgress {
+        /// Time until the holder's lease runs out (by the store's clock).
+        retry_after: Duration,
+        /// The holder's attempt number.
+        attempt: u32,
+    },
+    /// The key was used before with a different payload. Not retryable.
+    PayloadMismatch,
+    /// The handler returned an error; the key was released, so a retry runs
+    /// the handler again.
+    Handler(E),
+    /// The handler panicked; the key was released, so a retry runs the
+    /// handler again.
+    Panicked {
+        /// The panic message, when it was a string.
+        message: String,
+    },
+    /// The handler ran, but its lease had been taken over by another worker
+    /// before the completion was written, so its result was not recorded.
+    /// Its side effects may have happened; the caller must know. Not
+    /// retryable (the key now belongs to the other worker).
+    LeaseLost,
+    /// Policy `Wait`: the key was still in progress after `max_wait`.
+    /// Retryable.
+    WaitTimeout {
+        /// How long the executor waited.
+        waited: Duration,
+    },
+    /// The response did not serialize (the key was released), the payload
+    /// did not serialize for its fingerprint, or a recorded response did not
+    /// decode as the requested type (the record is kept). Not retryable.
+    Codec(CodecError),
+    /// The store failed; see [`StoreError::is_retryable`].
+    Store(StoreError),
+    /// The key was invalid. Not retryable.
+    InvalidKey(KeyError),
+}
+
+impl<E> IdemError<E> {
+    /// Whether retrying the same message later can succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            IdemError::InProgress { .. }
+            | IdemError::Handler(_)
+            | IdemError::Panicked { .. }
+            | IdemError::WaitTimeout { .. } => true,
+            IdemError::PayloadMismatch
+            | IdemError::LeaseLost
+            | IdemError::Codec(_)
+            | IdemError::InvalidKey(_) => false,
+            IdemError::Store(e) => e.is_retryable(),
+        }
+    }
+
+    /// The handler's error, if that is what this is.
+    pub fn handler_error(&self) -> Option<&E> {
+        match self {
+            IdemError::Handler(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+impl<E> From<StoreError> for IdemError<E> {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::LeaseLost => IdemError::LeaseLost,
+            other => IdemError::Store(other),
+        }
+    }
+}
+
+impl<E> From<KeyError> for IdemError<E> {
+    fn from(e: KeyError) -> Self {
+        IdemError::InvalidKey(e)
+    }
+}
+
+impl<E> From<CodecError> for IdemError<E> {
+    fn from(e: CodecError) -> Self {
+        IdemError::Codec(e)
+    }
+}
+
+impl<E: fmt::Debug> fmt::Debug for IdemError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdemError::InProgress {
+                retry_after,
+                attempt,
+            } => f
+                .debug_struct("InProgress")
+                .field("retry_after", retry_after)
+                .field("attempt", attempt)
+                .finish(),
+            IdemError::PayloadMismatch => f.write_str("PayloadMismatch"),
+            IdemError::Handler(e) => f.debug_tuple("Handler").field(e).finish(),
+            IdemError::Panicked { message } => f
+                .debug_struct("Panicked")
+                .field("message", message)
+                .finish(),
+            IdemError::LeaseLost => f.write_str("LeaseLost"),
+            IdemError::WaitTimeout { waited } => f
+                .debug_struct("WaitTimeout")
+                .field("waited", waited)
+                .finish(),
+            IdemError::Codec(e) => f.debug_tuple("Codec").field(e).finish(),
+            IdemError::Store(e) => f.debug_tuple("Store").field(e).finish(),
+            IdemError::InvalidKey(e) => f.debug_tuple("InvalidKey").field(e).finish(),
+        }
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for IdemError<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            IdemError::InProgress {
+                retry_after,
+                attempt,
+            } => write!(
+                f,
+                "already in progress (attempt {attempt}); retry after {retry_after:?}"
+            ),
+            IdemError::PayloadMismatch => {
+                f.write_str("idempotency key reused with a different payload")
+            }
+            IdemError::Handler(e) => write!(f, "handler failed: {e}"),
+            IdemError::Panicked { message } => write!(f, "handler panicked: {message}"),
+            IdemError::LeaseLost => f.write_str(
+                "lease lost: the handler ran but another worker took the key over, its result was not recorded",
+            ),
+            IdemError::WaitTimeout { waited } => {
+                write!(f, "still in progress after waiting {waited:?}")
+            }
+            IdemError::Codec(e) => e.fmt(f),
+            IdemError::Store(e) => e.fmt(f),
+            IdemError::InvalidKey(e) => e.fmt(f),
+        }
+    }
+}
+
+impl<E> std::error::Error for IdemError<E>
+where
+    E: std::error::Error + 'static,
+{
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            IdemError::Handler(e) => Some(e),
+            IdemError::Codec(e) => Some(e),
+            IdemError::Store(e) => Some(e),
+            IdemError::InvalidKey(e) => Some(e),
+            _ => None,
+        }
+    }
+}

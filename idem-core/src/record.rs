@@ -1,0 +1,221 @@
+//! Records, leases and the outcomes of `acquire`.
+
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use bytes::Bytes;
+
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+
+/// How long an in-progress record outlives its lease deadline when nobody
+/// completes or releases it (its holder crashed). During this grace the key
+/// can be taken over (its lease is over) while the record keeps its
+/// fingerprint and attempt count, so a redelivery is still checked for a
+/// mismatch and its handler is told that an earlier attempt may have run.
+/// Every store uses the same value.
+pub const IN_PROGRESS_GRACE: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A fencing token: unique per acquisition, never reused for a key, even
+/// after its record was released or expired. Every write after `acquire`
+/// compares it with the stored one.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseToken(u128);
+
+impl LeaseToken {
+    /// Wraps a token value produced by a store.
+    pub const fn from_u128(value: u128) -> Self {
+        LeaseToken(value)
+    }
+
+    /// The token value.
+    pub const fn as_u128(&self) -> u128 {
+        self.0
+    }
+
+    /// The 32-character lowercase hex form that stores persist.
+    pub fn to_hex(&self) -> String {
+        format!("{:032x}", self.0)
+    }
+
+    /// Parses the hex form.
+    pub fn from_hex(hex_str: &str) -> Option<Self> {
+        if hex_str.is_empty() || hex_str.len() > 32 {
+            return None;
+        }
+        u128::from_str_radix(hex_str, 16).ok().map(LeaseToken)
+    }
+}
+
+impl fmt::Debug for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LeaseToken({:032x})", self.0)
+    }
+}
+
+impl fmt::Display for LeaseToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+/// Ownership of a key, returned by a successful `acquire` or `extend`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Lease {
+    /// The key held.
+    pub key: IdempotencyKey,
+    /// The fencing token of this acquisition.
+    pub token: LeaseToken,
+    /// 1 for the first acquisition of the record, 2 after a takeover, ...
+    pub attempt: u32,
+    /// When the lease runs out (store clock). Past it another worker may take
+    /// the key over; until someone does, this lease still works.
+    pub expires_at: SystemTime,
+}
+
+impl Lease {
+    /// Builds a lease (for store implementations).
+    pub fn new(
+        key: IdempotencyKey,
+        token: LeaseToken,
+        attempt: u32,
+        expires_at: SystemTime,
+    ) -> Self {
+        Lease {
+            key,
+            token,
+            attempt,
+            expires_at,
+        }
+    }
+}
+
+/// The state of a stored record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordState {
+    /// A worker holds (or held, if the deadline passed) the key.
+    InProgress {
+        /// The lease deadline (store clock).
+        lease_expires_at: SystemTime,
+    },
+    /// The handler's result was recorded.
+    Completed {
+        /// The encoded response.
+        response: Bytes,
+        /// When it was recorded (store clock).
+        completed_at: SystemTime,
+    },
+}
+
+/// A stored record, as [`get`](crate::IdempotencyStore::get) returns it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Record {
+    /// The key.
+    pub key: IdempotencyKey,
+    /// In progress or completed.
+    pub state: RecordState,
+    /// The fingerprint stored at first acquisition, if the caller gave one.
+    pub fingerprint: Option<Fingerprint>,
+    /// The token of the latest acquisition.
+    pub token: LeaseToken,
+    /// The latest attempt number.
+    pub attempt: u32,
+    /// When the record was first acquired (store clock).
+    pub created_at: SystemTime,
+    /// When the record stops existing (store clock): completion time plus
+    /// retention, or lease deadline plus [`IN_PROGRESS_GRACE`].
+    pub expires_at: SystemTime,
+}
+
+impl Record {
+    /// Builds a record (for store implementations).
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        key: IdempotencyKey,
+        state: RecordState,
+        fingerprint: Option<Fingerprint>,
+        token: LeaseToken,
+        attempt: u32,
+        created_at: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        Record {
+            key,
+            state,
+            fingerprint,
+            token,
+            attempt,
+            created_at,
+            expires_at,
+        }
+    }
+
+    /// Whether the record is completed.
+    pub fn is_completed(&self) -> bool {
+        matches!(self.state, RecordState::Completed { .. })
+    }
+}
+
+/// A completed record, as a duplicate `acquire` returns it for replay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompletedRecord {
+    /// The key.
+    pub key: IdempotencyKey,
+    /// The encoded response to replay.
+    pub response: Bytes,
+    /// The fingerprint stored with the record.
+    pub fingerprint: Option<Fingerprint>,
+    /// The attempt that completed it.
+    pub attempt: u32,
+    /// When it was completed (store clock).
+    pub completed_at: SystemTime,
+    /// When it expires (store clock).
+    pub expires_at: SystemTime,
+}
+
+impl CompletedRecord {
+    /// Builds a completed record (for store implementations).
+    pub fn new(
+        key: IdempotencyKey,
+        response: Bytes,
+        fingerprint: Option<Fingerprint>,
+        attempt: u32,
+        completed_at: SystemTime,
+        expires_at: SystemTime,
+    ) -> Self {
+        CompletedRecord {
+            key,
+            response,
+            fingerprint,
+            attempt,
+            completed_at,
+            expires_at,
+        }
+    }
+}
+
+/// The outcome of [`acquire`](crate::IdempotencyStore::acquire): every
+/// case comes back in one round trip.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquisition {
+    /// The caller owns the key: run the handler, then `complete` or
+    /// `release` with this lease.
+    Acquired(Lease),
+    /// The key was completed: replay this response.
+    Completed(CompletedRecord),
+    /// Another worker holds a live lease on the key.
+    InProgress {
+        /// The holder's lease deadline (store clock).
+        lease_expires_at: SystemTime,
+        /// Time left on that lease, computed with the store's clock so that
+        /// client clock skew does not matter.
+        retry_after: Duration,
+        /// The holder's attempt number.
+        attempt: u32,
+    },
+    /// The key is live with a different fingerprint.
+    Mismatch,
+}
