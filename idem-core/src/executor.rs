@@ -103,7 +103,7 @@ pub struct Context {
 /// ```
 ///
 /// Cloning is cheap and shares the store.
-pub struct Idempotency<S, C = JsonCodec> {
+pub struct Idempotency<S: ?Sized, C = JsonCodec> {
     store: Arc<S>,
     codec: Arc<C>,
     lease: Duration,
@@ -113,7 +113,7 @@ pub struct Idempotency<S, C = JsonCodec> {
     heartbeat_every: Option<Duration>,
 }
 
-impl<S, C> Clone for Idempotency<S, C> {
+impl<S: ?Sized, C> Clone for Idempotency<S, C> {
     fn clone(&self) -> Self {
         Idempotency {
             store: self.store.clone(),
@@ -136,8 +136,14 @@ where
     pub fn new(store: S) -> Self {
         Self::from_arc(Arc::new(store))
     }
+}
 
-    /// Like [`new`](Self::new), sharing a store already in an `Arc`.
+impl<S> Idempotency<S, JsonCodec>
+where
+    S: IdempotencyStore + ?Sized,
+{
+    /// Like [`new`](Self::new), sharing a store already in an `Arc`, which
+    /// may be an `Arc<dyn IdempotencyStore>` chosen at run time.
     pub fn from_arc(store: Arc<S>) -> Self {
         Idempotency {
             store,
@@ -153,7 +159,7 @@ where
 
 impl<S, C> Idempotency<S, C>
 where
-    S: IdempotencyStore,
+    S: IdempotencyStore + ?Sized,
     C: Codec,
 {
     /// How long a worker holds a key before another may take it over.
@@ -460,12 +466,12 @@ enum HandlerOutcome<T, E> {
 
 /// Releases the lease in a spawned task if the `process` future is dropped
 /// while the handler runs.
-struct ReleaseOnDrop<S: IdempotencyStore> {
+struct ReleaseOnDrop<S: IdempotencyStore + ?Sized> {
     store: Arc<S>,
     lease: Option<Lease>,
 }
 
-impl<S: IdempotencyStore> Drop for ReleaseOnDrop<S> {
+impl<S: IdempotencyStore + ?Sized> Drop for ReleaseOnDrop<S> {
     fn drop(&mut self) {
         let Some(lease) = self.lease.take() else {
             return;

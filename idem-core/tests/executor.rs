@@ -7,9 +7,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idem_core::{
-    Acquisition, CodecError, Fingerprint, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, InProgressPolicy, Lease, MemoryStore, Processed, Record, RecordState,
-    StoreError,
+    Acquisition, CodecError, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, Lease, MemoryStore, Processed, Record, RecordState, StoreError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -118,7 +117,10 @@ async fn handler_error_releases_the_key() {
         Err(e @ IdemError::Handler(Declined)) => assert!(e.is_retryable()),
         other => panic!("expected Handler error, got {other:?}"),
     }
-    assert!(matches!(store.get(&k).await, Ok(None)), "key must be released");
+    assert!(
+        matches!(store.get(&k).await, Ok(None)),
+        "key must be released"
+    );
     let again = idem
         .process(&k, 1u8, |_| async { Ok::<_, Declined>(7u32) })
         .await;
@@ -145,10 +147,15 @@ async fn handler_panic_releases_the_key_and_does_not_escape() {
             panic!("sync {}", "panic")
         })
         .await;
-    assert!(matches!(out, Err(IdemError::Panicked { ref message }) if message == "sync panic"), "{out:?}");
+    assert!(
+        matches!(out, Err(IdemError::Panicked { ref message }) if message == "sync panic"),
+        "{out:?}"
+    );
     assert!(matches!(store.get(&k).await, Ok(None)));
 
-    let again = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(1u32) }).await;
+    let again = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(1u32) })
+        .await;
     assert_eq!(again.ok(), Some(Processed::Executed(1)));
 }
 
@@ -169,12 +176,19 @@ async fn dropped_future_releases_the_key() {
             .await
         })
     };
-    started_rx.await.unwrap_or_else(|_| panic!("handler never started"));
-    assert!(matches!(store.get(&k).await, Ok(Some(_))), "held while running");
+    started_rx
+        .await
+        .unwrap_or_else(|_| panic!("handler never started"));
+    assert!(
+        matches!(store.get(&k).await, Ok(Some(_))),
+        "held while running"
+    );
     task.abort();
     assert!(task.await.is_err_and(|e| e.is_cancelled()));
     until_absent(&*store, &k).await;
-    let again = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) }).await;
+    let again = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) })
+        .await;
     assert_eq!(again.ok(), Some(Processed::Executed(2)));
 
     // Dropped by a timeout rather than an abort.
@@ -183,7 +197,9 @@ async fn dropped_future_releases_the_key() {
         tokio::time::sleep(Duration::from_secs(3600)).await;
         Ok::<_, Declined>(0u32)
     });
-    assert!(tokio::time::timeout(Duration::from_secs(1), slow).await.is_err());
+    assert!(tokio::time::timeout(Duration::from_secs(1), slow)
+        .await
+        .is_err());
     until_absent(&*store, &k2).await;
 }
 
@@ -211,14 +227,22 @@ async fn completion_after_takeover_is_lease_lost_and_never_swallowed() {
             Ok::<_, Declined>(format!("rescuer attempt {}", ctx.attempt))
         })
         .await;
-    assert_eq!(rescuer.ok(), Some(Processed::Executed("rescuer attempt 2".to_string())));
+    assert_eq!(
+        rescuer.ok(),
+        Some(Processed::Executed("rescuer attempt 2".to_string()))
+    );
     let zombie = zombie.await.unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(zombie, Err(IdemError::LeaseLost)), "{zombie:?}");
     assert!(!zombie.as_ref().is_ok_and(|_| true));
     let replay = idem
-        .process(&k, 1u8, |_| async { Ok::<_, Declined>("never".to_string()) })
+        .process(&k, 1u8, |_| async {
+            Ok::<_, Declined>("never".to_string())
+        })
         .await;
-    assert_eq!(replay.ok(), Some(Processed::Replayed("rescuer attempt 2".to_string())));
+    assert_eq!(
+        replay.ok(),
+        Some(Processed::Replayed("rescuer attempt 2".to_string()))
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -242,14 +266,24 @@ async fn heartbeat_keeps_the_key_for_five_leases_and_stops_after() {
     for _ in 0..9 {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let got = store.inner.acquire(&k, None, Duration::from_secs(1)).await;
-        assert!(matches!(got, Ok(Acquisition::InProgress { attempt: 1, .. })), "{got:?}");
+        assert!(
+            matches!(got, Ok(Acquisition::InProgress { attempt: 1, .. })),
+            "{got:?}"
+        );
     }
     let done = worker.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(done.ok(), Some(Processed::Executed(5)));
     let extends = store.extends.load(Ordering::SeqCst);
-    assert!(extends >= 12, "heartbeat renewed only {extends} times in 5 leases");
+    assert!(
+        extends >= 12,
+        "heartbeat renewed only {extends} times in 5 leases"
+    );
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(store.extends.load(Ordering::SeqCst), extends, "heartbeat kept running");
+    assert_eq!(
+        store.extends.load(Ordering::SeqCst),
+        extends,
+        "heartbeat kept running"
+    );
     match store.get(&k).await {
         Ok(Some(Record {
             state: RecordState::Completed { .. },
@@ -266,14 +300,23 @@ async fn reject_policy_reports_retry_after() {
     let idem = Idempotency::from_arc(store.clone()).on_in_progress(InProgressPolicy::Reject);
     let k = key("m-busy");
     let fp = Fingerprint::of(&1u8).ok();
-    let Ok(Acquisition::Acquired(_)) = store.acquire(&k, fp.as_ref(), Duration::from_secs(30)).await
+    let Ok(Acquisition::Acquired(_)) = store
+        .acquire(&k, fp.as_ref(), Duration::from_secs(30))
+        .await
     else {
         panic!("not acquired")
     };
     tokio::time::sleep(Duration::from_secs(10)).await;
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(1u8) }).await;
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
     match out {
-        Err(e @ IdemError::InProgress { retry_after, attempt: 1 }) => {
+        Err(
+            e @ IdemError::InProgress {
+                retry_after,
+                attempt: 1,
+            },
+        ) => {
             assert_eq!(retry_after, Duration::from_secs(20));
             assert!(e.is_retryable());
         }
@@ -303,7 +346,9 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
             store.inner.complete(&lease, b"42", long).await
         })
     };
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(0u32) }).await;
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(0u32) })
+        .await;
     assert_eq!(out.ok(), Some(Processed::Replayed(42)));
     assert!(holder.await.is_ok_and(|r| r.is_ok()));
 
@@ -319,7 +364,9 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
             store.inner.release(&lease).await
         })
     };
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(1u32) }).await;
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(1u32) })
+        .await;
     assert_eq!(out.ok(), Some(Processed::Executed(1)));
     assert!(holder.await.is_ok_and(|r| r.is_ok()));
 
@@ -331,13 +378,18 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
     };
     store.acquires.store(0, Ordering::SeqCst);
     let started = tokio::time::Instant::now();
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) }).await;
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) })
+        .await;
     match out {
         Err(e @ IdemError::WaitTimeout { .. }) => assert!(e.is_retryable()),
         other => panic!("expected WaitTimeout, got {other:?}"),
     }
     let waited = started.elapsed();
-    assert!(waited >= Duration::from_secs(5) && waited < Duration::from_millis(5_200), "{waited:?}");
+    assert!(
+        waited >= Duration::from_secs(5) && waited < Duration::from_millis(5_200),
+        "{waited:?}"
+    );
     let polls = store.acquires.load(Ordering::SeqCst);
     assert!((25..=40).contains(&polls), "{polls} acquire calls in 5 s");
 }
@@ -346,11 +398,20 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
 async fn payload_mismatch_is_reported_and_changes_nothing() {
     let idem = Idempotency::new(MemoryStore::new());
     let k = key("m-mismatch");
-    let first = idem.process(&k, 100u64, |a| async move { Ok::<_, Declined>(a) }).await;
+    let first = idem
+        .process(&k, 100u64, |a| async move { Ok::<_, Declined>(a) })
+        .await;
     assert_eq!(first.ok(), Some(Processed::Executed(100)));
-    let other = idem.process(&k, 999u64, |a| async move { Ok::<_, Declined>(a) }).await;
-    assert!(matches!(other, Err(ref e @ IdemError::PayloadMismatch) if !e.is_retryable()), "{other:?}");
-    let again = idem.process(&k, 100u64, |a| async move { Ok::<_, Declined>(a) }).await;
+    let other = idem
+        .process(&k, 999u64, |a| async move { Ok::<_, Declined>(a) })
+        .await;
+    assert!(
+        matches!(other, Err(ref e @ IdemError::PayloadMismatch) if !e.is_retryable()),
+        "{other:?}"
+    );
+    let again = idem
+        .process(&k, 100u64, |a| async move { Ok::<_, Declined>(a) })
+        .await;
     assert_eq!(again.ok(), Some(Processed::Replayed(100)));
 }
 
@@ -365,8 +426,14 @@ async fn response_that_does_not_serialize_releases_the_key() {
             Ok::<_, Declined>(HashMap::from([((1u8, 2u8), 3u8)]))
         })
         .await;
-    assert!(matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))), "{out:?}");
-    assert!(matches!(store.get(&k).await, Ok(None)), "key must be released");
+    assert!(
+        matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))),
+        "{out:?}"
+    );
+    assert!(
+        matches!(store.get(&k).await, Ok(None)),
+        "key must be released"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -375,8 +442,13 @@ async fn payload_that_does_not_serialize_stores_nothing() {
     let idem = Idempotency::from_arc(store.clone());
     let k = key("m-bad-payload");
     let payload = HashMap::from([((1u8, 2u8), 3u8)]);
-    let out = idem.process(&k, &payload, |_| async { Ok::<_, Declined>(1u8) }).await;
-    assert!(matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))), "{out:?}");
+    let out = idem
+        .process(&k, &payload, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
+    assert!(
+        matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))),
+        "{out:?}"
+    );
     assert!(matches!(store.get(&k).await, Ok(None)));
 }
 
@@ -385,14 +457,21 @@ async fn recorded_response_of_another_type_is_a_decode_error_and_is_kept() {
     let store = Arc::new(MemoryStore::new());
     let idem = Idempotency::from_arc(store.clone());
     let k = key("m-decode");
-    let first = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>("text".to_string()) }).await;
+    let first = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>("text".to_string()) })
+        .await;
     assert!(first.is_ok());
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(5u64) }).await;
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(5u64) })
+        .await;
     match out {
         Err(e @ IdemError::Codec(CodecError::Decode(_))) => assert!(!e.is_retryable()),
         other => panic!("expected a decode error, got {other:?}"),
     }
-    assert!(matches!(store.get(&k).await, Ok(Some(r)) if r.is_completed()), "record kept");
+    assert!(
+        matches!(store.get(&k).await, Ok(Some(r)) if r.is_completed()),
+        "record kept"
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -401,14 +480,24 @@ async fn store_errors_are_typed() {
     let idem = Idempotency::from_arc(store.clone());
     let k = key("m-corrupt");
     store.corrupt_for_tests(&k);
-    let out = idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(1u8) }).await;
-    assert!(matches!(out, Err(IdemError::Store(StoreError::Corrupt { .. }))), "{out:?}");
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
+    assert!(
+        matches!(out, Err(IdemError::Store(StoreError::Corrupt { .. }))),
+        "{out:?}"
+    );
 
     let full = MemoryStore::builder().max_records(1).build();
     let idem = Idempotency::new(full).lease(Duration::from_secs(60));
-    let busy = idem.store().acquire(&key("a"), None, Duration::from_secs(60)).await;
+    let busy = idem
+        .store()
+        .acquire(&key("a"), None, Duration::from_secs(60))
+        .await;
     assert!(matches!(busy, Ok(Acquisition::Acquired(_))));
-    let out = idem.process(&key("b"), 1u8, |_| async { Ok::<_, Declined>(1u8) }).await;
+    let out = idem
+        .process(&key("b"), 1u8, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
     match out {
         Err(e @ IdemError::Store(StoreError::CapacityExceeded { .. })) => assert!(e.is_retryable()),
         other => panic!("expected CapacityExceeded, got {other:?}"),
@@ -427,7 +516,9 @@ async fn process_with_takes_a_precomputed_fingerprint_or_none() {
         .await;
     assert_eq!(out.ok(), Some(Processed::Executed(1)));
     let other = idem
-        .process_with(&k, Some(Fingerprint::of_bytes(b"{}")), |_| async { Ok::<_, Declined>(0u32) })
+        .process_with(&k, Some(Fingerprint::of_bytes(b"{}")), |_| async {
+            Ok::<_, Declined>(0u32)
+        })
         .await;
     assert!(matches!(other, Err(IdemError::PayloadMismatch)));
     let unchecked = idem
@@ -440,7 +531,9 @@ async fn process_with_takes_a_precomputed_fingerprint_or_none() {
 async fn works_over_a_dyn_store() {
     let store: Arc<dyn IdempotencyStore> = Arc::new(MemoryStore::new());
     let idem = Idempotency::new(store);
-    let out = idem.process(&key("m-dyn"), 1u8, |_| async { Ok::<_, Declined>(1u8) }).await;
+    let out = idem
+        .process(&key("m-dyn"), 1u8, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
     assert_eq!(out.ok(), Some(Processed::Executed(1)));
 }
 
@@ -465,7 +558,9 @@ fn metrics_count_every_outcome() {
             let _ = idem.process(&key("c1"), 1u8, ok).await; // acquired
             let _ = idem.process(&key("c1"), 1u8, ok).await; // replayed
             let _ = idem.process(&key("c1"), 2u8, ok).await; // mismatch
-            let _ = store.acquire(&key("c2"), None, Duration::from_secs(60)).await;
+            let _ = store
+                .acquire(&key("c2"), None, Duration::from_secs(60))
+                .await;
             let _ = idem.process(&key("c2"), 1u8, ok).await; // in progress
             let c3 = key("c3");
             let zombie = idem.process(&c3, 1u8, |_| async {
@@ -493,9 +588,29 @@ fn metrics_count_every_outcome() {
             *acc.entry(name).or_default() += n;
             acc
         });
-    assert_eq!(counters.get("idem_acquired_total"), Some(&3), "{counters:?}");
-    assert_eq!(counters.get("idem_replayed_total"), Some(&1), "{counters:?}");
-    assert_eq!(counters.get("idem_mismatch_total"), Some(&1), "{counters:?}");
-    assert_eq!(counters.get("idem_in_progress_total"), Some(&1), "{counters:?}");
-    assert_eq!(counters.get("idem_lease_lost_total"), Some(&1), "{counters:?}");
+    assert_eq!(
+        counters.get("idem_acquired_total"),
+        Some(&3),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idem_replayed_total"),
+        Some(&1),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idem_mismatch_total"),
+        Some(&1),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idem_in_progress_total"),
+        Some(&1),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idem_lease_lost_total"),
+        Some(&1),
+        "{counters:?}"
+    );
 }

@@ -1,0 +1,465 @@
+//! The main job: an at-least-once broker delivers payment messages with
+//! duplicates, concurrent redeliveries, a consumer that crashes mid-handler
+//! and one that stalls past its lease, and idem makes every account be
+//! charged exactly once.
+//!
+//! ```text
+//! cargo run --example exactly_once
+//! cargo run --example exactly_once -- --messages 2000 --duplicates 4 --concurrency 64
+//! ```
+//!
+//! It prints a table of what happened and exits with status 1 if any
+//! account was charged other than once, or any replay differed from the
+//! recorded result.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use idem::{
+    Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
+    MemoryStore, Processed,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Backend {
+    /// In-process MemoryStore: no server needed.
+    Memory,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Simulates an at-least-once payment queue and checks exactly-once charging")]
+struct Args {
+    /// Where idempotency records live.
+    #[arg(long, value_enum, default_value = "memory")]
+    backend: Backend,
+    /// Distinct payment messages.
+    #[arg(long, default_value_t = 500)]
+    messages: usize,
+    /// Up to this many extra deliveries of each message (random, 0..=N).
+    #[arg(long, default_value_t = 3)]
+    duplicates: usize,
+    /// Concurrent consumers.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Seed of the delivery order.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+/// A payment message as the producer sent it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Payment {
+    message_id: String,
+    account: String,
+    amount_cents: u64,
+}
+
+/// What the charge handler returns; recorded and replayed to duplicates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    charge_id: u64,
+    account: String,
+    amount_cents: u64,
+    applied: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Fault {
+    /// The consumer dies while the handler runs, before the charge.
+    Crash,
+    /// The consumer stalls (a long GC pause, a frozen VM) past its lease
+    /// before the charge, then wakes up and carries on.
+    Stall,
+}
+
+#[derive(Debug, Clone)]
+struct Delivery {
+    message: usize,
+    fault: Option<Fault>,
+}
+
+/// An at-least-once queue: unacked deliveries come back after a delay.
+struct Broker {
+    queue: Mutex<VecDeque<Delivery>>,
+    notify: Notify,
+    unfinished: AtomicUsize,
+    redelivery_delay: Duration,
+}
+
+impl Broker {
+    fn new(deliveries: Vec<Delivery>) -> Arc<Self> {
+        Arc::new(Broker {
+            unfinished: AtomicUsize::new(deliveries.len()),
+            queue: Mutex::new(deliveries.into()),
+            notify: Notify::new(),
+            redelivery_delay: Duration::from_millis(20),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Delivery>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The next delivery, or `None` once every delivery was acked.
+    async fn next(&self) -> Option<Delivery> {
+        loop {
+            let notified = self.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(d) = self.lock().pop_front() {
+                return Some(d);
+            }
+            if self.unfinished.load(Ordering::SeqCst) == 0 {
+                return None;
+            }
+            notified.await;
+        }
+    }
+
+    fn ack(&self) {
+        if self.unfinished.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.notify.notify_waiters();
+        }
+    }
+
+    /// Not acked: the broker delivers it again later, without the fault.
+    fn nack(self: &Arc<Self>, delivery: Delivery) {
+        let broker = self.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(broker.redelivery_delay).await;
+            broker.lock().push_back(Delivery {
+                fault: None,
+                ..delivery
+            });
+            broker.notify.notify_one();
+        });
+    }
+}
+
+/// The payment provider. It takes the attempt number as a fencing number:
+/// a charge for a message with a lower attempt than one it already applied
+/// is refused. That is the only defence against a stalled worker that
+/// wakes up after its lease was taken over (see the README's guarantee).
+#[derive(Default)]
+struct Ledger {
+    charges: Mutex<HashMap<String, (u32, u32)>>, // account -> (charges, highest attempt)
+    next_charge_id: AtomicU64,
+    stale_refused: AtomicUsize,
+}
+
+impl Ledger {
+    async fn charge(&self, payment: &Payment, attempt: u32) -> Receipt {
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(1..=3))).await;
+        let mut charges = self.charges.lock().unwrap_or_else(|p| p.into_inner());
+        let entry = charges.entry(payment.account.clone()).or_insert((0, 0));
+        let applied = attempt >= entry.1;
+        if applied {
+            entry.0 += 1;
+            entry.1 = attempt;
+        } else {
+            self.stale_refused.fetch_add(1, Ordering::SeqCst);
+        }
+        Receipt {
+            charge_id: self.next_charge_id.fetch_add(1, Ordering::SeqCst),
+            account: payment.account.clone(),
+            amount_cents: payment.amount_cents,
+            applied,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Tally {
+    deliveries: AtomicUsize,
+    executions: AtomicUsize,
+    replays: AtomicUsize,
+    in_progress: AtomicUsize,
+    crashes: AtomicUsize,
+    takeovers: AtomicUsize,
+    fenced: AtomicUsize,
+    errors: AtomicUsize,
+    /// Signalled when a consumer took over a lease that ran out.
+    takeover_seen: Notify,
+    executed: Mutex<HashMap<usize, Receipt>>,
+    replayed: Mutex<Vec<(usize, Receipt)>>,
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "error".into()),
+        )
+        .init();
+    let args = Args::parse();
+    let store: Arc<dyn IdempotencyStore> = match args.backend {
+        Backend::Memory => Arc::new(MemoryStore::new()),
+    };
+    let ok = run(&args, store).await?;
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+async fn run(
+    args: &Args,
+    store: Arc<dyn IdempotencyStore>,
+) -> Result<bool, Box<dyn std::error::Error>> {
+    let messages = args.messages.max(2);
+    let scope_run = format!("{:08x}", fastrand::u32(..));
+    let payments: Arc<Vec<Payment>> = Arc::new(
+        (0..messages)
+            .map(|i| Payment {
+                message_id: format!("{scope_run}-{i}"),
+                account: format!("acct-{i:05}"),
+                amount_cents: 100 + (i as u64 * 37) % 9_900,
+            })
+            .collect(),
+    );
+
+    // Every message 1 + 0..=duplicates times, shuffled; message 0's first
+    // delivery crashes its consumer, message 1's stalls past its lease (it
+    // gets at least one duplicate, which takes it over).
+    let mut rng = fastrand::Rng::with_seed(args.seed);
+    let mut deliveries = Vec::new();
+    for message in 0..messages {
+        let extra = rng.usize(0..=args.duplicates) + usize::from(message == 1);
+        deliveries.extend((0..=extra).map(|_| Delivery {
+            message,
+            fault: None,
+        }));
+    }
+    rng.shuffle(&mut deliveries);
+    for (message, fault) in [(1, Fault::Stall), (0, Fault::Crash)] {
+        let at = deliveries
+            .iter()
+            .position(|d| d.message == message)
+            .ok_or("no delivery")?;
+        let mut d = deliveries.remove(at);
+        d.fault = Some(fault);
+        deliveries.insert(0, d);
+    }
+    let total_deliveries = deliveries.len();
+    let broker = Broker::new(deliveries);
+
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(10))
+        .retention(Duration::from_secs(3600))
+        .on_in_progress(InProgressPolicy::Reject);
+    // The stalled consumer runs with a short lease and no heartbeat: its
+    // process is frozen, so nothing renews the lease.
+    let frozen = Idempotency::from_arc(store)
+        .lease(Duration::from_millis(200))
+        .retention(Duration::from_secs(3600))
+        .heartbeat(false);
+
+    let ledger = Arc::new(Ledger::default());
+    let tally = Arc::new(Tally::default());
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..args.concurrency.max(1) {
+        let (broker, idem, frozen) = (broker.clone(), idem.clone(), frozen.clone());
+        let (payments, ledger, tally) = (payments.clone(), ledger.clone(), tally.clone());
+        workers.push(tokio::spawn(async move {
+            while let Some(delivery) = broker.next().await {
+                tally.deliveries.fetch_add(1, Ordering::SeqCst);
+                let payment = payments[delivery.message].clone();
+                let key = IdempotencyKey::new("payments.charge", payment.message_id.clone())
+                    .unwrap_or_else(|e| panic!("message ids are valid keys: {e}"));
+                let fingerprint = Fingerprint::of(&payment).ok();
+
+                let outcome = match delivery.fault {
+                    Some(Fault::Crash) => {
+                        crash_mid_handler(&idem, key, fingerprint).await;
+                        tally.crashes.fetch_add(1, Ordering::SeqCst);
+                        broker.nack(delivery);
+                        continue;
+                    }
+                    Some(Fault::Stall) => {
+                        let (ledger, tally) = (ledger.clone(), tally.clone());
+                        frozen
+                            .process_with(&key, fingerprint, |ctx| async move {
+                                // Frozen until another consumer has taken the
+                                // message over (at most 10 s).
+                                let _ = tokio::time::timeout(
+                                    Duration::from_secs(10),
+                                    tally.takeover_seen.notified(),
+                                )
+                                .await;
+                                Ok::<_, std::convert::Infallible>(
+                                    ledger.charge(&payment, ctx.attempt).await,
+                                )
+                            })
+                            .await
+                    }
+                    None => {
+                        let (ledger, tally) = (ledger.clone(), tally.clone());
+                        idem.process_with(&key, fingerprint, |ctx| async move {
+                            let receipt = ledger.charge(&payment, ctx.attempt).await;
+                            if ctx.attempt > 1 {
+                                tally.takeovers.fetch_add(1, Ordering::SeqCst);
+                                tally.takeover_seen.notify_one();
+                            }
+                            Ok::<_, std::convert::Infallible>(receipt)
+                        })
+                        .await
+                    }
+                };
+                match outcome {
+                    Ok(Processed::Executed(receipt)) => {
+                        tally.executions.fetch_add(1, Ordering::SeqCst);
+                        lock(&tally.executed).insert(delivery.message, receipt);
+                        broker.ack();
+                    }
+                    Ok(Processed::Replayed(receipt)) => {
+                        tally.replays.fetch_add(1, Ordering::SeqCst);
+                        lock(&tally.replayed).push((delivery.message, receipt));
+                        broker.ack();
+                    }
+                    Err(IdemError::InProgress { .. }) => {
+                        tally.in_progress.fetch_add(1, Ordering::SeqCst);
+                        broker.nack(delivery);
+                    }
+                    Err(IdemError::LeaseLost) => {
+                        // Another consumer owns the message now and records
+                        // its result: ack ours.
+                        tally.fenced.fetch_add(1, Ordering::SeqCst);
+                        broker.ack();
+                    }
+                    Err(e) => {
+                        eprintln!("delivery of message {} failed: {e}", delivery.message);
+                        tally.errors.fetch_add(1, Ordering::SeqCst);
+                        broker.nack(delivery);
+                    }
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await?;
+    }
+    let elapsed = started.elapsed();
+
+    let charges = lock(&ledger.charges);
+    let executed = lock(&tally.executed);
+    let wrong_accounts: Vec<_> = payments
+        .iter()
+        .filter(|p| charges.get(&p.account).map(|c| c.0) != Some(1))
+        .map(|p| p.account.clone())
+        .collect();
+    let wrong_replays = lock(&tally.replayed)
+        .iter()
+        .filter(|(m, r)| executed.get(m) != Some(r))
+        .count();
+
+    let n = |a: &AtomicUsize| a.load(Ordering::SeqCst);
+    println!("idem exactly-once check");
+    println!(
+        "  {:<38}{}",
+        "backend",
+        format!("{:?}", args.backend).to_lowercase()
+    );
+    println!("  {:<38}{}", "messages", messages);
+    println!(
+        "  {:<38}{} ({} planned, plus redeliveries)",
+        "deliveries",
+        n(&tally.deliveries),
+        total_deliveries
+    );
+    println!(
+        "  {:<38}{}",
+        "concurrent consumers",
+        args.concurrency.max(1)
+    );
+    println!(
+        "  {:<38}{}",
+        "executions (handler ran and recorded)",
+        n(&tally.executions)
+    );
+    println!(
+        "  {:<38}{}",
+        "replays (recorded result returned)",
+        n(&tally.replays)
+    );
+    println!(
+        "  {:<38}{}",
+        "in-progress rejections (redelivered)",
+        n(&tally.in_progress)
+    );
+    println!(
+        "  {:<38}{}",
+        "consumer crashes mid-handler",
+        n(&tally.crashes)
+    );
+    println!(
+        "  {:<38}{}",
+        "takeovers after a lease ran out",
+        n(&tally.takeovers)
+    );
+    println!(
+        "  {:<38}{}",
+        "fenced completions (LeaseLost)",
+        n(&tally.fenced)
+    );
+    println!(
+        "  {:<38}{}",
+        "stale charges refused by the ledger",
+        n(&ledger.stale_refused)
+    );
+    println!("  {:<38}{}", "other errors", n(&tally.errors));
+    println!("  {:<38}{:.2} s", "elapsed", elapsed.as_secs_f64());
+
+    // The faults must have happened, or the run proved less than it says.
+    let faults_seen = n(&tally.crashes) == 1 && n(&tally.takeovers) >= 1 && n(&tally.fenced) >= 1;
+    let ok = wrong_accounts.is_empty()
+        && wrong_replays == 0
+        && n(&tally.executions) == messages
+        && n(&tally.errors) == 0
+        && faults_seen;
+    if ok {
+        println!(
+            "check: PASS: each of the {messages} accounts was charged exactly once, every replay returned the recorded receipt, and the crash, the takeover and the fenced completion all happened"
+        );
+    } else {
+        println!(
+            "check: FAIL: {} accounts not charged exactly once (first: {:?}), {wrong_replays} replays differ, {} executions for {messages} messages, faults seen: {faults_seen}",
+            wrong_accounts.len(),
+            wrong_accounts.first(),
+            n(&tally.executions)
+        );
+    }
+    Ok(ok)
+}
+
+/// Starts the handler in a task and kills the task once the handler has
+/// started, as a consumer process dying would. idem releases the key, so
+/// the redelivery runs the handler.
+async fn crash_mid_handler<S: IdempotencyStore + ?Sized>(
+    idem: &Idempotency<S>,
+    key: IdempotencyKey,
+    fingerprint: Option<Fingerprint>,
+) {
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let idem = idem.clone();
+    let task = tokio::spawn(async move {
+        idem.process_with(&key, fingerprint, |_| async move {
+            let _ = started_tx.send(());
+            std::future::pending::<Result<Receipt, std::convert::Infallible>>().await
+        })
+        .await
+    });
+    let _ = started_rx.await;
+    task.abort();
+    let _ = task.await;
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
