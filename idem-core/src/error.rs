@@ -119,6 +119,14 @@ pub enum StoreError {
         /// The configured limit.
         max_records: usize,
     },
+    /// The response is larger than the store accepts. Not retryable.
+    #[error("response of {size} bytes is larger than the store's limit of {limit} bytes")]
+    ResponseTooLarge {
+        /// The response's size in bytes.
+        size: usize,
+        /// The store's limit in bytes.
+        limit: usize,
+    },
     /// Any other backend failure (a query error, a script error). Not
     /// retryable as such.
     #[error("idempotency store error: {0}")]

@@ -54,6 +54,6 @@ pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{
     Acquisition, CompletedRecord, Lease, LeaseToken, Record, RecordState, IN_PROGRESS_GRACE,
 };
-pub use store::IdempotencyStore;
+pub use store::{purge_periodically, IdempotencyStore};
 
 pub use async_trait::async_trait;

@@ -28,6 +28,39 @@ impl LeaseToken {
         LeaseToken(value)
     }
 
+    /// A random 128-bit token from the operating system's generator, for
+    /// stores that make tokens on the client (no shared counter, so no hot
+    /// key and nothing cross-slot in a cluster).
+    pub fn random() -> Self {
+        let mut bytes = [0u8; 16];
+        if getrandom::fill(&mut bytes).is_err() {
+            // The OS generator is unavailable (practically never on Linux):
+            // fall back to a time- and counter-derived value, still unique
+            // within this process.
+            use std::sync::atomic::{AtomicU64, Ordering};
+            static FALLBACK: AtomicU64 = AtomicU64::new(0);
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or_default();
+            let n = u128::from(FALLBACK.fetch_add(1, Ordering::Relaxed));
+            return LeaseToken((nanos << 64) ^ n ^ u128::from(std::process::id()) << 32);
+        }
+        LeaseToken(u128::from_be_bytes(bytes))
+    }
+
+    /// The 16 big-endian bytes that stores persist.
+    pub const fn to_bytes(&self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// Reads the 16-byte form; `None` for any other length.
+    pub fn from_slice(bytes: &[u8]) -> Option<Self> {
+        <[u8; 16]>::try_from(bytes)
+            .ok()
+            .map(|b| LeaseToken(u128::from_be_bytes(b)))
+    }
+
     /// The token value.
     pub const fn as_u128(&self) -> u128 {
         self.0

@@ -118,3 +118,53 @@ macro_rules! forward_store {
 
 forward_store!(Arc<S>);
 forward_store!(Box<S>);
+
+/// Runs `store.purge_expired(batch)` every `every` on a tokio task, until
+/// the returned handle is aborted or dropped with the runtime. Each tick
+/// purges batches until one comes back short, so a backlog drains without
+/// one long delete. Errors are logged and the next tick tries again.
+///
+/// ```no_run
+/// # async fn demo() {
+/// use std::{sync::Arc, time::Duration};
+/// use idem_core::{purge_periodically, MemoryStore};
+///
+/// let store = Arc::new(MemoryStore::new());
+/// let purger = purge_periodically(store.clone(), Duration::from_secs(60), 1_000);
+/// // ... on shutdown:
+/// purger.abort();
+/// # }
+/// ```
+pub fn purge_periodically<S>(
+    store: Arc<S>,
+    every: Duration,
+    batch: usize,
+) -> tokio::task::JoinHandle<()>
+where
+    S: IdempotencyStore + ?Sized,
+{
+    let batch = batch.max(1);
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            ticks.tick().await;
+            loop {
+                match store.purge_expired(batch).await {
+                    Ok(n) => {
+                        if n > 0 {
+                            tracing::debug!(purged = n, "purged expired idempotency records");
+                        }
+                        if (n as usize) < batch {
+                            break;
+                        }
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "purging expired idempotency records failed");
+                        break;
+                    }
+                }
+            }
+        }
+    })
+}

@@ -1,8 +1,778 @@
-//! PostgreSQL backend for idem (sqlx), with an in-transaction mode.
+//! PostgreSQL store for [idem](https://docs.rs/idem), on sqlx.
 //!
-//! Not built yet: this crate is a placeholder so that the workspace layout
-//! and the facade feature `postgres` exist from the start. The store lands
-//! with the idem-postgres issue; until then use [`idem_core::MemoryStore`].
+//! [`PgStore`] keeps one row per idempotency key in a table
+//! (`public.idem_records` by default; schema and name configurable) with the
+//! primary key `(scope, key)`, so the table can be hash-partitioned or
+//! distributed by key. Every [`IdempotencyStore`] operation is one SQL
+//! statement, one round trip: `acquire` inserts a fresh key, takes over a
+//! key whose lease is over, or returns the stored state (completed response,
+//! in-progress deadline or mismatch) in the same statement. Time is the
+//! server's (`clock_timestamp()`), never the client's.
+//!
+//! ```no_run
+//! use idem_core::{Idempotency, IdempotencyKey};
+//! use idem_postgres::PgStore;
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::postgres::PgPoolOptions::new()
+//!     .max_connections(16)
+//!     .connect("postgres://app@127.0.0.1/app")
+//!     .await?;
+//! let store = PgStore::new(pool);
+//! store.migrate().await?; // safe from several processes at once
+//! let idem = Idempotency::new(store);
+//! let key = IdempotencyKey::new("orders.create", "client-key-1")?;
+//! let out = idem.process(&key, 42u32, |n| async move { Ok::<_, std::io::Error>(n) }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! The **in-transaction mode** ([`PgStore::in_transaction`]) goes further:
+//! the reservation, your business writes and the completion share your
+//! `sqlx::Transaction`, so they commit or roll back together.
+//!
+//! Expired rows are invisible but stay until deleted: run
+//! [`purge_periodically`](idem_core::purge_periodically) (or call
+//! `purge_expired`) to delete them in bounded batches.
 #![deny(missing_docs)]
 
-pub use idem_core::IdempotencyStore;
+mod in_tx;
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
+    Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+};
+use sqlx::postgres::{PgPool, PgRow};
+use sqlx::{AssertSqlSafe, PgConnection, Row};
+
+pub use idem_core;
+pub use in_tx::{Claim, InTransaction, TxLease};
+
+/// The migrations, in order: `(version, description, SQL template)`. The
+/// templates name the table `{{table}}` and its index `{{index}}`;
+/// [`PgStore::migrations`] fills them in for your configuration.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "create records table",
+    include_str!("../migrations/0001_create_records.sql"),
+)];
+
+/// How many times `acquire` re-runs its statement when a concurrent commit
+/// was not visible to it (READ COMMITTED takes a new snapshot each time).
+const ACQUIRE_TRIES: usize = 16;
+/// Rows deleted per statement by `purge_expired`.
+const PURGE_BATCH: usize = 1_000;
+
+/// A configuration error: an identifier PostgreSQL would not take as is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// Schema and table names must be 1 to 40 characters of `[a-z0-9_]`,
+    /// not starting with a digit (40, so the index name fits in 63).
+    #[error("invalid {what} name {name:?}: use 1 to 40 characters of [a-z0-9_], not starting with a digit")]
+    InvalidIdentifier {
+        /// `"schema"` or `"table"`.
+        what: &'static str,
+        /// The name given.
+        name: String,
+    },
+}
+
+/// The records table does not exist: run [`PgStore::migrate`] first. Comes
+/// as the source of [`StoreError::Backend`].
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "table {table} does not exist: run PgStore::migrate() (or apply PgStore::migrations()) first"
+)]
+pub struct MissingTable {
+    /// The schema-qualified table name.
+    pub table: String,
+    #[source]
+    source: sqlx::Error,
+}
+
+/// A call that did not finish within the store's `call_timeout`. Comes as
+/// the source of [`StoreError::Unavailable`].
+#[derive(Debug, thiserror::Error)]
+#[error("PostgreSQL did not answer within {0:?}")]
+pub struct CallTimeout(pub Duration);
+
+/// A [`PgStore`] under construction.
+#[derive(Debug, Clone)]
+pub struct PgStoreBuilder {
+    pool: PgPool,
+    schema: String,
+    table: String,
+    call_timeout: Duration,
+    max_response_bytes: usize,
+}
+
+impl PgStoreBuilder {
+    /// The schema of the table (default `public`); `migrate` creates it if
+    /// missing.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The table name (default `idem_records`).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The longest a store call may take, waiting for a pooled connection
+    /// included, before it fails with [`StoreError::Unavailable`]. Default
+    /// 10 s.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// The largest response `complete` accepts (default 64 MiB); larger
+    /// ones get [`StoreError::ResponseTooLarge`] before anything is sent.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.max_response_bytes = max;
+        self
+    }
+
+    /// Validates the names and builds the store.
+    pub fn build(self) -> Result<PgStore, ConfigError> {
+        validate_identifier("schema", &self.schema)?;
+        validate_identifier("table", &self.table)?;
+        let qualified = format!("\"{}\".\"{}\"", self.schema, self.table);
+        let render = |template: &str| Arc::<str>::from(template.replace("{{table}}", &qualified));
+        let sql = Statements {
+            acquire: render(include_str!("../sql/acquire.sql")),
+            complete: render(include_str!("../sql/complete.sql")),
+            release: render(include_str!("../sql/release.sql")),
+            extend: render(include_str!("../sql/extend.sql")),
+            get: render(include_str!("../sql/get.sql")),
+            delete: render(include_str!("../sql/delete.sql")),
+            purge: render(include_str!("../sql/purge.sql")),
+        };
+        Ok(PgStore {
+            inner: Arc::new(Inner {
+                pool: self.pool,
+                schema: self.schema,
+                table: self.table,
+                qualified,
+                sql,
+                call_timeout: self.call_timeout,
+                max_response_bytes: self.max_response_bytes,
+            }),
+        })
+    }
+}
+
+fn validate_identifier(what: &'static str, name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 40
+        && !name.as_bytes()[0].is_ascii_digit()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::InvalidIdentifier {
+            what,
+            name: name.to_owned(),
+        })
+    }
+}
+
+/// The PostgreSQL [`IdempotencyStore`]. Cloning is cheap and shares the
+/// pool.
+#[derive(Clone)]
+pub struct PgStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    schema: String,
+    table: String,
+    qualified: String,
+    sql: Statements,
+    call_timeout: Duration,
+    max_response_bytes: usize,
+}
+
+/// The statements, rendered once for the configured table. Only validated
+/// identifiers are interpolated; every value is a bind parameter.
+struct Statements {
+    acquire: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
+    extend: Arc<str>,
+    get: Arc<str>,
+    delete: Arc<str>,
+    purge: Arc<str>,
+}
+
+/// Marks SQL built from validated identifiers as safe for sqlx.
+fn sql(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
+    AssertSqlSafe(text.clone())
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.inner.qualified)
+            .field("call_timeout", &self.inner.call_timeout)
+            .finish()
+    }
+}
+
+impl PgStore {
+    /// A store on `public.idem_records` with the default settings.
+    pub fn new(pool: PgPool) -> Self {
+        match Self::builder(pool).build() {
+            Ok(store) => store,
+            // The defaults are valid identifiers.
+            Err(e) => unreachable!("default configuration rejected: {e}"),
+        }
+    }
+
+    /// A builder for the schema, table name and limits.
+    pub fn builder(pool: PgPool) -> PgStoreBuilder {
+        PgStoreBuilder {
+            pool,
+            schema: "public".to_owned(),
+            table: "idem_records".to_owned(),
+            call_timeout: Duration::from_secs(10),
+            max_response_bytes: 64 << 20,
+        }
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The schema-qualified, quoted table name.
+    pub fn table(&self) -> &str {
+        &self.inner.qualified
+    }
+
+    /// The migrations for this store's table, in order, as SQL ready to
+    /// run, for teams that apply migrations with their own tool.
+    pub fn migrations(&self) -> Vec<(i32, String)> {
+        let index = format!("\"{}_expires_at_idx\"", self.inner.table);
+        MIGRATIONS
+            .iter()
+            .map(|(version, _, sql)| {
+                (
+                    *version,
+                    sql.replace("{{table}}", &self.inner.qualified)
+                        .replace("{{index}}", &index),
+                )
+            })
+            .collect()
+    }
+
+    /// Creates the schema (if missing), the table and its index, applying
+    /// each migration once; the versions applied are kept in
+    /// `<table>_migrations`. Safe to run from several processes at once: a
+    /// transaction-scoped advisory lock serializes them.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let mut tx = inner.pool.begin().await.map_err(|e| self.error(e))?;
+        let lock_name = format!("idem.migrate:{}", inner.qualified);
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)::int8)")
+            .bind(&lock_name)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.error(e))?;
+        let schema_exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                .bind(&inner.schema)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(|e| self.error(e))?;
+        if !schema_exists {
+            sqlx::raw_sql(AssertSqlSafe(format!("CREATE SCHEMA \"{}\"", inner.schema)))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.error(e))?;
+        }
+        let versions = format!("\"{}\".\"{}_migrations\"", inner.schema, inner.table);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (
+                 version integer PRIMARY KEY,
+                 description text NOT NULL,
+                 applied_at timestamptz NOT NULL DEFAULT now())"
+        )))
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| self.error(e))?;
+        let applied: i32 = sqlx::query_scalar(AssertSqlSafe(format!(
+            "SELECT coalesce(max(version), 0) FROM {versions}"
+        )))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(|e| self.error(e))?;
+        for ((version, sql), (_, description, _)) in self.migrations().into_iter().zip(MIGRATIONS) {
+            if version <= applied {
+                continue;
+            }
+            sqlx::raw_sql(AssertSqlSafe(sql))
+                .execute(&mut *tx)
+                .await
+                .map_err(|e| self.error(e))?;
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO {versions} (version, description) VALUES ($1, $2)"
+            )))
+            .bind(version)
+            .bind(*description)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.error(e))?;
+            tracing::info!(table = %inner.qualified, version, "applied idem migration");
+        }
+        tx.commit().await.map_err(|e| self.error(e))
+    }
+
+    /// The in-transaction mode: reserve, write and complete inside your own
+    /// transaction. See [`InTransaction`].
+    pub fn in_transaction(&self) -> InTransaction {
+        InTransaction::new(self.clone())
+    }
+
+    /// Maps a sqlx error to the store's error, keeping the source.
+    fn error(&self, e: sqlx::Error) -> StoreError {
+        map_error(e, &self.inner.qualified)
+    }
+
+    async fn timed<T, F>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        match tokio::time::timeout(self.inner.call_timeout, call).await {
+            Ok(result) => result,
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(
+                self.inner.call_timeout,
+            )))),
+        }
+    }
+
+    /// The acquire statement on one connection, re-run while a concurrent
+    /// commit was invisible to it.
+    pub(crate) async fn acquire_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        let lease_us = micros(lease);
+        let grace_us = micros(IN_PROGRESS_GRACE);
+        let fp = fingerprint.map(|f| f.as_bytes().as_slice());
+        for _ in 0..ACQUIRE_TRIES {
+            let token = LeaseToken::random();
+            let token_bytes = token.to_bytes();
+            let row = sqlx::query(sql(&self.inner.sql.acquire))
+                .bind(key.scope())
+                .bind(key.id())
+                .bind(fp)
+                .bind(token_bytes.as_slice())
+                .bind(lease_us)
+                .bind(grace_us)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(|e| self.error(e))?;
+            let Some(row) = row else {
+                continue;
+            };
+            if let Some(outcome) = decode_acquire(&row, key, token, fingerprint)? {
+                return Ok(outcome);
+            }
+        }
+        Err(StoreError::Unavailable(
+            format!(
+                "acquire of {key} saw the record change {ACQUIRE_TRIES} times in a row; try again"
+            )
+            .into(),
+        ))
+    }
+
+    pub(crate) async fn complete_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        if response.len() > self.inner.max_response_bytes {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.inner.max_response_bytes,
+            });
+        }
+        let token = lease.token.to_bytes();
+        let done = sqlx::query(sql(&self.inner.sql.complete))
+            .bind(lease.key.scope())
+            .bind(lease.key.id())
+            .bind(token.as_slice())
+            .bind(response)
+            .bind(micros(retention))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost)
+        }
+    }
+
+    pub(crate) async fn release_on(
+        &self,
+        conn: &mut PgConnection,
+        lease: &Lease,
+    ) -> Result<(), StoreError> {
+        let token = lease.token.to_bytes();
+        let done = sqlx::query(sql(&self.inner.sql.release))
+            .bind(lease.key.scope())
+            .bind(lease.key.id())
+            .bind(token.as_slice())
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.error(e))?;
+        if done.rows_affected() == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost)
+        }
+    }
+
+    async fn connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
+        self.inner.pool.acquire().await.map_err(|e| self.error(e))
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for PgStore {
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.timed(async {
+            let mut conn = self.connection().await?;
+            self.acquire_on(&mut conn, key, fingerprint, lease).await
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.timed(async {
+            let mut conn = self.connection().await?;
+            self.complete_on(&mut conn, lease, response, retention)
+                .await
+        })
+        .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.timed(async {
+            let mut conn = self.connection().await?;
+            self.release_on(&mut conn, lease).await
+        })
+        .await
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.timed(async {
+            let token = lease.token.to_bytes();
+            let row = sqlx::query(sql(&self.inner.sql.extend))
+                .bind(lease.key.scope())
+                .bind(lease.key.id())
+                .bind(token.as_slice())
+                .bind(micros(lease_for))
+                .bind(micros(IN_PROGRESS_GRACE))
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(|e| self.error(e))?;
+            let Some(row) = row else {
+                return Err(StoreError::LeaseLost);
+            };
+            let key = &lease.key;
+            let attempt = attempt_of(column(&row, 0, key)?, key)?;
+            let until = time_of(column(&row, 1, key)?, key, "lease_until")?;
+            Ok(Lease::new(key.clone(), lease.token, attempt, until))
+        })
+        .await
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.timed(async {
+            let row = sqlx::query(sql(&self.inner.sql.get))
+                .bind(key.scope())
+                .bind(key.id())
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(|e| self.error(e))?;
+            match row {
+                Some(row) => decode_record(&row, key),
+                None => Ok(None),
+            }
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.timed(async {
+            let live: Option<bool> = sqlx::query_scalar(sql(&self.inner.sql.delete))
+                .bind(key.scope())
+                .bind(key.id())
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(|e| self.error(e))?;
+            Ok(live.unwrap_or(false))
+        })
+        .await
+    }
+
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        let mut purged = 0u64;
+        while (purged as usize) < max {
+            let batch = (max - purged as usize).min(PURGE_BATCH);
+            let done = self
+                .timed(async {
+                    let mut conn = self.connection().await?;
+                    sqlx::query(sql(&self.inner.sql.purge))
+                        .bind(batch as i64)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(|e| self.error(e))
+                })
+                .await?;
+            purged += done.rows_affected();
+            if (done.rows_affected() as usize) < batch {
+                break;
+            }
+        }
+        Ok(purged)
+    }
+}
+
+fn map_error(e: sqlx::Error, table: &str) -> StoreError {
+    match &e {
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(e)),
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            // 08: connection exceptions; 57P01-03: server shutting down or
+            // starting; 53300: too many connections; 40001/40P01: a
+            // serialization failure or deadlock, which a retry resolves.
+            if code.starts_with("08")
+                || matches!(
+                    code.as_str(),
+                    "57P01" | "57P02" | "57P03" | "53300" | "40001" | "40P01"
+                )
+            {
+                StoreError::Unavailable(Box::new(e))
+            } else if code == "42P01" {
+                StoreError::Backend(Box::new(MissingTable {
+                    table: table.to_owned(),
+                    source: e,
+                }))
+            } else {
+                StoreError::Backend(Box::new(e))
+            }
+        }
+        _ => StoreError::Backend(Box::new(e)),
+    }
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 2)
+}
+
+fn corrupt(key: &IdempotencyKey, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        key: key.clone(),
+        detail: detail.into(),
+    }
+}
+
+fn column<'r, T>(row: &'r PgRow, index: usize, key: &IdempotencyKey) -> Result<T, StoreError>
+where
+    T: sqlx::Decode<'r, sqlx::Postgres> + sqlx::Type<sqlx::Postgres>,
+{
+    row.try_get(index)
+        .map_err(|e| corrupt(key, format!("column {index} does not decode: {e}")))
+}
+
+fn time_of(us: Option<i64>, key: &IdempotencyKey, what: &str) -> Result<SystemTime, StoreError> {
+    match us {
+        Some(us) if us >= 0 => Ok(UNIX_EPOCH + Duration::from_micros(us as u64)),
+        Some(us) => Err(corrupt(key, format!("{what} is before 1970 ({us} µs)"))),
+        None => Err(corrupt(key, format!("{what} is missing"))),
+    }
+}
+
+fn attempt_of(attempt: i32, key: &IdempotencyKey) -> Result<u32, StoreError> {
+    u32::try_from(attempt)
+        .ok()
+        .filter(|a| *a > 0)
+        .ok_or_else(|| corrupt(key, format!("attempt {attempt} is not positive")))
+}
+
+fn fingerprint_of(
+    bytes: Option<Vec<u8>>,
+    key: &IdempotencyKey,
+) -> Result<Option<Fingerprint>, StoreError> {
+    match bytes {
+        None => Ok(None),
+        Some(b) => Fingerprint::from_slice(&b)
+            .map(Some)
+            .ok_or_else(|| corrupt(key, format!("fingerprint is {} bytes, not 32", b.len()))),
+    }
+}
+
+fn status_of(status: i16, key: &IdempotencyKey) -> Result<i16, StoreError> {
+    if matches!(status, 1 | 2) {
+        Ok(status)
+    } else {
+        Err(corrupt(key, format!("unknown status {status}")))
+    }
+}
+
+/// Decodes the acquire statement's row; `None` means the row was a stale
+/// view (see acquire.sql) and the statement must run again.
+fn decode_acquire(
+    row: &PgRow,
+    key: &IdempotencyKey,
+    token: LeaseToken,
+    given: Option<&Fingerprint>,
+) -> Result<Option<Acquisition>, StoreError> {
+    let acquired: bool = column(row, 0, key)?;
+    let attempt = attempt_of(column(row, 3, key)?, key)?;
+    let lease_until: Option<i64> = column(row, 4, key)?;
+    if acquired {
+        let until = time_of(lease_until, key, "lease_until")?;
+        return Ok(Some(Acquisition::Acquired(Lease::new(
+            key.clone(),
+            token,
+            attempt,
+            until,
+        ))));
+    }
+    let status = status_of(column(row, 1, key)?, key)?;
+    let stored = fingerprint_of(column(row, 2, key)?, key)?;
+    let expires = time_of(column(row, 7, key)?, key, "expires_at")?;
+    let now = time_of(column(row, 8, key)?, key, "clock")?;
+    if expires <= now {
+        return Ok(None);
+    }
+    if let (Some(stored), Some(given)) = (stored, given) {
+        if stored != *given {
+            return Ok(Some(Acquisition::Mismatch));
+        }
+    }
+    if status == 2 {
+        let response: Option<Vec<u8>> = column(row, 5, key)?;
+        let response = response.ok_or_else(|| corrupt(key, "completed without a response"))?;
+        let completed = time_of(column(row, 6, key)?, key, "completed_at")?;
+        return Ok(Some(Acquisition::Completed(CompletedRecord::new(
+            key.clone(),
+            Bytes::from(response),
+            stored,
+            attempt,
+            completed,
+            expires,
+        ))));
+    }
+    let until = time_of(lease_until, key, "lease_until")?;
+    match until.duration_since(now) {
+        Ok(left) if !left.is_zero() => Ok(Some(Acquisition::InProgress {
+            lease_expires_at: until,
+            retry_after: left,
+            attempt,
+        })),
+        // The lease is over, yet the takeover did not happen: a newer
+        // version of the row exists that this snapshot did not see.
+        _ => Ok(None),
+    }
+}
+
+fn decode_record(row: &PgRow, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+    let status = status_of(column(row, 0, key)?, key)?;
+    let fingerprint = fingerprint_of(column(row, 1, key)?, key)?;
+    let token_bytes: Vec<u8> = column(row, 2, key)?;
+    let token = LeaseToken::from_slice(&token_bytes)
+        .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", token_bytes.len())))?;
+    let attempt = attempt_of(column(row, 3, key)?, key)?;
+    let created = time_of(column(row, 6, key)?, key, "created_at")?;
+    let expires = time_of(column(row, 8, key)?, key, "expires_at")?;
+    let now = time_of(column(row, 9, key)?, key, "clock")?;
+    if expires <= now {
+        return Ok(None);
+    }
+    let state = if status == 2 {
+        let response: Option<Vec<u8>> = column(row, 5, key)?;
+        RecordState::Completed {
+            response: Bytes::from(
+                response.ok_or_else(|| corrupt(key, "completed without a response"))?,
+            ),
+            completed_at: time_of(column(row, 7, key)?, key, "completed_at")?,
+        }
+    } else {
+        RecordState::InProgress {
+            lease_expires_at: time_of(column(row, 4, key)?, key, "lease_until")?,
+        }
+    };
+    Ok(Some(Record::new(
+        key.clone(),
+        state,
+        fingerprint,
+        token,
+        attempt,
+        created,
+        expires,
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifiers_are_validated() {
+        assert!(validate_identifier("table", "idem_records").is_ok());
+        assert!(validate_identifier("table", "t1").is_ok());
+        for bad in [
+            "",
+            "1abc",
+            "Idem",
+            "a-b",
+            "a\"b",
+            "x; drop table y",
+            &"a".repeat(41),
+        ] {
+            assert!(
+                matches!(
+                    validate_identifier("table", bad),
+                    Err(ConfigError::InvalidIdentifier { what: "table", .. })
+                ),
+                "{bad:?} accepted"
+            );
+        }
+    }
+}

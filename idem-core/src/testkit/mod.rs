@@ -856,14 +856,33 @@ pub async fn large_response<H: Harness>(h: &H) {
 /// replay of that execution's value.
 pub async fn concurrent_storm<H: Harness>(h: &H) {
     let settings = h.settings();
-    let (tasks, key_count) = (settings.storm_tasks, settings.storm_keys);
-    let idem = Idempotency::new(h.store().await)
+    let idem = storm_executor(h.store().await);
+    storm(&[idem], settings.storm_tasks, settings.storm_keys).await;
+}
+
+/// The executor settings the storm uses: a long lease, and waiting (with
+/// short polls) for keys another task is running.
+pub fn storm_executor<S: IdempotencyStore>(store: S) -> Idempotency<S> {
+    Idempotency::new(store)
         .lease(LONG)
         .retention(DAY)
         .on_in_progress(InProgressPolicy::Wait {
             max_wait: Duration::from_secs(60),
             poll: Duration::from_millis(2),
-        });
+        })
+}
+
+/// Runs the storm over several executors (say one per connection pool, as
+/// separate processes would have): `tasks` tasks, spread round-robin over
+/// `executors`, each deliver all `key_count` keys in their own random order.
+/// Panics unless every key ran exactly once and every other call replayed
+/// that run's value. Returns the number of calls made.
+pub async fn storm<S: IdempotencyStore + ?Sized>(
+    executors: &[Idempotency<S>],
+    tasks: usize,
+    key_count: usize,
+) -> usize {
+    assert!(!executors.is_empty(), "storm needs at least one executor");
     let run = format!("{:016x}", fastrand::u64(..));
     let keys: Arc<Vec<IdempotencyKey>> = Arc::new(
         (0..key_count)
@@ -880,7 +899,7 @@ pub async fn concurrent_storm<H: Harness>(h: &H) {
 
     let mut handles = Vec::with_capacity(tasks);
     for t in 0..tasks {
-        let idem = idem.clone();
+        let idem = executors[t % executors.len()].clone();
         let keys = keys.clone();
         let executions = executions.clone();
         handles.push(tokio::spawn(async move {
@@ -942,4 +961,5 @@ pub async fn concurrent_storm<H: Harness>(h: &H) {
             "key {i}: replay differs from the execution"
         );
     }
+    tasks * key_count
 }

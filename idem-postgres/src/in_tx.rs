@@ -1,0 +1,213 @@
+//! The in-transaction mode.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    Acquisition, Codec, CodecError, Fingerprint, IdemError, IdempotencyKey, JsonCodec, Lease,
+    StoreError,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sqlx::{Postgres, Transaction};
+
+use crate::PgStore;
+
+/// Idempotency inside your own transaction: the reservation, your business
+/// writes and the completion commit or roll back together.
+///
+/// [`claim`](Self::claim) reserves the key in your transaction. A fresh key
+/// gives [`Claim::Acquired`]: do your writes on the same transaction, then
+/// [`TxLease::complete`] records the response, then commit. A completed key
+/// gives [`Claim::Replayed`] with the recorded response. A duplicate that
+/// claims while the first transaction is open **waits** for it (on the
+/// unique index), then replays its response if it committed, or acquires
+/// and runs if it rolled back. A crash rolls everything back, so no lease is
+/// needed and none is held: the record is invisible to others until commit.
+///
+/// ```no_run
+/// use idem_core::IdempotencyKey;
+/// use idem_postgres::{Claim, PgStore};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct Payment { order_id: i64, amount_cents: i64 }
+/// #[derive(Serialize, Deserialize)]
+/// struct Receipt { payment_id: i64 }
+///
+/// # async fn pay(pool: sqlx::PgPool, store: PgStore, payment: Payment) -> Result<Receipt, Box<dyn std::error::Error>> {
+/// let key = IdempotencyKey::new("payments.charge", format!("order-{}", payment.order_id))?;
+/// let mut tx = pool.begin().await?;
+/// match store.in_transaction().claim::<_, Receipt>(&mut tx, &key, &payment).await? {
+///     Claim::Replayed(receipt) => Ok(receipt), // tx dropped: rolled back, nothing written
+///     Claim::Acquired(lease) => {
+///         let payment_id: i64 = sqlx::query_scalar(
+///             "INSERT INTO payments (order_id, amount_cents) VALUES ($1, $2) RETURNING id",
+///         )
+///         .bind(payment.order_id)
+///         .bind(payment.amount_cents)
+///         .fetch_one(&mut *tx)
+///         .await?;
+///         let receipt = Receipt { payment_id };
+///         lease.complete(&mut tx, &receipt).await?;
+///         tx.commit().await?; // the payment row and the idem record, together
+///         Ok(receipt)
+///     }
+/// }
+/// # }
+/// ```
+///
+/// Run it at the default READ COMMITTED isolation: under REPEATABLE READ or
+/// SERIALIZABLE a waiting duplicate gets a serialization failure instead of
+/// the replay (reported as the retryable [`StoreError::Unavailable`]).
+/// Dropping the transaction after an error rolls back the reservation with
+/// everything else; if you commit without completing, the key is left in
+/// progress with its lease already over, so the next delivery takes it over
+/// as attempt 2.
+pub struct InTransaction<C = JsonCodec> {
+    store: PgStore,
+    retention: Duration,
+    codec: Arc<C>,
+}
+
+/// The outcome of [`InTransaction::claim`].
+#[derive(Debug)]
+pub enum Claim<T, C = JsonCodec> {
+    /// Your transaction holds the key: write, complete, commit.
+    Acquired(TxLease<C>),
+    /// The key was completed: this is the recorded response.
+    Replayed(T),
+}
+
+/// The key held inside a transaction; [`complete`](Self::complete) it on the
+/// same transaction before committing.
+#[must_use = "complete the lease on the same transaction before committing"]
+#[derive(Debug)]
+pub struct TxLease<C = JsonCodec> {
+    store: PgStore,
+    lease: Lease,
+    retention: Duration,
+    codec: Arc<C>,
+}
+
+impl InTransaction<JsonCodec> {
+    pub(crate) fn new(store: PgStore) -> Self {
+        InTransaction {
+            store,
+            retention: Duration::from_secs(24 * 60 * 60),
+            codec: Arc::new(JsonCodec),
+        }
+    }
+}
+
+impl<C: Codec> InTransaction<C> {
+    /// How long completed responses are kept for replay (default 24 h).
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// Replaces the response codec (default JSON).
+    pub fn codec<C2: Codec>(self, codec: C2) -> InTransaction<C2> {
+        InTransaction {
+            store: self.store,
+            retention: self.retention,
+            codec: Arc::new(codec),
+        }
+    }
+
+    /// Reserves `key` in `tx`, checking `payload`'s fingerprint against a
+    /// stored one. Waits while another open transaction holds the key.
+    pub async fn claim<P, T>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: &IdempotencyKey,
+        payload: &P,
+    ) -> Result<Claim<T, C>, IdemError<Infallible>>
+    where
+        P: Serialize + ?Sized,
+        T: DeserializeOwned,
+    {
+        let fingerprint = Fingerprint::of(payload)
+            .map_err(|e| IdemError::Codec(CodecError::Encode(Box::new(e))))?;
+        self.claim_with(tx, key, Some(fingerprint)).await
+    }
+
+    /// Like [`claim`](Self::claim) with a fingerprint computed by the
+    /// caller, or none.
+    pub async fn claim_with<T>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> Result<Claim<T, C>, IdemError<Infallible>>
+    where
+        T: DeserializeOwned,
+    {
+        // No lease: until commit the record is visible to nobody else, and
+        // if it is committed unfinished the next delivery may take it over.
+        let outcome = self
+            .store
+            .acquire_on(tx, key, fingerprint.as_ref(), Duration::ZERO)
+            .await?;
+        match outcome {
+            Acquisition::Acquired(lease) => Ok(Claim::Acquired(TxLease {
+                store: self.store.clone(),
+                lease,
+                retention: self.retention,
+                codec: self.codec.clone(),
+            })),
+            Acquisition::Completed(record) => self
+                .codec
+                .decode(&record.response)
+                .map(Claim::Replayed)
+                .map_err(IdemError::Codec),
+            Acquisition::InProgress {
+                retry_after,
+                attempt,
+                ..
+            } => Err(IdemError::InProgress {
+                retry_after,
+                attempt,
+            }),
+            Acquisition::Mismatch => Err(IdemError::PayloadMismatch),
+        }
+    }
+}
+
+impl<C: Codec> TxLease<C> {
+    /// 1, or more when an earlier transaction committed the key without
+    /// completing it.
+    pub fn attempt(&self) -> u32 {
+        self.lease.attempt
+    }
+
+    /// The underlying lease.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Records `response` in `tx`. Commit afterwards to make the business
+    /// writes and the record durable together.
+    pub async fn complete<T: Serialize>(
+        self,
+        tx: &mut Transaction<'_, Postgres>,
+        response: &T,
+    ) -> Result<(), IdemError<Infallible>> {
+        let bytes = self.codec.encode(response).map_err(IdemError::Codec)?;
+        self.store
+            .complete_on(tx, &self.lease, &bytes, self.retention)
+            .await
+            .map_err(|e| match e {
+                StoreError::LeaseLost => IdemError::LeaseLost,
+                other => IdemError::Store(other),
+            })
+    }
+
+    /// Gives the key up inside `tx` (for when you want to commit other work
+    /// but let the next delivery run the handler again).
+    pub async fn release(self, tx: &mut Transaction<'_, Postgres>) -> Result<(), StoreError> {
+        self.store.release_on(tx, &self.lease).await
+    }
+}

@@ -1,0 +1,706 @@
+//! PgStore against a real PostgreSQL started by tests/support (or
+//! IDEM_POSTGRES_URL): the conformance suite, the storm across two pools,
+//! the in-transaction mode, server outages, bad rows and round trips.
+
+mod support;
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use idem::postgres::{Claim, MissingTable, PgStore};
+use idem::testkit::{self, Harness, Settings};
+use idem::{async_trait, Acquisition, IdemError, IdempotencyKey, IdempotencyStore, StoreError};
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+use support::pg;
+
+struct PgHarness;
+
+#[async_trait]
+impl Harness for PgHarness {
+    type Store = PgStore;
+
+    async fn store(&self) -> PgStore {
+        let store = PgStore::new(pg::pool(pg::shared_url(), 16).await);
+        store
+            .migrate()
+            .await
+            .unwrap_or_else(|e| panic!("migrate: {e}"));
+        store
+    }
+
+    async fn corrupt(&self, store: &PgStore, key: &IdempotencyKey) {
+        let sql = format!(
+            "UPDATE {} SET status = 9 WHERE scope = $1 AND key = $2",
+            store.table()
+        );
+        let done = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(key.scope())
+            .bind(key.id())
+            .execute(store.pool())
+            .await
+            .unwrap_or_else(|e| panic!("corrupt: {e}"));
+        assert_eq!(done.rows_affected(), 1, "no row to corrupt for {key}");
+    }
+
+    fn settings(&self) -> Settings {
+        Settings::default().lease(Duration::from_millis(400))
+    }
+}
+
+idem::conformance_tests!(PgHarness);
+
+fn key(tag: &str) -> IdempotencyKey {
+    testkit::unique_key(tag)
+}
+
+async fn exec(pool: &PgPool, sql: String) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(pool)
+        .await
+        .unwrap_or_else(|e| panic!("setup SQL failed: {e}"));
+}
+
+/// Two pools stand for two processes: 64 tasks, 500 keys, each run once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn storm_across_two_pools() {
+    let a = PgHarness.store().await;
+    let b = PgStore::new(pg::pool(pg::shared_url(), 8).await);
+    let calls = testkit::storm(
+        &[testkit::storm_executor(a), testkit::storm_executor(b)],
+        64,
+        500,
+    )
+    .await;
+    assert_eq!(calls, 64 * 500);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_is_safe_from_many_processes_at_once() {
+    let pool = pg::pool(pg::shared_url(), 16).await;
+    let schema = format!("idem_m{:08x}", fastrand::u32(..));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        // Separate pools, as separate processes would have.
+        let store = PgStore::builder(pg::pool(pg::shared_url(), 2).await)
+            .schema(schema.clone())
+            .table("records")
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        tasks.push(tokio::spawn(async move { store.migrate().await }));
+    }
+    for task in tasks {
+        let result = task.await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(result.is_ok(), "concurrent migrate failed: {result:?}");
+    }
+    let versions: Vec<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".\"records_migrations\""
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(versions, vec![1]);
+
+    // The custom table works end to end.
+    let store = PgStore::builder(pool)
+        .schema(schema)
+        .table("records")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(store.table().ends_with("\"records\""));
+    let k = key("custom-table");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(5)).await
+    else {
+        panic!("not acquired")
+    };
+    assert!(store
+        .complete(&lease, b"ok", Duration::from_secs(60))
+        .await
+        .is_ok());
+    assert!(matches!(
+        store.acquire(&k, None, Duration::from_secs(5)).await,
+        Ok(Acquisition::Completed(_))
+    ));
+}
+
+#[tokio::test]
+async fn missing_table_says_to_migrate() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 2).await)
+        .table(format!("idem_absent_{:08x}", fastrand::u32(..)))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    match store
+        .acquire(&key("absent"), None, Duration::from_secs(1))
+        .await
+    {
+        Err(StoreError::Backend(source)) => {
+            assert!(source.downcast_ref::<MissingTable>().is_some(), "{source}");
+            assert!(source.to_string().contains("migrate"), "{source}");
+        }
+        other => panic!("expected a MissingTable backend error, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn bad_configuration_and_oversized_responses_are_typed_errors() {
+    let pool = pg::pool(pg::shared_url(), 2).await;
+    for bad in ["Bad", "a-b", "x\"; drop table t; --", ""] {
+        assert!(
+            PgStore::builder(pool.clone()).table(bad).build().is_err(),
+            "{bad:?}"
+        );
+        assert!(
+            PgStore::builder(pool.clone()).schema(bad).build().is_err(),
+            "{bad:?}"
+        );
+    }
+    let store = PgStore::builder(pool)
+        .max_response_bytes(1024)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let k = key("too-large");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(5)).await
+    else {
+        panic!("not acquired")
+    };
+    let big = vec![7u8; 1025];
+    match store.complete(&lease, &big, Duration::from_secs(60)).await {
+        Err(
+            e @ StoreError::ResponseTooLarge {
+                size: 1025,
+                limit: 1024,
+            },
+        ) => {
+            assert!(!e.is_retryable())
+        }
+        other => panic!("expected ResponseTooLarge, got {other:?}"),
+    }
+    // Nothing was lost: the lease still completes with a response that fits.
+    assert!(store
+        .complete(&lease, b"fits", Duration::from_secs(60))
+        .await
+        .is_ok());
+}
+
+#[tokio::test]
+async fn corrupt_rows_of_every_kind_are_reported_never_absent() {
+    let store = PgHarness.store().await;
+    let table = store.table().to_owned();
+    let damage = [
+        "status = 7",
+        "fingerprint = '\\x0102'::bytea",
+        "token = '\\x01'::bytea",
+        "attempt = 0",
+        "response = NULL",
+        "completed_at = NULL",
+    ];
+    for (i, set) in damage.iter().enumerate() {
+        let k = key(&format!("damaged-{i}"));
+        let Ok(Acquisition::Acquired(lease)) = store
+            .acquire(
+                &k,
+                Some(&idem::Fingerprint::of_bytes(b"p")),
+                Duration::from_secs(5),
+            )
+            .await
+        else {
+            panic!("not acquired")
+        };
+        assert!(store
+            .complete(&lease, b"r", Duration::from_secs(600))
+            .await
+            .is_ok());
+        exec(
+            store.pool(),
+            format!(
+                "UPDATE {table} SET {set} WHERE scope = '{}' AND key = '{}'",
+                k.scope(),
+                k.id()
+            ),
+        )
+        .await;
+        let got = store.get(&k).await;
+        assert!(
+            matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
+            "get after `{set}`: {got:?}"
+        );
+        if *set != "token = '\\x01'::bytea" {
+            let got = store
+                .acquire(
+                    &k,
+                    Some(&idem::Fingerprint::of_bytes(b"p")),
+                    Duration::from_secs(5),
+                )
+                .await;
+            assert!(
+                matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
+                "acquire after `{set}`: {got:?}"
+            );
+        }
+    }
+}
+
+/// Every store operation is one round trip, counted on the wire by a proxy.
+#[tokio::test]
+async fn every_operation_is_one_round_trip() {
+    let upstream: std::net::SocketAddr = {
+        let url = pg::shared_url();
+        let host_port = url
+            .split('@')
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .unwrap_or_else(|| panic!("cannot parse {url}"));
+        tokio::net::lookup_host(host_port)
+            .await
+            .ok()
+            .and_then(|mut a| a.next())
+            .unwrap_or_else(|| panic!("cannot resolve {host_port}"))
+    };
+    PgHarness.store().await; // migrated
+                             // sqlx's pool pings (a bare Sync) each connection it takes back: that
+                             // is the pool's housekeeping after the call returned, counted apart.
+    const SYNC: &[u8] = b"S\0\0\0\x04";
+    let proxy = support::proxy::CountingProxy::start_ignoring(upstream, SYNC).await;
+    let url = pg::shared_url().replacen(&upstream.to_string(), &proxy.addr.to_string(), 1);
+    let url = if url.contains(&proxy.addr.to_string()) {
+        url
+    } else {
+        // IDEM_POSTGRES_URL may name the host as localhost.
+        format!("postgres://postgres@{}/postgres", proxy.addr)
+    };
+    let store = PgStore::new(pg::pool(&url, 1).await);
+    let long = Duration::from_secs(60);
+
+    // Warm up: the first use of each statement on a connection prepares it.
+    let warm = key("rt-warm");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&warm, None, long).await else {
+        panic!("warm-up acquire")
+    };
+    let l = store
+        .extend(&l, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .complete(&l, b"r", long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _ = store.get(&warm).await;
+    let _ = store.delete(&warm).await;
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&warm, None, long).await else {
+        panic!("warm-up acquire")
+    };
+    store.release(&l).await.unwrap_or_else(|e| panic!("{e}"));
+    let _ = store.purge_expired(10).await;
+
+    let k = key("rt");
+    let mut measure = Vec::new();
+    let before = proxy.turns();
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&k, None, long).await else {
+        panic!("fresh acquire")
+    };
+    measure.push(("acquire (fresh)", proxy.turns() - before));
+    let before = proxy.turns();
+    let l = store
+        .extend(&l, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    measure.push(("extend", proxy.turns() - before));
+    let before = proxy.turns();
+    assert!(matches!(
+        store.acquire(&k, None, long).await,
+        Ok(Acquisition::InProgress { .. })
+    ));
+    measure.push(("acquire (in progress)", proxy.turns() - before));
+    let before = proxy.turns();
+    store
+        .complete(&l, b"r", long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    measure.push(("complete", proxy.turns() - before));
+    let before = proxy.turns();
+    assert!(matches!(
+        store.acquire(&k, None, long).await,
+        Ok(Acquisition::Completed(_))
+    ));
+    measure.push(("acquire (duplicate)", proxy.turns() - before));
+    let before = proxy.turns();
+    assert!(matches!(store.get(&k).await, Ok(Some(_))));
+    measure.push(("get", proxy.turns() - before));
+    let before = proxy.turns();
+    assert!(matches!(store.delete(&k).await, Ok(true)));
+    measure.push(("delete", proxy.turns() - before));
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&k, None, long).await else {
+        panic!("acquire")
+    };
+    let before = proxy.turns();
+    store.release(&l).await.unwrap_or_else(|e| panic!("{e}"));
+    measure.push(("release", proxy.turns() - before));
+    let before = proxy.turns();
+    let _ = store
+        .purge_expired(10)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let purge = proxy.turns() - before;
+    assert_eq!(purge, 1, "purge_expired(10) took {purge} round trips");
+    for (op, turns) in measure {
+        assert_eq!(turns, 1, "{op} took {turns} round trips");
+    }
+    assert!(
+        proxy.ignored_turns() > 0,
+        "the pool's release pings were expected"
+    );
+}
+
+/// The server goes away: calls fail with Unavailable (retryable) within the
+/// call timeout; once it is back, the same store works again and the
+/// completed record survived.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_down_is_unavailable_and_the_store_recovers() {
+    let server = pg::PgServer::start();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool)
+        .call_timeout(Duration::from_secs(3))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let k = key("outage");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&k, None, Duration::from_secs(60)).await
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"before", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    server.stop();
+    for i in 0..3 {
+        match store
+            .acquire(&key("during"), None, Duration::from_secs(60))
+            .await
+        {
+            Err(e @ StoreError::Unavailable(_)) => assert!(e.is_retryable()),
+            other => panic!("call {i} during the outage: expected Unavailable, got {other:?}"),
+        }
+    }
+    server.start_again();
+    // The pool reconnects on its own; broken connections fail once each.
+    let mut recovered = None;
+    for _ in 0..20 {
+        match store.acquire(&k, None, Duration::from_secs(60)).await {
+            Ok(a) => {
+                recovered = Some(a);
+                break;
+            }
+            Err(StoreError::Unavailable(_)) => continue,
+            Err(e) => panic!("after restart: {e:?}"),
+        }
+    }
+    match recovered {
+        Some(Acquisition::Completed(r)) => assert_eq!(&r.response[..], b"before"),
+        other => panic!("after restart: expected the completed record, got {other:?}"),
+    }
+}
+
+// ------------------------------------------------------------------
+// In-transaction mode
+// ------------------------------------------------------------------
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Payment {
+    order: String,
+    amount_cents: i64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Receipt {
+    payment_id: i64,
+}
+
+/// A `payments` table of its own for one test.
+async fn payments_table(pool: &PgPool) -> String {
+    let table = format!("payments_{:08x}", fastrand::u32(..));
+    exec(
+        pool,
+        format!(
+            "CREATE TABLE {table} (id bigserial PRIMARY KEY, order_id text NOT NULL, amount_cents bigint NOT NULL)"
+        ),
+    )
+    .await;
+    table
+}
+
+async fn count_payments(pool: &PgPool, table: &str, order: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {table} WHERE order_id = $1"
+    )))
+    .bind(order)
+    .fetch_one(pool)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Inserts the payment row inside `tx`.
+async fn insert_payment(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    table: &str,
+    payment: &Payment,
+) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {table} (order_id, amount_cents) VALUES ($1, $2) RETURNING id"
+    )))
+    .bind(&payment.order)
+    .bind(payment.amount_cents)
+    .fetch_one(&mut **tx)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Waits until some session is blocked on a lock (a duplicate waiting for
+/// the first transaction), by asking the server, not by sleeping.
+async fn until_a_session_waits_on_a_lock(pool: &PgPool) {
+    for _ in 0..500 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no session ever waited on the first transaction's lock");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_duplicates_racing_write_once_and_replay() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let table = payments_table(&pool).await;
+    let payment = Payment {
+        order: format!("order-{:08x}", fastrand::u32(..)),
+        amount_cents: 1999,
+    };
+    let k = IdempotencyKey::new("payments.charge", payment.order.clone())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (store, pool, table, payment, k) = (
+            store.clone(),
+            pool.clone(),
+            table.clone(),
+            payment.clone(),
+            k.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let claim = store
+                .in_transaction()
+                .claim::<_, Receipt>(&mut tx, &k, &payment)
+                .await
+                .unwrap_or_else(|e| panic!("claim: {e}"));
+            match claim {
+                Claim::Replayed(r) => (false, r),
+                Claim::Acquired(lease) => {
+                    let payment_id = insert_payment(&mut tx, &table, &payment).await;
+                    // Keep the transaction open so the others must wait.
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    let receipt = Receipt { payment_id };
+                    lease
+                        .complete(&mut tx, &receipt)
+                        .await
+                        .unwrap_or_else(|e| panic!("complete: {e}"));
+                    tx.commit().await.unwrap_or_else(|e| panic!("commit: {e}"));
+                    (true, receipt)
+                }
+            }
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap_or_else(|e| panic!("{e}")));
+    }
+    assert_eq!(
+        results.iter().filter(|(ran, _)| *ran).count(),
+        1,
+        "exactly one ran"
+    );
+    let first = &results[0].1;
+    assert!(
+        results.iter().all(|(_, r)| r == first),
+        "all got the same receipt"
+    );
+    assert_eq!(count_payments(&pool, &table, &payment.order).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_rollback_lets_the_waiting_duplicate_run() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let table = payments_table(&pool).await;
+    let payment = Payment {
+        order: format!("order-{:08x}", fastrand::u32(..)),
+        amount_cents: 500,
+    };
+    let k = IdempotencyKey::new("payments.charge", payment.order.clone())
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let mut first = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(_lease)) = store
+        .in_transaction()
+        .claim::<_, Receipt>(&mut first, &k, &payment)
+        .await
+    else {
+        panic!("first claim")
+    };
+    insert_payment(&mut first, &table, &payment).await;
+
+    let duplicate = {
+        let (store, pool, table, payment, k) = (
+            store.clone(),
+            pool.clone(),
+            table.clone(),
+            payment.clone(),
+            k.clone(),
+        );
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            match store
+                .in_transaction()
+                .claim::<_, Receipt>(&mut tx, &k, &payment)
+                .await
+            {
+                Ok(Claim::Acquired(lease)) => {
+                    let attempt = lease.attempt();
+                    let receipt = Receipt {
+                        payment_id: insert_payment(&mut tx, &table, &payment).await,
+                    };
+                    lease
+                        .complete(&mut tx, &receipt)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+                    attempt
+                }
+                other => panic!("the duplicate should run after the rollback, got {other:?}"),
+            }
+        })
+    };
+    until_a_session_waits_on_a_lock(&pool).await;
+    first.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    let attempt = duplicate.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(attempt, 1, "a rolled-back reservation never existed");
+    assert_eq!(count_payments(&pool, &table, &payment.order).await, 1);
+    match store.acquire(&k, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Completed(_)) => {}
+        other => panic!("expected completed, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_transaction_killed_connection_leaves_nothing_behind() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let table = payments_table(&pool).await;
+    let payment = Payment {
+        order: format!("order-{:08x}", fastrand::u32(..)),
+        amount_cents: 700,
+    };
+    let k = IdempotencyKey::new("payments.charge", payment.order.clone())
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim::<_, Receipt>(&mut tx, &k, &payment)
+        .await
+    else {
+        panic!("claim")
+    };
+    let payment_id = insert_payment(&mut tx, &table, &payment).await;
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(killed);
+    // The handler carries on; its completion or commit fails.
+    let completed = lease.complete(&mut tx, &Receipt { payment_id }).await;
+    let committed = if completed.is_ok() {
+        tx.commit().await.is_ok()
+    } else {
+        false
+    };
+    assert!(!committed, "a killed transaction must not commit");
+
+    assert_eq!(count_payments(&pool, &table, &payment.order).await, 0);
+    assert!(
+        matches!(store.get(&k).await, Ok(None)),
+        "no idempotency record left"
+    );
+    let mut again = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    match store
+        .in_transaction()
+        .claim::<_, Receipt>(&mut again, &k, &payment)
+        .await
+    {
+        Ok(Claim::Acquired(lease)) => assert_eq!(lease.attempt(), 1),
+        other => panic!("the key must be acquirable again, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn in_transaction_mismatch_and_replay_are_typed() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let k = key("tx-mismatch");
+    let payment = Payment {
+        order: "o".into(),
+        amount_cents: 1,
+    };
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim::<_, Receipt>(&mut tx, &k, &payment)
+        .await
+    else {
+        panic!("claim")
+    };
+    lease
+        .complete(&mut tx, &Receipt { payment_id: 9 })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let other = Payment {
+        order: "o".into(),
+        amount_cents: 2,
+    };
+    let got = store
+        .in_transaction()
+        .claim::<_, Receipt>(&mut tx, &k, &other)
+        .await;
+    assert!(matches!(got, Err(IdemError::PayloadMismatch)), "{got:?}");
+    drop(tx);
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let got: Result<Claim<Receipt>, IdemError<Infallible>> =
+        store.in_transaction().claim(&mut tx, &k, &payment).await;
+    assert!(
+        matches!(got, Ok(Claim::Replayed(Receipt { payment_id: 9 }))),
+        "{got:?}"
+    );
+}
