@@ -6,6 +6,7 @@
 //! ```text
 //! cargo run --example exactly_once
 //! cargo run --example exactly_once -- --messages 2000 --duplicates 4 --concurrency 64
+//! cargo run --features postgres --example exactly_once -- --backend postgres --postgres-url postgres://...
 //! ```
 //!
 //! It prints a table of what happened and exits with status 1 if any
@@ -29,6 +30,8 @@ use tokio::sync::Notify;
 enum Backend {
     /// In-process MemoryStore: no server needed.
     Memory,
+    /// PgStore (feature `postgres`) on --postgres-url.
+    Postgres,
 }
 
 #[derive(Debug, Parser)]
@@ -49,6 +52,9 @@ struct Args {
     /// Seed of the delivery order.
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// PostgreSQL URL for --backend postgres.
+    #[arg(long, env = "IDEM_POSTGRES_URL")]
+    postgres_url: Option<String>,
 }
 
 /// A payment message as the producer sent it.
@@ -200,6 +206,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let store: Arc<dyn IdempotencyStore> = match args.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
+        Backend::Postgres => postgres_store(&args).await?,
     };
     let ok = run(&args, store).await?;
     if !ok {
@@ -436,6 +443,29 @@ async fn run(
         );
     }
     Ok(ok)
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_store(
+    args: &Args,
+) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    let url = args
+        .postgres_url
+        .as_deref()
+        .ok_or("--backend postgres needs --postgres-url (or IDEM_POSTGRES_URL)")?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(args.concurrency.clamp(2, 64) as u32)
+        .test_before_acquire(false)
+        .connect(url)
+        .await?;
+    let store = idem::postgres::PgStore::new(pool);
+    store.migrate().await?;
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    Err("this build has no PostgreSQL backend: run with --features postgres".into())
 }
 
 /// Starts the handler in a task and kills the task once the handler has

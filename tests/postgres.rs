@@ -32,7 +32,7 @@ impl Harness for PgHarness {
     async fn corrupt(&self, store: &PgStore, key: &IdempotencyKey) {
         let sql = format!(
             "UPDATE {} SET status = 9 WHERE scope = $1 AND key = $2",
-            store.table()
+            store.qualified_table()
         );
         let done = sqlx::query(sqlx::AssertSqlSafe(sql))
             .bind(key.scope())
@@ -107,7 +107,7 @@ async fn migrate_is_safe_from_many_processes_at_once() {
         .table("records")
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
-    assert!(store.table().ends_with("\"records\""));
+    assert!(store.qualified_table().ends_with("\"records\""));
     let k = key("custom-table");
     let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(5)).await
     else {
@@ -186,7 +186,7 @@ async fn bad_configuration_and_oversized_responses_are_typed_errors() {
 #[tokio::test]
 async fn corrupt_rows_of_every_kind_are_reported_never_absent() {
     let store = PgHarness.store().await;
-    let table = store.table().to_owned();
+    let table = store.qualified_table().to_owned();
     let damage = [
         "status = 7",
         "fingerprint = '\\x0102'::bytea",

@@ -256,7 +256,7 @@ impl PgStore {
     }
 
     /// The schema-qualified, quoted table name.
-    pub fn table(&self) -> &str {
+    pub fn qualified_table(&self) -> &str {
         &self.inner.qualified
     }
 
