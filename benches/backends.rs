@@ -2,14 +2,21 @@
 //! says what one iteration does.
 //!
 //! ```text
-//! cargo bench --bench backends
+//! cargo bench --all-features --bench backends
 //! ```
+//!
+//! Server backends use the servers of `tests/support` (a PostgreSQL of their
+//! own, or `IDEM_POSTGRES_URL`). Benches named `c=32` run 32 tasks at once and
+//! report the time per operation, so ops/s = 1 / time.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
+#[cfg(feature = "postgres")]
+#[path = "../tests/support/mod.rs"]
+mod support;
 use idem::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore};
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
@@ -101,11 +108,146 @@ fn memory(c: &mut Criterion) {
     group.finish();
 }
 
+/// Runs `iters` operations spread over `tasks` tasks and returns the
+/// elapsed time, for criterion's `iter_custom`.
+async fn concurrently<F, Fut>(tasks: u64, iters: u64, op: F) -> Duration
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let started = std::time::Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|t| {
+            let op = op.clone();
+            let n = iters / tasks + u64::from(t < iters % tasks);
+            tokio::spawn(async move {
+                for _ in 0..n {
+                    op().await;
+                }
+            })
+        })
+        .collect();
+    for h in handles {
+        h.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    started.elapsed()
+}
+
+#[cfg(feature = "postgres")]
+fn postgres(c: &mut Criterion) {
+    use idem::postgres::PgStore;
+    use std::sync::Arc;
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = runtime.block_on(async {
+        let store = PgStore::new(support::pg::pool(support::pg::shared_url(), 32).await);
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        store
+    });
+    let lease = Duration::from_secs(60);
+    let retention = Duration::from_secs(3600);
+    let mut group = c.benchmark_group("postgres");
+
+    let fresh = {
+        let store = store.clone();
+        move || {
+            let store = store.clone();
+            async move {
+                let key = fresh_key();
+                let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, lease).await else {
+                    panic!("fresh key not acquired")
+                };
+                store
+                    .complete(&l, b"{\"ok\":true}", retention)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    };
+    let done = IdempotencyKey::new("bench.dup", format!("pg-{}", fastrand::u64(..)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    runtime.block_on(fresh_with(&store, &done, lease, retention));
+    let duplicate = {
+        let (store, done) = (store.clone(), done.clone());
+        move || {
+            let (store, done) = (store.clone(), done.clone());
+            async move {
+                let got = store.acquire(&done, None, lease).await;
+                assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
+            }
+        }
+    };
+
+    group.bench_function("store: acquire + complete of a fresh key, c=1", |b| {
+        let op = fresh.clone();
+        b.to_async(&runtime).iter(|| op())
+    });
+    group.bench_function("store: acquire + complete of a fresh key, c=32", |b| {
+        let op = fresh.clone();
+        b.to_async(&runtime)
+            .iter_custom(|iters| concurrently(32, iters, op.clone()))
+    });
+    group.bench_function("store: acquire of a completed key (duplicate), c=1", |b| {
+        let op = duplicate.clone();
+        b.to_async(&runtime).iter(|| op())
+    });
+    group.bench_function("store: acquire of a completed key (duplicate), c=32", |b| {
+        let op = duplicate.clone();
+        b.to_async(&runtime)
+            .iter_custom(|iters| concurrently(32, iters, op.clone()))
+    });
+
+    let idem = Arc::new(Idempotency::new(store.clone()).heartbeat(false));
+    group.bench_function("process: fresh key, trivial handler, c=1", |b| {
+        b.to_async(&runtime).iter(|| {
+            let idem = idem.clone();
+            async move {
+                let key = fresh_key();
+                black_box(
+                    idem.process(
+                        &key,
+                        42u64,
+                        |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                    )
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}")),
+                )
+            }
+        })
+    });
+    group.finish();
+}
+
+#[cfg(feature = "postgres")]
+async fn fresh_with<S: IdempotencyStore>(
+    store: &S,
+    key: &IdempotencyKey,
+    lease: Duration,
+    retention: Duration,
+) {
+    let Ok(Acquisition::Acquired(l)) = store.acquire(key, None, lease).await else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"{\"ok\":true}", retention)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+#[cfg(not(feature = "postgres"))]
+fn postgres(_: &mut Criterion) {
+    eprintln!("postgres benches skipped: build with --features postgres");
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
-        .measurement_time(Duration::from_secs(2));
-    targets = memory
+        .measurement_time(Duration::from_secs(3));
+    targets = memory, postgres
 }
 criterion_main!(benches);

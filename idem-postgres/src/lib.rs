@@ -46,7 +46,8 @@ use idem_core::{
     Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
     Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
-use sqlx::postgres::{PgPool, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgRow};
+use sqlx::Connection;
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 
 pub use idem_core;
@@ -109,9 +110,21 @@ pub struct PgStoreBuilder {
     table: String,
     call_timeout: Duration,
     max_response_bytes: usize,
+    connections: Option<usize>,
 }
 
 impl PgStoreBuilder {
+    /// How many connections the store keeps for its own calls (default:
+    /// the pool's `max_connections`). They are opened lazily with the pool's
+    /// connect options and reused directly, without going back through the
+    /// pool, which pings every connection it takes back (a second round trip
+    /// per call). They are in addition to the pool's own connections.
+    /// `migrate` and the in-transaction mode use the pool.
+    pub fn connections(mut self, n: usize) -> Self {
+        self.connections = Some(n.max(1));
+        self
+    }
+
     /// The schema of the table (default `public`); `migrate` creates it if
     /// missing.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
@@ -155,8 +168,16 @@ impl PgStoreBuilder {
             delete: render(include_str!("../sql/delete.sql")),
             purge: render(include_str!("../sql/purge.sql")),
         };
+        let connections = self
+            .connections
+            .unwrap_or(self.pool.options().get_max_connections() as usize)
+            .max(1);
         Ok(PgStore {
             inner: Arc::new(Inner {
+                conns: ConnectionSet::new(
+                    self.pool.connect_options().as_ref().clone(),
+                    connections,
+                ),
                 pool: self.pool,
                 schema: self.schema,
                 table: self.table,
@@ -195,6 +216,7 @@ pub struct PgStore {
 
 struct Inner {
     pool: PgPool,
+    conns: ConnectionSet,
     schema: String,
     table: String,
     qualified: String,
@@ -247,6 +269,7 @@ impl PgStore {
             table: "idem_records".to_owned(),
             call_timeout: Duration::from_secs(10),
             max_response_bytes: 64 << 20,
+            connections: None,
         }
     }
 
@@ -451,8 +474,12 @@ impl PgStore {
         }
     }
 
-    async fn connection(&self) -> Result<sqlx::pool::PoolConnection<sqlx::Postgres>, StoreError> {
-        self.inner.pool.acquire().await.map_err(|e| self.error(e))
+    /// Lends one of the store's connections for one call. Settle it with
+    /// the call's result: it is reused only if the call ended without a
+    /// connection-level failure; otherwise, or if the call was cancelled
+    /// mid-query, it is closed and a new one is opened next time.
+    async fn lend(&self) -> Result<Lent<'_>, StoreError> {
+        self.inner.conns.lend().await.map_err(|e| self.error(e))
     }
 }
 
@@ -465,8 +492,12 @@ impl IdempotencyStore for PgStore {
         lease: Duration,
     ) -> Result<Acquisition, StoreError> {
         self.timed(async {
-            let mut conn = self.connection().await?;
-            self.acquire_on(&mut conn, key, fingerprint, lease).await
+            let mut lent = self.lend().await?;
+            let result = self
+                .acquire_on(lent.connection(), key, fingerprint, lease)
+                .await;
+            lent.settle(&result);
+            result
         })
         .await
     }
@@ -478,69 +509,95 @@ impl IdempotencyStore for PgStore {
         retention: Duration,
     ) -> Result<(), StoreError> {
         self.timed(async {
-            let mut conn = self.connection().await?;
-            self.complete_on(&mut conn, lease, response, retention)
-                .await
+            let mut lent = self.lend().await?;
+            let result = self
+                .complete_on(lent.connection(), lease, response, retention)
+                .await;
+            lent.settle(&result);
+            result
         })
         .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
         self.timed(async {
-            let mut conn = self.connection().await?;
-            self.release_on(&mut conn, lease).await
+            let mut lent = self.lend().await?;
+            let result = self.release_on(lent.connection(), lease).await;
+            lent.settle(&result);
+            result
         })
         .await
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
         self.timed(async {
-            let token = lease.token.to_bytes();
-            let row = sqlx::query(sql(&self.inner.sql.extend))
-                .bind(lease.key.scope())
-                .bind(lease.key.id())
-                .bind(token.as_slice())
-                .bind(micros(lease_for))
-                .bind(micros(IN_PROGRESS_GRACE))
-                .fetch_optional(&self.inner.pool)
-                .await
-                .map_err(|e| self.error(e))?;
-            let Some(row) = row else {
-                return Err(StoreError::LeaseLost);
-            };
-            let key = &lease.key;
-            let attempt = attempt_of(column(&row, 0, key)?, key)?;
-            let until = time_of(column(&row, 1, key)?, key, "lease_until")?;
-            Ok(Lease::new(key.clone(), lease.token, attempt, until))
+            let mut lent = self.lend().await?;
+            let conn = lent.connection();
+            let result = async {
+                let token = lease.token.to_bytes();
+                let row = sqlx::query(sql(&self.inner.sql.extend))
+                    .bind(lease.key.scope())
+                    .bind(lease.key.id())
+                    .bind(token.as_slice())
+                    .bind(micros(lease_for))
+                    .bind(micros(IN_PROGRESS_GRACE))
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.error(e))?;
+                let Some(row) = row else {
+                    return Err(StoreError::LeaseLost);
+                };
+                let key = &lease.key;
+                let attempt = attempt_of(column(&row, 0, key)?, key)?;
+                let until = time_of(column(&row, 1, key)?, key, "lease_until")?;
+                Ok(Lease::new(key.clone(), lease.token, attempt, until))
+            }
+            .await;
+            lent.settle(&result);
+            result
         })
         .await
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         self.timed(async {
-            let row = sqlx::query(sql(&self.inner.sql.get))
-                .bind(key.scope())
-                .bind(key.id())
-                .fetch_optional(&self.inner.pool)
-                .await
-                .map_err(|e| self.error(e))?;
-            match row {
-                Some(row) => decode_record(&row, key),
-                None => Ok(None),
+            let mut lent = self.lend().await?;
+            let conn = lent.connection();
+            let result = async {
+                let row = sqlx::query(sql(&self.inner.sql.get))
+                    .bind(key.scope())
+                    .bind(key.id())
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.error(e))?;
+                match row {
+                    Some(row) => decode_record(&row, key),
+                    None => Ok(None),
+                }
             }
+            .await;
+            lent.settle(&result);
+            result
         })
         .await
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
         self.timed(async {
-            let live: Option<bool> = sqlx::query_scalar(sql(&self.inner.sql.delete))
-                .bind(key.scope())
-                .bind(key.id())
-                .fetch_optional(&self.inner.pool)
-                .await
-                .map_err(|e| self.error(e))?;
-            Ok(live.unwrap_or(false))
+            let mut lent = self.lend().await?;
+            let conn = lent.connection();
+            let result = async {
+                let live: Option<bool> = sqlx::query_scalar(sql(&self.inner.sql.delete))
+                    .bind(key.scope())
+                    .bind(key.id())
+                    .fetch_optional(&mut *conn)
+                    .await
+                    .map_err(|e| self.error(e))?;
+                Ok(live.unwrap_or(false))
+            }
+            .await;
+            lent.settle(&result);
+            result
         })
         .await
     }
@@ -551,12 +608,18 @@ impl IdempotencyStore for PgStore {
             let batch = (max - purged as usize).min(PURGE_BATCH);
             let done = self
                 .timed(async {
-                    let mut conn = self.connection().await?;
-                    sqlx::query(sql(&self.inner.sql.purge))
-                        .bind(batch as i64)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(|e| self.error(e))
+                    let mut lent = self.lend().await?;
+                    let conn = lent.connection();
+                    let result = async {
+                        sqlx::query(sql(&self.inner.sql.purge))
+                            .bind(batch as i64)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(|e| self.error(e))
+                    }
+                    .await;
+                    lent.settle(&result);
+                    result
                 })
                 .await?;
             purged += done.rows_affected();
@@ -565,6 +628,82 @@ impl IdempotencyStore for PgStore {
             }
         }
         Ok(purged)
+    }
+}
+
+/// The store's own connections: at most `max` lent at once, idle ones kept
+/// for reuse, new ones opened on demand with the pool's connect options.
+struct ConnectionSet {
+    options: PgConnectOptions,
+    idle: std::sync::Mutex<Vec<PgConnection>>,
+    slots: tokio::sync::Semaphore,
+}
+
+/// A connection lent for one call; back to the idle set only if `keep`.
+struct Lent<'a> {
+    set: &'a ConnectionSet,
+    conn: Option<PgConnection>,
+    keep: bool,
+    _slot: tokio::sync::SemaphorePermit<'a>,
+}
+
+impl ConnectionSet {
+    fn new(options: PgConnectOptions, max: usize) -> Self {
+        ConnectionSet {
+            options,
+            idle: std::sync::Mutex::new(Vec::with_capacity(max)),
+            slots: tokio::sync::Semaphore::new(max),
+        }
+    }
+
+    async fn lend(&self) -> Result<Lent<'_>, sqlx::Error> {
+        let slot = self
+            .slots
+            .acquire()
+            .await
+            .map_err(|_| sqlx::Error::PoolClosed)?;
+        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let conn = match idle {
+            Some(conn) => conn,
+            None => PgConnection::connect_with(&self.options).await?,
+        };
+        Ok(Lent {
+            set: self,
+            conn: Some(conn),
+            keep: false,
+            _slot: slot,
+        })
+    }
+}
+
+impl Lent<'_> {
+    fn connection(&mut self) -> &mut PgConnection {
+        match self.conn.as_mut() {
+            Some(conn) => conn,
+            None => unreachable!("a lent connection is present until dropped"),
+        }
+    }
+
+    /// Marks the connection for reuse unless `result` says the connection
+    /// itself may be broken.
+    fn settle<T>(&mut self, result: &Result<T, StoreError>) {
+        self.keep = !matches!(
+            result,
+            Err(StoreError::Unavailable(_) | StoreError::Backend(_))
+        );
+    }
+}
+
+impl Drop for Lent<'_> {
+    fn drop(&mut self) {
+        if let (true, Some(conn)) = (self.keep, self.conn.take()) {
+            self.set
+                .idle
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(conn);
+        }
+        // Otherwise the connection is dropped, which closes its socket.
     }
 }
 

@@ -1,11 +1,6 @@
 //! A TCP proxy on loopback that counts round trips: a *turn* is a burst of
 //! client bytes sent after the server last answered. One store operation
 //! that costs one round trip adds exactly one turn.
-//!
-//! Turns whose first bytes are exactly an *ignored* message (for sqlx's
-//! PostgreSQL pool: the bare `Sync` it sends as a ping when a connection is
-//! returned) are counted apart, so an operation's own round trips can be
-//! told from the pool's housekeeping.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -17,18 +12,12 @@ use tokio::net::{TcpListener, TcpStream};
 pub struct CountingProxy {
     pub addr: SocketAddr,
     turns: Arc<AtomicU64>,
-    ignored: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl CountingProxy {
     /// Listens on a free loopback port and forwards to `upstream`.
     pub async fn start(upstream: SocketAddr) -> CountingProxy {
-        Self::start_ignoring(upstream, &[]).await
-    }
-
-    /// Like `start`, counting turns that consist of exactly `ignored` apart.
-    pub async fn start_ignoring(upstream: SocketAddr, ignored: &'static [u8]) -> CountingProxy {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .unwrap_or_else(|e| panic!("proxy bind: {e}"));
@@ -36,32 +25,20 @@ impl CountingProxy {
             .local_addr()
             .unwrap_or_else(|e| panic!("proxy addr: {e}"));
         let turns = Arc::new(AtomicU64::new(0));
-        let ignored_turns = Arc::new(AtomicU64::new(0));
-        let counters = (turns.clone(), ignored_turns.clone());
+        let counter = turns.clone();
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                tokio::spawn(pipe(client, server, counters.clone(), ignored));
+                tokio::spawn(pipe(client, server, counter.clone()));
             }
         });
-        CountingProxy {
-            addr,
-            turns,
-            ignored: ignored_turns,
-            task,
-        }
+        CountingProxy { addr, turns, task }
     }
 
-    /// Client turns so far, ignored ones excluded.
     pub fn turns(&self) -> u64 {
         self.turns.load(Ordering::SeqCst)
-    }
-
-    /// Turns that were exactly the ignored message.
-    pub fn ignored_turns(&self) -> u64 {
-        self.ignored.load(Ordering::SeqCst)
     }
 }
 
@@ -71,12 +48,7 @@ impl Drop for CountingProxy {
     }
 }
 
-async fn pipe(
-    client: TcpStream,
-    server: TcpStream,
-    (turns, ignored_turns): (Arc<AtomicU64>, Arc<AtomicU64>),
-    ignored: &'static [u8],
-) {
+async fn pipe(client: TcpStream, server: TcpStream, turns: Arc<AtomicU64>) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (mut client_read, mut client_write) = client.into_split();
@@ -93,11 +65,7 @@ async fn pipe(
                 Ok(n) => n,
             };
             if up_flag.swap(false, Ordering::SeqCst) {
-                if !ignored.is_empty() && &buf[..n] == ignored {
-                    ignored_turns.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    up_turns.fetch_add(1, Ordering::SeqCst);
-                }
+                up_turns.fetch_add(1, Ordering::SeqCst);
             }
             if server_write.write_all(&buf[..n]).await.is_err() {
                 break;
