@@ -184,7 +184,7 @@ fn postgres(c: &mut Criterion) {
 
     group.bench_function("store: acquire + complete of a fresh key, c=1", |b| {
         let op = fresh.clone();
-        b.to_async(&runtime).iter(|| op())
+        b.to_async(&runtime).iter(&op)
     });
     group.bench_function("store: acquire + complete of a fresh key, c=32", |b| {
         let op = fresh.clone();
@@ -193,7 +193,7 @@ fn postgres(c: &mut Criterion) {
     });
     group.bench_function("store: acquire of a completed key (duplicate), c=1", |b| {
         let op = duplicate.clone();
-        b.to_async(&runtime).iter(|| op())
+        b.to_async(&runtime).iter(&op)
     });
     group.bench_function("store: acquire of a completed key (duplicate), c=32", |b| {
         let op = duplicate.clone();
