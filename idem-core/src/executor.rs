@@ -111,6 +111,7 @@ pub struct Idempotency<S: ?Sized, C = JsonCodec> {
     in_progress: InProgressPolicy,
     heartbeat: bool,
     heartbeat_every: Option<Duration>,
+    complete_retry: Option<Duration>,
 }
 
 impl<S: ?Sized, C> Clone for Idempotency<S, C> {
@@ -123,6 +124,7 @@ impl<S: ?Sized, C> Clone for Idempotency<S, C> {
             in_progress: self.in_progress,
             heartbeat: self.heartbeat,
             heartbeat_every: self.heartbeat_every,
+            complete_retry: self.complete_retry,
         }
     }
 }
@@ -153,6 +155,7 @@ where
             in_progress: InProgressPolicy::Reject,
             heartbeat: true,
             heartbeat_every: None,
+            complete_retry: None,
         }
     }
 }
@@ -210,7 +213,19 @@ where
             in_progress: self.in_progress,
             heartbeat: self.heartbeat,
             heartbeat_every: self.heartbeat_every,
+            complete_retry: self.complete_retry,
         }
+    }
+
+    /// How long to keep retrying the completion after the handler succeeded
+    /// when the store is briefly unavailable (a restart, a failover), with
+    /// backoff from 10 ms to 1 s. Default: half the lease. Giving up leaves
+    /// the key in progress; after the lease another delivery would run the
+    /// handler again, so retrying is what keeps the effect single. It is
+    /// always safe: the completion is a compare-and-set on the lease token.
+    pub fn complete_retry(mut self, budget: Duration) -> Self {
+        self.complete_retry = Some(budget);
+        self
     }
 
     /// The store.
@@ -335,7 +350,7 @@ where
                 return Err(IdemError::Codec(e));
             }
         };
-        match self.store.complete(&lease, &bytes, self.retention).await {
+        match self.complete(&lease, &bytes).await {
             Ok(()) => Ok(Processed::Executed(value)),
             Err(StoreError::LeaseLost) => {
                 count("idem_lease_lost_total", scope);
@@ -343,6 +358,23 @@ where
                 Err(IdemError::LeaseLost)
             }
             Err(e) => Err(IdemError::Store(e)),
+        }
+    }
+
+    /// Records the response, retrying while the store is unavailable.
+    async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
+        let budget = self.complete_retry.unwrap_or(self.lease / 2);
+        let deadline = tokio::time::Instant::now() + budget;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match self.store.complete(lease, response, self.retention).await {
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() + pause < deadline => {
+                    tracing::warn!(key = %lease.key, error = %e, "completion failed; retrying");
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                other => return other,
+            }
         }
     }
 

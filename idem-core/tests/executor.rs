@@ -614,3 +614,96 @@ fn metrics_count_every_outcome() {
         "{counters:?}"
     );
 }
+
+/// A real MemoryStore whose first `fail` completions report the store as
+/// unavailable (a restart), to check that the executor retries them.
+struct FlakyComplete {
+    inner: MemoryStore,
+    fail: AtomicUsize,
+}
+
+#[async_trait]
+impl IdempotencyStore for FlakyComplete {
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.inner.acquire(key, fp, lease).await
+    }
+    async fn complete(&self, l: &Lease, r: &[u8], ret: Duration) -> Result<(), StoreError> {
+        if self
+            .fail
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            return Err(StoreError::unavailable("injected: server restarting"));
+        }
+        self.inner.complete(l, r, ret).await
+    }
+    async fn release(&self, l: &Lease) -> Result<(), StoreError> {
+        self.inner.release(l).await
+    }
+    async fn extend(&self, l: &Lease, d: Duration) -> Result<Lease, StoreError> {
+        self.inner.extend(l, d).await
+    }
+    async fn get(&self, k: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(k).await
+    }
+    async fn delete(&self, k: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.inner.delete(k).await
+    }
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(max).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn completion_is_retried_while_the_store_is_unavailable() {
+    let store = Arc::new(FlakyComplete {
+        inner: MemoryStore::new(),
+        fail: AtomicUsize::new(3),
+    });
+    let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(10));
+    let runs = AtomicUsize::new(0);
+    let out = idem
+        .process(&key("m-flaky"), 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Declined>(7u8)
+        })
+        .await;
+    assert_eq!(out.ok(), Some(Processed::Executed(7)));
+    assert_eq!(
+        store.fail.load(Ordering::SeqCst),
+        0,
+        "all failures were retried"
+    );
+    let again = idem
+        .process(&key("m-flaky"), 1u8, |_| async { Ok::<_, Declined>(0u8) })
+        .await;
+    assert_eq!(again.ok(), Some(Processed::Replayed(7)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // A store down for longer than the budget: the error comes back.
+    let store = Arc::new(FlakyComplete {
+        inner: MemoryStore::new(),
+        fail: AtomicUsize::new(usize::MAX),
+    });
+    let idem = Idempotency::from_arc(store)
+        .lease(Duration::from_secs(10))
+        .complete_retry(Duration::from_secs(2));
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .process(&key("m-down"), 1u8, |_| async { Ok::<_, Declined>(7u8) })
+        .await;
+    assert!(
+        matches!(out, Err(IdemError::Store(StoreError::Unavailable(_)))),
+        "{out:?}"
+    );
+    assert!(
+        started.elapsed() <= Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
