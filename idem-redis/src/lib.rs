@@ -1,8 +1,633 @@
-//! Redis and Redis Cluster backend for idem.
+//! Redis and Redis Cluster store for [idem](https://docs.rs/idem).
 //!
-//! Not built yet: this crate is a placeholder so that the workspace layout
-//! and the facade feature `redis` exist from the start. The store lands with
-//! the idem-redis issue; until then use [`idem_core::MemoryStore`].
+//! [`RedisStore`] keeps one hash per idempotency key, `{prefix}{scope}/{id}`
+//! (default prefix `idem:`), and runs every operation as one Lua script, one
+//! round trip: `acquire` returns every outcome (acquired, completed with its
+//! response, in progress with its deadline, mismatch) in its single call.
+//! Lease deadlines come from Redis `TIME` inside the scripts, never from the
+//! client's clock. Retention is a `PEXPIREAT` on the hash, so there is no
+//! cleanup job. Tokens are random 128-bit values made by the client: no
+//! shared counter, so no hot key and nothing cross-slot in a cluster.
+//!
+//! ```no_run
+//! use idem_core::{Idempotency, IdempotencyKey};
+//! use idem_redis::RedisStore;
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = RedisStore::connect("redis://127.0.0.1:6379/").await?;
+//! let idem = Idempotency::new(store);
+//! let key = IdempotencyKey::new("emails.send", "msg-1")?;
+//! idem.process(&key, "hello", |m| async move { Ok::<_, std::io::Error>(m.len()) }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Guarantees and their limits
+//!
+//! - **Eviction**: a record evicted under memory pressure is a key that can
+//!   run again. Run Redis with `maxmemory-policy noeviction`; `connect` reads
+//!   the policy and logs a warning otherwise.
+//! - **Failover**: Redis replicates asynchronously. A reservation or a
+//!   completion acknowledged by a primary that fails before replicating it
+//!   is lost, and a redelivery can run again. [`RedisStore::wait_for_replicas`]
+//!   narrows that window (`WAIT n ms` after each acquire and completion, one
+//!   more round trip each); PostgreSQL, or the tiered store with PostgreSQL as
+//!   its source of truth, closes it.
+//! - **Persistence**: a Redis restarted without AOF (`appendonly yes`) or
+//!   RDB loses every record; duplicates after that run again.
 #![deny(missing_docs)]
 
-pub use idem_core::IdempotencyStore;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
+    Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::{RedisError, Script, Value};
+
+pub use idem_core;
+pub use redis;
+
+/// A call that did not finish within the store's call timeout; the source
+/// of [`StoreError::Unavailable`].
+#[derive(Debug, thiserror::Error)]
+#[error("Redis did not answer within {0:?}")]
+pub struct CallTimeout(pub Duration);
+
+/// A reply of a shape the scripts never produce (a different script loaded
+/// under the same SHA, a proxy in the way); the source of
+/// [`StoreError::Backend`].
+#[derive(Debug, thiserror::Error)]
+#[error("unexpected reply from Redis: {0}")]
+pub struct UnexpectedReply(String);
+
+struct Scripts {
+    acquire: Script,
+    complete: Script,
+    release: Script,
+    extend: Script,
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Scripts {
+            acquire: Script::new(include_str!("../scripts/acquire.lua")),
+            complete: Script::new(include_str!("../scripts/complete.lua")),
+            release: Script::new(include_str!("../scripts/release.lua")),
+            extend: Script::new(include_str!("../scripts/extend.lua")),
+        }
+    }
+}
+
+/// The Redis [`IdempotencyStore`], over any async connection of the `redis`
+/// crate that can be cloned and shared: a [`ConnectionManager`] (the
+/// default of [`connect`](RedisStore::connect): one multiplexed connection
+/// that pipelines concurrent calls and reconnects after a server restart),
+/// a `MultiplexedConnection`, or a [`ClusterConnection`]
+/// ([`connect_cluster`](RedisStore::connect_cluster)). Cloning is cheap.
+#[derive(Clone)]
+pub struct RedisStore<C = ConnectionManager> {
+    conn: C,
+    prefix: Arc<str>,
+    scripts: Arc<Scripts>,
+    call_timeout: Duration,
+    wait: Option<(u32, Duration)>,
+}
+
+impl<C> std::fmt::Debug for RedisStore<C> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.prefix)
+            .field("call_timeout", &self.call_timeout)
+            .field("wait", &self.wait)
+            .finish()
+    }
+}
+
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl RedisStore<ConnectionManager> {
+    /// Connects to a standalone Redis (`redis://host:port/db`) through a
+    /// [`ConnectionManager`] that reconnects after errors, and checks the
+    /// eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url).map_err(map_error)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(DEFAULT_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_TIMEOUT))
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(map_error)?;
+        let store = RedisStore::new(conn);
+        store.check_eviction_policy().await;
+        Ok(store)
+    }
+}
+
+impl RedisStore<ClusterConnection> {
+    /// Connects to a Redis Cluster given some of its nodes. Every script
+    /// touches one key, so every slot works and no hash tags are needed.
+    pub async fn connect_cluster<I, T>(nodes: I) -> Result<Self, StoreError>
+    where
+        I: IntoIterator<Item = T>,
+        T: redis::IntoConnectionInfo,
+    {
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(DEFAULT_TIMEOUT)
+            .response_timeout(DEFAULT_TIMEOUT)
+            .retries(2)
+            .build()
+            .map_err(map_error)?;
+        let conn = client.get_async_connection().await.map_err(map_error)?;
+        let store = RedisStore::new(conn);
+        store.check_eviction_policy().await;
+        Ok(store)
+    }
+}
+
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A store over a connection you made. Defaults: prefix `idem:`, 2 s
+    /// call timeout, no `WAIT`.
+    pub fn new(conn: C) -> Self {
+        RedisStore {
+            conn,
+            prefix: Arc::from("idem:"),
+            scripts: Arc::new(Scripts::new()),
+            call_timeout: DEFAULT_TIMEOUT,
+            wait: None,
+        }
+    }
+
+    /// The prefix of every record key (default `idem:`). Give each
+    /// application or environment sharing a Redis its own.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = Arc::from(prefix.into());
+        self
+    }
+
+    /// The longest one call may take before it fails with
+    /// [`StoreError::Unavailable`] (default 2 s).
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// After each acquisition and completion, wait until `replicas` replicas
+    /// acknowledged it (`WAIT`), for at most `timeout`; fewer acknowledgements
+    /// give [`StoreError::Unavailable`]. Narrows, but cannot close, the
+    /// failover window (Redis replication is asynchronous). One more round
+    /// trip per acquisition and completion.
+    pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.wait = Some((replicas, timeout));
+        self
+    }
+
+    /// The Redis key of a record: `{prefix}{scope}/{id}`. Scopes may hold
+    /// `:` but never `/`, so the first `/` ends the scope and no two keys
+    /// share a record.
+    pub fn redis_key(&self, key: &IdempotencyKey) -> String {
+        let mut k =
+            String::with_capacity(self.prefix.len() + key.scope().len() + key.id().len() + 1);
+        k.push_str(&self.prefix);
+        k.push_str(key.scope());
+        k.push('/');
+        k.push_str(key.id());
+        k
+    }
+
+    /// Reads `maxmemory-policy` and logs a warning unless it is
+    /// `noeviction`: with an eviction policy, Redis may drop live records
+    /// under memory pressure, and a dropped record is a key that can run
+    /// again. Returns the policy, or `None` if `CONFIG GET` is not allowed
+    /// (managed services often forbid it).
+    pub async fn check_eviction_policy(&self) -> Option<String> {
+        let mut conn = self.conn.clone();
+        let reply: Result<Vec<String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        match reply {
+            Ok(pair) if pair.len() == 2 => {
+                let policy = pair[1].clone();
+                if policy != "noeviction" {
+                    tracing::warn!(
+                        policy = %policy,
+                        "Redis maxmemory-policy is not noeviction: live idempotency records can be evicted under memory pressure, and an evicted key runs again"
+                    );
+                }
+                Some(policy)
+            }
+            Ok(_) => None,
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read maxmemory-policy");
+                None
+            }
+        }
+    }
+
+    async fn timed<T, F>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(result) => result.map_err(map_error),
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(
+                self.call_timeout,
+            )))),
+        }
+    }
+
+    async fn wait_replicas(&self, redis_key: &str) -> Result<(), StoreError> {
+        let Some((replicas, timeout)) = self.wait else {
+            return Ok(());
+        };
+        let mut conn = self.conn.clone();
+        // Routed by the key, so a cluster sends it to the primary that owns it.
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas).arg(timeout.as_millis() as u64);
+        let acked: i64 = self
+            .timed(async {
+                let mut pipe = redis::pipe();
+                // An EXISTS on the key in front routes the pipeline to the
+                // key's node in a cluster; WAIT's reply is the second.
+                pipe.cmd("EXISTS").arg(redis_key).ignore().add_command(cmd);
+                let (acked,): (i64,) = pipe.query_async(&mut conn).await?;
+                Ok(acked)
+            })
+            .await?;
+        if acked < i64::from(replicas) {
+            return Err(StoreError::Unavailable(
+                format!("WAIT: {acked} of {replicas} replicas acknowledged within {timeout:?}")
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<C> IdempotencyStore for RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        let redis_key = self.redis_key(key);
+        let token = LeaseToken::random();
+        let token_bytes = token.to_bytes();
+        let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
+        let mut invocation = self.scripts.acquire.prepare_invoke();
+        invocation
+            .key(&redis_key)
+            .arg(fp)
+            .arg(token_bytes.as_slice())
+            .arg(millis(lease))
+            .arg(millis(IN_PROGRESS_GRACE));
+        let mut conn = self.conn.clone();
+        let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let outcome = decode_acquire(reply, key, token)?;
+        if matches!(outcome, Acquisition::Acquired(_)) {
+            self.wait_replicas(&redis_key).await?;
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let redis_key = self.redis_key(&lease.key);
+        let token = lease.token.to_bytes();
+        let mut invocation = self.scripts.complete.prepare_invoke();
+        invocation
+            .key(&redis_key)
+            .arg(token.as_slice())
+            .arg(response)
+            .arg(millis(retention));
+        let mut conn = self.conn.clone();
+        let done: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
+        if done != 1 {
+            return Err(StoreError::LeaseLost);
+        }
+        self.wait_replicas(&redis_key).await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let token = lease.token.to_bytes();
+        let mut invocation = self.scripts.release.prepare_invoke();
+        invocation
+            .key(self.redis_key(&lease.key))
+            .arg(token.as_slice());
+        let mut conn = self.conn.clone();
+        let done: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost)
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        let token = lease.token.to_bytes();
+        let mut invocation = self.scripts.extend.prepare_invoke();
+        invocation
+            .key(self.redis_key(&lease.key))
+            .arg(token.as_slice())
+            .arg(millis(lease_for))
+            .arg(millis(IN_PROGRESS_GRACE));
+        let mut conn = self.conn.clone();
+        let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let key = &lease.key;
+        match reply {
+            Value::Int(0) => Err(StoreError::LeaseLost),
+            Value::Array(items) if items.len() == 2 => {
+                let attempt = attempt_of(int(&items[0], key)?, key)?;
+                let until = time_of(int(&items[1], key)?, key)?;
+                Ok(Lease::new(key.clone(), lease.token, attempt, until))
+            }
+            other => Err(unexpected(format!("extend returned {other:?}"))),
+        }
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let redis_key = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let reply = self
+            .timed(async {
+                redis::cmd("HGETALL")
+                    .arg(&redis_key)
+                    .query_async::<Value>(&mut conn)
+                    .await
+            })
+            .await;
+        let fields = match reply {
+            Ok(v) => v,
+            Err(StoreError::Backend(e)) if is_wrong_type(&*e) => {
+                return Err(corrupt(key, "the record is not a hash"))
+            }
+            Err(e) => return Err(e),
+        };
+        decode_record(fields, key)
+    }
+
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let redis_key = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let removed: i64 = self
+            .timed(async {
+                redis::cmd("DEL")
+                    .arg(&redis_key)
+                    .query_async(&mut conn)
+                    .await
+            })
+            .await?;
+        Ok(removed > 0)
+    }
+
+    /// Redis expires records by itself (`PEXPIREAT`): nothing to purge.
+    async fn purge_expired(&self, _max: usize) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 4)
+}
+
+fn map_error(e: RedisError) -> StoreError {
+    use redis::RetryMethod;
+    let transient = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || e.is_cluster_error()
+        || matches!(
+            e.retry_method(),
+            RetryMethod::Reconnect
+                | RetryMethod::RetryImmediately
+                | RetryMethod::WaitAndRetry
+                | RetryMethod::ReconnectFromInitialConnections
+                | RetryMethod::RefreshSlotsAndRetry
+        );
+    if transient {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+fn is_wrong_type(e: &(dyn std::error::Error + Send + Sync + 'static)) -> bool {
+    e.downcast_ref::<RedisError>()
+        .is_some_and(|r| r.code() == Some("WRONGTYPE"))
+}
+
+fn corrupt(key: &IdempotencyKey, detail: impl Into<String>) -> StoreError {
+    StoreError::Corrupt {
+        key: key.clone(),
+        detail: detail.into(),
+    }
+}
+
+fn unexpected(detail: String) -> StoreError {
+    StoreError::Backend(Box::new(UnexpectedReply(detail)))
+}
+
+fn int(v: &Value, key: &IdempotencyKey) -> Result<i64, StoreError> {
+    match v {
+        Value::Int(n) => Ok(*n),
+        Value::BulkString(b) => std::str::from_utf8(b)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| corrupt(key, "a number field is not a number")),
+        other => Err(unexpected(format!("expected a number, got {other:?}"))),
+    }
+}
+
+fn bytes_of(v: Value) -> Result<Vec<u8>, StoreError> {
+    match v {
+        Value::BulkString(b) => Ok(b),
+        Value::SimpleString(s) => Ok(s.into_bytes()),
+        other => Err(unexpected(format!("expected a string, got {other:?}"))),
+    }
+}
+
+fn time_of(ms: i64, key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
+    u64::try_from(ms)
+        .map(|ms| UNIX_EPOCH + Duration::from_millis(ms))
+        .map_err(|_| corrupt(key, format!("time {ms} ms is before 1970")))
+}
+
+fn attempt_of(a: i64, key: &IdempotencyKey) -> Result<u32, StoreError> {
+    u32::try_from(a)
+        .ok()
+        .filter(|a| *a > 0)
+        .ok_or_else(|| corrupt(key, format!("attempt {a} is not positive")))
+}
+
+fn fingerprint_of(b: &[u8], key: &IdempotencyKey) -> Result<Option<Fingerprint>, StoreError> {
+    if b.is_empty() {
+        return Ok(None);
+    }
+    Fingerprint::from_slice(b)
+        .map(Some)
+        .ok_or_else(|| corrupt(key, format!("fingerprint is {} bytes, not 32", b.len())))
+}
+
+fn decode_acquire(
+    reply: Value,
+    key: &IdempotencyKey,
+    token: LeaseToken,
+) -> Result<Acquisition, StoreError> {
+    let Value::Array(items) = reply else {
+        return Err(unexpected(format!("acquire returned {reply:?}")));
+    };
+    let mut items = items.into_iter();
+    let tag = items.next().map(bytes_of).transpose()?.unwrap_or_default();
+    let rest: Vec<Value> = items.collect();
+    match (tag.as_slice(), rest.len()) {
+        (b"acquired", 2) => {
+            let attempt = attempt_of(int(&rest[0], key)?, key)?;
+            let until = time_of(int(&rest[1], key)?, key)?;
+            Ok(Acquisition::Acquired(Lease::new(
+                key.clone(),
+                token,
+                attempt,
+                until,
+            )))
+        }
+        (b"completed", 5) => {
+            let attempt = attempt_of(int(&rest[2], key)?, key)?;
+            let completed = time_of(int(&rest[3], key)?, key)?;
+            let expires = time_of(int(&rest[4], key)?, key)?;
+            let mut rest = rest.into_iter();
+            let response = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
+            let fp = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
+            Ok(Acquisition::Completed(CompletedRecord::new(
+                key.clone(),
+                Bytes::from(response),
+                fingerprint_of(&fp, key)?,
+                attempt,
+                completed,
+                expires,
+            )))
+        }
+        (b"in_progress", 3) => {
+            let until_ms = int(&rest[0], key)?;
+            let attempt = attempt_of(int(&rest[1], key)?, key)?;
+            let now_ms = int(&rest[2], key)?;
+            Ok(Acquisition::InProgress {
+                lease_expires_at: time_of(until_ms, key)?,
+                retry_after: Duration::from_millis(until_ms.saturating_sub(now_ms).max(0) as u64),
+                attempt,
+            })
+        }
+        (b"mismatch", 0) => Ok(Acquisition::Mismatch),
+        (b"corrupt", 1) => {
+            let detail = rest
+                .into_iter()
+                .next()
+                .map(bytes_of)
+                .transpose()?
+                .unwrap_or_default();
+            Err(corrupt(key, String::from_utf8_lossy(&detail).into_owned()))
+        }
+        (tag, n) => Err(unexpected(format!(
+            "acquire returned {:?} with {n} values",
+            String::from_utf8_lossy(tag)
+        ))),
+    }
+}
+
+fn decode_record(reply: Value, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+    let mut pairs: Vec<(Vec<u8>, Value)> = match reply {
+        Value::Array(items) if items.is_empty() => return Ok(None),
+        Value::Map(pairs) if pairs.is_empty() => return Ok(None),
+        Value::Array(items) => {
+            if items.len() % 2 != 0 {
+                return Err(unexpected(
+                    "HGETALL returned an odd number of values".into(),
+                ));
+            }
+            let mut pairs = Vec::with_capacity(items.len() / 2);
+            let mut it = items.into_iter();
+            while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                pairs.push((bytes_of(k)?, v));
+            }
+            pairs
+        }
+        Value::Map(pairs) => pairs
+            .into_iter()
+            .map(|(k, v)| Ok((bytes_of(k)?, v)))
+            .collect::<Result<_, StoreError>>()?,
+        other => return Err(unexpected(format!("HGETALL returned {other:?}"))),
+    };
+    let mut field = |name: &[u8]| -> Option<Value> {
+        pairs
+            .iter()
+            .position(|(k, _)| k == name)
+            .map(|i| pairs.swap_remove(i).1)
+    };
+    let status = field(b"s").map(bytes_of).transpose()?;
+    let fingerprint = field(b"f").map(bytes_of).transpose()?.unwrap_or_default();
+    let token = field(b"t").map(bytes_of).transpose()?.unwrap_or_default();
+    let attempt = field(b"a");
+    let lease_until = field(b"l");
+    let response = field(b"r").map(bytes_of).transpose()?;
+    let created = field(b"c");
+    let completed = field(b"d");
+    let expires = field(b"e");
+    let need = |v: Option<Value>, what: &str| -> Result<i64, StoreError> {
+        match v {
+            Some(v) => int(&v, key),
+            None => Err(corrupt(key, format!("field {what} is missing"))),
+        }
+    };
+    let token = LeaseToken::from_slice(&token)
+        .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", token.len())))?;
+    let attempt = attempt_of(need(attempt, "attempt")?, key)?;
+    let created = time_of(need(created, "created")?, key)?;
+    let expires = time_of(need(expires, "expires")?, key)?;
+    let state = match status.as_deref() {
+        Some(b"1") => RecordState::InProgress {
+            lease_expires_at: time_of(need(lease_until, "lease")?, key)?,
+        },
+        Some(b"2") => RecordState::Completed {
+            response: Bytes::from(
+                response.ok_or_else(|| corrupt(key, "completed without a response"))?,
+            ),
+            completed_at: time_of(need(completed, "completed")?, key)?,
+        },
+        other => {
+            return Err(corrupt(
+                key,
+                format!("unknown status {:?}", other.map(String::from_utf8_lossy)),
+            ))
+        }
+    };
+    Ok(Some(Record::new(
+        key.clone(),
+        state,
+        fingerprint_of(&fingerprint, key)?,
+        token,
+        attempt,
+        created,
+        expires,
+    )))
+}

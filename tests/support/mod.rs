@@ -7,6 +7,7 @@
 
 pub mod pg;
 pub mod proxy;
+pub mod redis_server;
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};

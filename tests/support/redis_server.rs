@@ -1,0 +1,213 @@
+//! Real Redis servers for tests: `redis-server` on a free port in a temp
+//! dir, and a 3-master Redis Cluster made with `redis-cli --cluster create`.
+//! `IDEM_REDIS_URL` and `IDEM_REDIS_CLUSTER_URLS` (comma-separated) replace
+//! the shared ones with servers of yours.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const HOW_TO: &str = "Redis is needed for these tests: run scripts/test (it installs \
+     redis-server), or `apt-get install -y redis-server`, or set IDEM_REDIS_URL / \
+     IDEM_REDIS_CLUSTER_URLS to servers of yours";
+
+/// A redis-server owned by this test process.
+pub struct RedisServer {
+    pub port: u16,
+    pub url: String,
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Mutex<Option<Child>>,
+}
+
+/// The URL of the standalone server shared by the tests of this process.
+pub fn shared_url() -> &'static str {
+    static URL: OnceLock<String> = OnceLock::new();
+    URL.get_or_init(|| match std::env::var("IDEM_REDIS_URL") {
+        Ok(url) if !url.is_empty() => url,
+        _ => {
+            let server = RedisServer::start(&[]);
+            let url = server.url.clone();
+            std::mem::forget(server); // the watchdog stops it
+            url
+        }
+    })
+}
+
+/// The node URLs of the cluster shared by the tests of this process.
+pub fn shared_cluster() -> &'static [String] {
+    static NODES: OnceLock<Vec<String>> = OnceLock::new();
+    NODES.get_or_init(|| match std::env::var("IDEM_REDIS_CLUSTER_URLS") {
+        Ok(urls) if !urls.is_empty() => urls.split(',').map(str::to_owned).collect(),
+        _ => start_cluster(),
+    })
+}
+
+impl RedisServer {
+    /// Starts redis-server with `extra` arguments (`--appendonly yes`...).
+    pub fn start(extra: &[&str]) -> RedisServer {
+        Self::start_on(super::free_port(), extra)
+    }
+
+    fn start_on(port: u16, extra: &[&str]) -> RedisServer {
+        let dir = super::temp_dir("redis");
+        let mut args: Vec<String> = vec![
+            "--port".into(),
+            port.to_string(),
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--dir".into(),
+            dir.display().to_string(),
+            "--save".into(),
+            String::new(),
+            "--appendonly".into(),
+            "no".into(),
+            "--protected-mode".into(),
+            "no".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let server = RedisServer {
+            port,
+            url: format!("redis://127.0.0.1:{port}/"),
+            dir,
+            args,
+            child: Mutex::new(None),
+        };
+        server.start_again();
+        server
+    }
+
+    /// Starts the server (again, after `kill`) and waits until it answers.
+    pub fn start_again(&self) {
+        let child = Command::new("redis-server")
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start redis-server: {e}. {HOW_TO}"));
+        super::spawn_watchdog(&format!(
+            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
+            pid = child.id(),
+            dir = self.dir.display()
+        ));
+        *self.child.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
+        wait_until_ready(self.port);
+    }
+
+    /// Kills the server with SIGKILL (a crash: no shutdown save).
+    pub fn kill(&self) {
+        if let Some(mut child) = self.child.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Sends one inline command and returns the raw reply.
+    pub fn command(&self, line: &str) -> String {
+        command(self.port, line)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Sends one inline command to 127.0.0.1:port and returns the raw reply.
+pub fn command(port: u16, line: &str) -> String {
+    let mut stream = TcpStream::connect(("127.0.0.1", port))
+        .unwrap_or_else(|e| panic!("cannot reach redis on {port}: {e}"));
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(5)));
+    stream
+        .write_all(format!("{line}\r\n").as_bytes())
+        .unwrap_or_else(|e| panic!("write to redis: {e}"));
+    let mut buf = vec![0u8; 64 * 1024];
+    let n = stream.read(&mut buf).unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+fn try_ping(port: u16) -> bool {
+    let Ok(mut stream) = TcpStream::connect(("127.0.0.1", port)) else {
+        return false;
+    };
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(1)));
+    if stream.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 64];
+    matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+}
+
+fn wait_until_ready(port: u16) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !try_ping(port) {
+        if Instant::now() > deadline {
+            panic!("redis-server on port {port} did not answer PING within 30 s. {HOW_TO}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A port whose cluster bus port (port + 10000) is free too.
+fn cluster_port() -> u16 {
+    for _ in 0..1000 {
+        let port = super::free_port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for a cluster node");
+}
+
+fn start_cluster() -> Vec<String> {
+    let mut nodes = Vec::new();
+    let mut ports = Vec::new();
+    for _ in 0..3 {
+        let port = cluster_port();
+        let conf = format!("nodes-{port}.conf");
+        let server = RedisServer::start_on(
+            port,
+            &[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                &conf,
+                "--cluster-node-timeout",
+                "5000",
+            ],
+        );
+        nodes.push(server.url.clone());
+        ports.push(port);
+        std::mem::forget(server); // the watchdog stops it
+    }
+    let out = Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}. {HOW_TO}"));
+    if !out.status.success() {
+        panic!(
+            "redis-cli --cluster create failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for port in &ports {
+        while !command(*port, "CLUSTER INFO").contains("cluster_state:ok") {
+            if Instant::now() > deadline {
+                panic!("the cluster on ports {ports:?} did not reach cluster_state:ok");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    nodes
+}
