@@ -7,6 +7,7 @@
 //! cargo run --example exactly_once
 //! cargo run --example exactly_once -- --messages 2000 --duplicates 4 --concurrency 64
 //! cargo run --features postgres --example exactly_once -- --backend postgres --postgres-url postgres://...
+//! cargo run --features redis --example exactly_once -- --backend redis --redis-url redis://127.0.0.1:6379/
 //! ```
 //!
 //! It prints a table of what happened and exits with status 1 if any
@@ -32,6 +33,8 @@ enum Backend {
     Memory,
     /// PgStore (feature `postgres`) on --postgres-url.
     Postgres,
+    /// RedisStore (feature `redis`) on --redis-url.
+    Redis,
 }
 
 #[derive(Debug, Parser)]
@@ -55,6 +58,9 @@ struct Args {
     /// PostgreSQL URL for --backend postgres.
     #[arg(long, env = "IDEM_POSTGRES_URL")]
     postgres_url: Option<String>,
+    /// Redis URL for --backend redis.
+    #[arg(long, env = "IDEM_REDIS_URL")]
+    redis_url: Option<String>,
 }
 
 /// A payment message as the producer sent it.
@@ -207,6 +213,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store: Arc<dyn IdempotencyStore> = match args.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Postgres => postgres_store(&args).await?,
+        Backend::Redis => redis_store(&args).await?,
     };
     let ok = run(&args, store).await?;
     if !ok {
@@ -466,6 +473,20 @@ async fn postgres_store(
 #[cfg(not(feature = "postgres"))]
 async fn postgres_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
     Err("this build has no PostgreSQL backend: run with --features postgres".into())
+}
+
+#[cfg(feature = "redis")]
+async fn redis_store(args: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    let url = args
+        .redis_url
+        .as_deref()
+        .ok_or("--backend redis needs --redis-url (or IDEM_REDIS_URL)")?;
+    Ok(Arc::new(idem::redis::RedisStore::connect(url).await?))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn redis_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    Err("this build has no Redis backend: run with --features redis".into())
 }
 
 /// Starts the handler in a task and kills the task once the handler has
