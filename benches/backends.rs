@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "redis"))]
 #[path = "../tests/support/mod.rs"]
 mod support;
 use idem::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore};
@@ -222,7 +222,95 @@ fn postgres(c: &mut Criterion) {
     group.finish();
 }
 
-#[cfg(feature = "postgres")]
+/// Fresh-key and duplicate benches at concurrency 1 and 64 for one store.
+#[cfg(feature = "redis")]
+fn fresh_and_duplicate<S: IdempotencyStore + Clone>(
+    c: &mut Criterion,
+    group_name: &str,
+    runtime: &tokio::runtime::Runtime,
+    store: S,
+) {
+    let lease = Duration::from_secs(60);
+    let retention = Duration::from_secs(3600);
+    let mut group = c.benchmark_group(group_name);
+    let fresh = {
+        let store = store.clone();
+        move || {
+            let store = store.clone();
+            async move {
+                let key = fresh_key();
+                let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, lease).await else {
+                    panic!("fresh key not acquired")
+                };
+                store
+                    .complete(&l, b"{\"ok\":true}", retention)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    };
+    let done = IdempotencyKey::new("bench.dup", format!("{group_name}-{}", fastrand::u64(..)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    runtime.block_on(fresh_with(&store, &done, lease, retention));
+    let duplicate = {
+        let (store, done) = (store.clone(), done.clone());
+        move || {
+            let (store, done) = (store.clone(), done.clone());
+            async move {
+                let got = store.acquire(&done, None, lease).await;
+                assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
+            }
+        }
+    };
+    group.bench_function("store: acquire + complete of a fresh key, c=1", |b| {
+        b.to_async(runtime).iter(&fresh)
+    });
+    group.bench_function("store: acquire + complete of a fresh key, c=64", |b| {
+        b.to_async(runtime)
+            .iter_custom(|iters| concurrently(64, iters, fresh.clone()))
+    });
+    group.bench_function("store: acquire of a completed key (duplicate), c=1", |b| {
+        b.to_async(runtime).iter(&duplicate)
+    });
+    group.bench_function("store: acquire of a completed key (duplicate), c=64", |b| {
+        b.to_async(runtime)
+            .iter_custom(|iters| concurrently(64, iters, duplicate.clone()))
+    });
+    group.finish();
+}
+
+#[cfg(feature = "redis")]
+fn redis(c: &mut Criterion) {
+    use idem::redis::RedisStore;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let standalone = runtime.block_on(async {
+        RedisStore::connect(support::redis_server::shared_url())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    });
+    fresh_and_duplicate(c, "redis", &runtime, standalone);
+    let cluster = runtime.block_on(async {
+        RedisStore::connect_cluster(
+            support::redis_server::shared_cluster()
+                .iter()
+                .map(String::as_str),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    });
+    fresh_and_duplicate(c, "redis-cluster", &runtime, cluster);
+}
+
+#[cfg(not(feature = "redis"))]
+fn redis(_: &mut Criterion) {
+    eprintln!("redis benches skipped: build with --features redis");
+}
+
+#[cfg(any(feature = "postgres", feature = "redis"))]
 async fn fresh_with<S: IdempotencyStore>(
     store: &S,
     key: &IdempotencyKey,
@@ -248,6 +336,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    targets = memory, postgres
+    targets = memory, postgres, redis
 }
 criterion_main!(benches);
