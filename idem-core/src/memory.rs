@@ -194,13 +194,16 @@ impl MemoryStore {
         let inner = &*self.inner;
         let now = Instant::now();
         let lease_until = now + lease;
-        let acquired = |token: u128, attempt: u32| {
-            Acquisition::Acquired(Lease::new(
-                key.clone(),
-                LeaseToken::from_u128(token),
-                attempt,
-                inner.wall(lease_until),
-            ))
+        let acquired = |token: u128, attempt: u32, stored: Option<Fingerprint>| {
+            Acquisition::Acquired(
+                Lease::new(
+                    key.clone(),
+                    LeaseToken::from_u128(token),
+                    attempt,
+                    inner.wall(lease_until),
+                )
+                .with_fingerprint(stored),
+            )
         };
         let fresh = |token| {
             Slot::Live(Stored {
@@ -221,13 +224,13 @@ impl MemoryStore {
                 // Expired: the same as absent; reuse its room.
                 let token = inner.token();
                 *slot = fresh(token);
-                return Ok(Some(acquired(token, 1)));
+                return Ok(Some(acquired(token, 1, fingerprint.copied())));
             }
             None if inner.max_records.is_none() => {
                 inner.reserve_slot()?;
                 let token = inner.token();
                 shard.insert(key.clone(), fresh(token));
-                return Ok(Some(acquired(token, 1)));
+                return Ok(Some(acquired(token, 1, fingerprint.copied())));
             }
             None => {
                 // Making room may purge every other shard: release this
@@ -241,7 +244,7 @@ impl MemoryStore {
                 }
                 let token = inner.token();
                 shard.insert(key.clone(), fresh(token));
-                return Ok(Some(acquired(token, 1)));
+                return Ok(Some(acquired(token, 1, fingerprint.copied())));
             }
         };
 
@@ -275,7 +278,7 @@ impl MemoryStore {
                 if s.fingerprint.is_none() {
                     s.fingerprint = fingerprint.copied();
                 }
-                acquired(s.token, s.attempt)
+                acquired(s.token, s.attempt, s.fingerprint)
             }
         };
         Ok(Some(outcome))
@@ -466,7 +469,8 @@ impl IdempotencyStore for MemoryStore {
                     lease.token,
                     s.attempt,
                     self.inner.wall(lease_until),
-                ))
+                )
+                .with_fingerprint(s.fingerprint))
             }
             _ => Err(StoreError::LeaseLost),
         }

@@ -105,10 +105,15 @@ pub struct Lease {
     /// When the lease runs out (store clock). Past it another worker may take
     /// the key over; until someone does, this lease still works.
     pub expires_at: SystemTime,
+    /// The fingerprint stored with the record (the one given now, or the
+    /// one kept from an earlier acquisition), so that layers above the store
+    /// (a cache) can record it with the completion.
+    pub fingerprint: Option<Fingerprint>,
 }
 
 impl Lease {
-    /// Builds a lease (for store implementations).
+    /// Builds a lease (for store implementations); see
+    /// [`with_fingerprint`](Self::with_fingerprint).
     pub fn new(
         key: IdempotencyKey,
         token: LeaseToken,
@@ -120,7 +125,14 @@ impl Lease {
             token,
             attempt,
             expires_at,
+            fingerprint: None,
         }
+    }
+
+    /// Sets the record's stored fingerprint.
+    pub fn with_fingerprint(mut self, fingerprint: Option<Fingerprint>) -> Self {
+        self.fingerprint = fingerprint;
+        self
     }
 }
 

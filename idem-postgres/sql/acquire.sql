@@ -19,7 +19,7 @@ fresh AS (
            c.now + ($5::int8 + $6::int8) * interval '1 microsecond'
     FROM clock c
     ON CONFLICT (scope, key) DO NOTHING
-    RETURNING r.attempt, r.lease_until, r.created_at, r.expires_at
+    RETURNING r.attempt, r.lease_until, r.created_at, r.expires_at, r.fingerprint
 ),
 taken AS (
     UPDATE {{table}} AS r SET
@@ -38,9 +38,9 @@ taken AS (
       AND (r.expires_at <= c.now
            OR (r.status = 1 AND r.lease_until <= c.now
                AND (r.fingerprint IS NULL OR $3::bytea IS NULL OR r.fingerprint = $3::bytea)))
-    RETURNING r.attempt, r.lease_until, r.created_at, r.expires_at
+    RETURNING r.attempt, r.lease_until, r.created_at, r.expires_at, r.fingerprint
 )
-SELECT true AS acquired, 1::int2 AS status, NULL::bytea AS fingerprint, f.attempt,
+SELECT true AS acquired, 1::int2 AS status, f.fingerprint, f.attempt,
        (extract(epoch FROM f.lease_until) * 1000000)::int8 AS lease_until_us,
        NULL::bytea AS response,
        NULL::int8 AS completed_us,
@@ -48,7 +48,7 @@ SELECT true AS acquired, 1::int2 AS status, NULL::bytea AS fingerprint, f.attemp
        (extract(epoch FROM c.now) * 1000000)::int8 AS now_us
 FROM fresh f, clock c
 UNION ALL
-SELECT true, 1::int2, NULL::bytea, t.attempt,
+SELECT true, 1::int2, t.fingerprint, t.attempt,
        (extract(epoch FROM t.lease_until) * 1000000)::int8,
        NULL::bytea,
        NULL::int8,

@@ -550,7 +550,8 @@ impl IdempotencyStore for PgStore {
                 let key = &lease.key;
                 let attempt = attempt_of(column(&row, 0, key)?, key)?;
                 let until = time_of(column(&row, 1, key)?, key, "lease_until")?;
-                Ok(Lease::new(key.clone(), lease.token, attempt, until))
+                Ok(Lease::new(key.clone(), lease.token, attempt, until)
+                    .with_fingerprint(lease.fingerprint))
             }
             .await;
             lent.settle(&result);
@@ -806,12 +807,10 @@ fn decode_acquire(
     let lease_until: Option<i64> = column(row, 4, key)?;
     if acquired {
         let until = time_of(lease_until, key, "lease_until")?;
-        return Ok(Some(Acquisition::Acquired(Lease::new(
-            key.clone(),
-            token,
-            attempt,
-            until,
-        ))));
+        let stored = fingerprint_of(column(row, 2, key)?, key)?;
+        return Ok(Some(Acquisition::Acquired(
+            Lease::new(key.clone(), token, attempt, until).with_fingerprint(stored),
+        )));
     }
     let status = status_of(column(row, 1, key)?, key)?;
     let stored = fingerprint_of(column(row, 2, key)?, key)?;

@@ -1,7 +1,7 @@
 -- acquire: every outcome in one call.
 -- KEYS[1] the record (a hash). ARGV: [1] fingerprint (32 bytes, or ""),
 -- [2] new token (16 bytes), [3] lease ms, [4] in-progress grace ms.
--- Returns {"acquired", attempt, lease_until_ms}
+-- Returns {"acquired", attempt, lease_until_ms, stored fingerprint or ""}
 --       | {"completed", response, fingerprint, attempt, completed_ms, expires_ms}
 --       | {"in_progress", lease_until_ms, attempt, now_ms}
 --       | {"mismatch"}
@@ -39,7 +39,7 @@ if kind == 'none' or e <= now then
   redis.call('HSET', key, 's', '1', 't', token, 'a', 1, 'l', until_ms, 'c', now, 'e', until_ms + grace)
   if fp ~= '' then redis.call('HSET', key, 'f', fp) end
   redis.call('PEXPIREAT', key, until_ms + grace)
-  return {'acquired', 1, until_ms}
+  return {'acquired', 1, until_ms, fp}
 end
 
 if f and fp ~= '' and f ~= fp then
@@ -63,4 +63,4 @@ a = a + 1
 redis.call('HSET', key, 't', token, 'a', a, 'l', until_ms, 'e', until_ms + grace)
 if not f and fp ~= '' then redis.call('HSET', key, 'f', fp) end
 redis.call('PEXPIREAT', key, until_ms + grace)
-return {'acquired', a, until_ms}
+return {'acquired', a, until_ms, f or fp}

@@ -360,7 +360,8 @@ where
             Value::Array(items) if items.len() == 2 => {
                 let attempt = attempt_of(int(&items[0], key)?, key)?;
                 let until = time_of(int(&items[1], key)?, key)?;
-                Ok(Lease::new(key.clone(), lease.token, attempt, until))
+                Ok(Lease::new(key.clone(), lease.token, attempt, until)
+                    .with_fingerprint(lease.fingerprint))
             }
             other => Err(unexpected(format!("extend returned {other:?}"))),
         }
@@ -502,15 +503,19 @@ fn decode_acquire(
     let tag = items.next().map(bytes_of).transpose()?.unwrap_or_default();
     let rest: Vec<Value> = items.collect();
     match (tag.as_slice(), rest.len()) {
-        (b"acquired", 2) => {
+        (b"acquired", 3) => {
             let attempt = attempt_of(int(&rest[0], key)?, key)?;
             let until = time_of(int(&rest[1], key)?, key)?;
-            Ok(Acquisition::Acquired(Lease::new(
-                key.clone(),
-                token,
-                attempt,
-                until,
-            )))
+            let stored = rest
+                .into_iter()
+                .nth(2)
+                .map(bytes_of)
+                .transpose()?
+                .unwrap_or_default();
+            Ok(Acquisition::Acquired(
+                Lease::new(key.clone(), token, attempt, until)
+                    .with_fingerprint(fingerprint_of(&stored, key)?),
+            ))
         }
         (b"completed", 5) => {
             let attempt = attempt_of(int(&rest[2], key)?, key)?;

@@ -285,6 +285,11 @@ pub async fn fresh_acquire<H: Harness>(h: &H) {
     );
     assert_eq!(lease.key, key);
     assert_eq!(lease.attempt, 1);
+    assert_eq!(
+        lease.fingerprint,
+        Some(fp("a")),
+        "the lease carries the stored fingerprint"
+    );
     let record =
         ok(store.get(&key).await, "get").unwrap_or_else(|| panic!("no record after acquire"));
     assert_eq!(record.key, key);
@@ -400,6 +405,7 @@ pub async fn fingerprint_optional<H: Harness>(h: &H) {
         store.acquire(&k1, None, LONG).await,
         "acquire without fingerprint",
     );
+    assert_eq!(lease.fingerprint, None);
     let got = store.acquire(&k1, Some(&fp("x")), LONG).await;
     assert!(matches!(got, Ok(Acquisition::InProgress { .. })), "{got:?}");
     ok(store.complete(&lease, b"one", DAY).await, "complete");
@@ -485,8 +491,14 @@ pub async fn lease_takeover_fencing<H: Harness>(h: &H) {
         "first acquire",
     );
     outlive(short).await;
-    let new = acquired(store.acquire(&key, Some(&fp("a")), LONG).await, "takeover");
+    // Taken over without a fingerprint: the stored one is kept and reported.
+    let new = acquired(store.acquire(&key, None, LONG).await, "takeover");
     assert_eq!(new.attempt, 2);
+    assert_eq!(
+        new.fingerprint,
+        Some(fp("a")),
+        "the takeover lease carries the stored fingerprint"
+    );
     assert_ne!(new.token, old.token, "takeover must issue a new token");
 
     lease_lost(store.complete(&old, b"zombie", DAY).await, "stale complete");
@@ -557,6 +569,7 @@ pub async fn extend_renews_lease<H: Harness>(h: &H) {
     let lease = acquired(store.acquire(&key, None, short).await, "acquire");
     let renewed = ok(store.extend(&lease, LONG).await, "extend");
     assert_eq!(renewed.token, lease.token);
+    assert_eq!(renewed.fingerprint, lease.fingerprint);
     assert_eq!(renewed.attempt, lease.attempt);
     assert!(renewed.expires_at > lease.expires_at + short);
     outlive(short).await;
