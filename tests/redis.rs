@@ -5,8 +5,6 @@
 
 mod support;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,8 +13,8 @@ use idem::redis::redis::cluster_async::ClusterConnection;
 use idem::redis::RedisStore;
 use idem::testkit::{self, Harness, Settings};
 use idem::{
-    async_trait, Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    InProgressPolicy, Processed, StoreError,
+    async_trait, Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
+    StoreError,
 };
 use support::redis_server::{self, RedisServer};
 
@@ -314,126 +312,14 @@ async fn server_killed_and_restarted_mid_storm_runs_nothing_twice() {
             max_wait: Duration::from_secs(30),
             poll: Duration::from_millis(5),
         });
-    const KEYS: usize = 300;
-    const TASKS: usize = 16;
-    let run = format!("{:08x}", fastrand::u32(..));
-    let keys: Arc<Vec<IdempotencyKey>> = Arc::new(
-        (0..KEYS)
-            .map(|i| {
-                IdempotencyKey::new("storm.restart", format!("{run}-{i}"))
-                    .unwrap_or_else(|e| panic!("{e}"))
-            })
-            .collect(),
-    );
-    let executions: Arc<Vec<AtomicUsize>> =
-        Arc::new((0..KEYS).map(|_| AtomicUsize::new(0)).collect());
-    let total = Arc::new(AtomicUsize::new(0));
-    let unavailable = Arc::new(AtomicUsize::new(0));
-    let crashed = Arc::new(tokio::sync::Notify::new());
-    let saw_outage = Arc::new(tokio::sync::Notify::new());
-    let killed = Arc::new(AtomicBool::new(false));
-
-    // Kill the server once a third of the keys ran; start it again once a
-    // call has seen the outage.
-    let chaos = {
-        let (server, crashed, saw_outage, killed) = (
-            server.clone(),
-            crashed.clone(),
-            saw_outage.clone(),
-            killed.clone(),
-        );
-        tokio::spawn(async move {
-            crashed.notified().await;
-            server.kill();
-            killed.store(true, Ordering::SeqCst);
-            saw_outage.notified().await;
-            tokio::task::spawn_blocking(move || server.start_again())
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-        })
-    };
-
-    let mut tasks = Vec::new();
-    for t in 0..TASKS {
-        let (idem, keys, executions, total, unavailable) = (
-            idem.clone(),
-            keys.clone(),
-            executions.clone(),
-            total.clone(),
-            unavailable.clone(),
-        );
-        let (crashed, saw_outage, killed) = (crashed.clone(), saw_outage.clone(), killed.clone());
-        tasks.push(tokio::spawn(async move {
-            let mut order: Vec<usize> = (0..KEYS).collect();
-            fastrand::Rng::with_seed(t as u64).shuffle(&mut order);
-            let mut results = HashMap::new();
-            for i in order {
-                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-                loop {
-                    let (executions, total, crashed) = (&executions, &total, &crashed);
-                    let outcome = idem
-                        .process(&keys[i], i as u64, |i| async move {
-                            executions[i as usize].fetch_add(1, Ordering::SeqCst);
-                            if total.fetch_add(1, Ordering::SeqCst) + 1 == KEYS / 3 {
-                                crashed.notify_one();
-                            }
-                            Ok::<_, std::io::Error>(format!("{i}:{:x}", fastrand::u64(..)))
-                        })
-                        .await;
-                    match outcome {
-                        Ok(p) => {
-                            results.insert(i, p);
-                            break;
-                        }
-                        Err(IdemError::Store(StoreError::Unavailable(_))) => {
-                            unavailable.fetch_add(1, Ordering::SeqCst);
-                            if killed.load(Ordering::SeqCst) {
-                                saw_outage.notify_one();
-                            }
-                            assert!(
-                                tokio::time::Instant::now() < deadline,
-                                "key {i}: Redis never came back"
-                            );
-                            // Redelivery after a short pause, as a broker would.
-                            tokio::time::sleep(Duration::from_millis(20)).await;
-                        }
-                        Err(e) => panic!("key {i}: unexpected error {e:?}"),
-                    }
-                }
-            }
-            results
-        }));
-    }
-    let mut executed: HashMap<usize, String> = HashMap::new();
-    let mut replays = Vec::new();
-    for task in tasks {
-        for (i, p) in task.await.unwrap_or_else(|e| panic!("{e}")) {
-            match p {
-                Processed::Executed(v) => {
-                    assert!(
-                        executed.insert(i, v).is_none(),
-                        "key {i} reported executed twice"
-                    );
-                }
-                Processed::Replayed(v) => replays.push((i, v)),
-            }
-        }
-    }
-    chaos.await.unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        unavailable.load(Ordering::SeqCst) > 0,
-        "no call saw the outage"
-    );
-    for (i, e) in executions.iter().enumerate() {
-        assert_eq!(
-            e.load(Ordering::SeqCst),
-            1,
-            "key {i} ran {} times",
-            e.load(Ordering::SeqCst)
-        );
-    }
-    assert_eq!(executed.len(), KEYS);
-    for (i, v) in replays {
-        assert_eq!(Some(&v), executed.get(&i), "key {i}: replay differs");
-    }
+    let (down, up) = (server.clone(), server.clone());
+    let report = support::chaos::storm_through_fault(
+        idem,
+        300,
+        16,
+        Box::new(move || down.kill()),
+        Some(Box::new(move || up.start_again())),
+    )
+    .await;
+    assert!(report.unavailable > 0, "no call saw the outage");
 }

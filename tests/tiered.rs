@@ -1,0 +1,376 @@
+//! TieredStore against real Redis and PostgreSQL: the conformance suite on
+//! moka -> Redis -> PostgreSQL and on moka -> PostgreSQL, which tier answers
+//! a duplicate (and the fills), and Redis stopped in the middle of a storm.
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem::postgres::PgStore;
+use idem::testkit::{self, Harness, Settings};
+use idem::tiered::{CacheError, MokaCache, RecordCache, RedisCache, TieredStore};
+use idem::{
+    async_trait, Acquisition, CompletedRecord, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, InProgressPolicy, Lease, Processed, Record, StoreError,
+};
+use support::{pg, redis_server};
+
+async fn postgres() -> PgStore {
+    let store = PgStore::new(pg::pool(pg::shared_url(), 16).await);
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    store
+}
+
+async fn redis_cache(url: &str) -> RedisCache {
+    RedisCache::connect(url)
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect the Redis tier: {e}"))
+}
+
+fn moka() -> MokaCache {
+    MokaCache::new(100_000, 256 << 20)
+}
+
+async fn corrupt_source(store: &TieredStore<PgStore>, key: &IdempotencyKey) {
+    // A cache only ever holds what the source completed; corrupting the
+    // record means the source's row, with the cached copies dropped.
+    store.invalidate_caches(key).await;
+    let sql = format!(
+        "UPDATE {} SET status = 9 WHERE scope = $1 AND key = $2",
+        store.source().qualified_table()
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql))
+        .bind(key.scope())
+        .bind(key.id())
+        .execute(store.source().pool())
+        .await
+        .unwrap_or_else(|e| panic!("corrupt: {e}"));
+}
+
+fn settings() -> Settings {
+    Settings::default().lease(Duration::from_millis(400))
+}
+
+struct MokaRedisPg;
+
+#[async_trait]
+impl Harness for MokaRedisPg {
+    type Store = TieredStore<PgStore>;
+    async fn store(&self) -> TieredStore<PgStore> {
+        TieredStore::new(postgres().await)
+            .with_cache(moka())
+            .with_cache(redis_cache(redis_server::shared_url()).await)
+    }
+    async fn corrupt(&self, store: &TieredStore<PgStore>, key: &IdempotencyKey) {
+        corrupt_source(store, key).await;
+    }
+    fn settings(&self) -> Settings {
+        settings()
+    }
+}
+
+struct MokaPg;
+
+#[async_trait]
+impl Harness for MokaPg {
+    type Store = TieredStore<PgStore>;
+    async fn store(&self) -> TieredStore<PgStore> {
+        TieredStore::new(postgres().await).with_cache(moka())
+    }
+    async fn corrupt(&self, store: &TieredStore<PgStore>, key: &IdempotencyKey) {
+        corrupt_source(store, key).await;
+    }
+    fn settings(&self) -> Settings {
+        settings()
+    }
+}
+
+mod moka_redis_postgres {
+    use super::*;
+    idem::conformance_tests!(MokaRedisPg);
+}
+
+mod moka_postgres {
+    use super::*;
+    idem::conformance_tests!(MokaPg);
+}
+
+/// A real cache tier that counts the lookups it answered.
+#[derive(Clone)]
+struct Counted<C> {
+    inner: C,
+    hits: Arc<AtomicUsize>,
+}
+
+impl<C> Counted<C> {
+    fn new(inner: C) -> Self {
+        Counted {
+            inner,
+            hits: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl<C: RecordCache + Clone> RecordCache for Counted<C> {
+    fn name(&self) -> &str {
+        self.inner.name()
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError> {
+        let got = self.inner.get(key).await?;
+        if got.is_some() {
+            self.hits.fetch_add(1, Ordering::SeqCst);
+        }
+        Ok(got)
+    }
+    async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError> {
+        self.inner.put(record, ttl).await
+    }
+    async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError> {
+        self.inner.invalidate(key).await
+    }
+}
+
+/// The real PostgreSQL store, counting the acquisitions that reached it.
+struct CountedSource {
+    inner: PgStore,
+    acquires: AtomicUsize,
+}
+
+#[async_trait]
+impl IdempotencyStore for CountedSource {
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fp: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.acquires.fetch_add(1, Ordering::SeqCst);
+        self.inner.acquire(key, fp, lease).await
+    }
+    async fn complete(&self, l: &Lease, r: &[u8], ret: Duration) -> Result<(), StoreError> {
+        self.inner.complete(l, r, ret).await
+    }
+    async fn release(&self, l: &Lease) -> Result<(), StoreError> {
+        self.inner.release(l).await
+    }
+    async fn extend(&self, l: &Lease, d: Duration) -> Result<Lease, StoreError> {
+        self.inner.extend(l, d).await
+    }
+    async fn get(&self, k: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.inner.get(k).await
+    }
+    async fn delete(&self, k: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.inner.delete(k).await
+    }
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(max).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
+    let moka = Counted::new(moka());
+    let redis = Counted::new(redis_cache(redis_server::shared_url()).await);
+    let store = Arc::new(
+        TieredStore::new(CountedSource {
+            inner: postgres().await,
+            acquires: AtomicUsize::new(0),
+        })
+        .with_cache(moka.clone())
+        .with_cache(redis.clone()),
+    );
+    let idem = Idempotency::from_arc(store.clone());
+    let key = testkit::unique_key("tiers");
+    let first = idem
+        .process(&key, "payload", |p| async move {
+            Ok::<_, std::io::Error>(format!("done {p}"))
+        })
+        .await;
+    assert!(matches!(first, Ok(Processed::Executed(_))), "{first:?}");
+    let source = || store.source().acquires.load(Ordering::SeqCst);
+    let replay = || async {
+        let out = idem
+            .process(&key, "payload", |_| async {
+                Ok::<_, std::io::Error>("ran again".to_string())
+            })
+            .await;
+        assert_eq!(
+            out.ok(),
+            Some(Processed::Replayed("done payload".to_string()))
+        );
+    };
+    let counts = || (moka.hits(), redis.hits(), source());
+    let (m0, r0, s0) = counts();
+
+    // Written through on completion: moka answers.
+    replay().await;
+    assert_eq!(counts(), (m0 + 1, r0, s0), "moka should answer");
+
+    // Without the moka entry: Redis answers, and moka is filled again.
+    moka.invalidate(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    replay().await;
+    assert_eq!(counts(), (m0 + 1, r0 + 1, s0), "redis should answer");
+    replay().await;
+    assert_eq!(
+        counts(),
+        (m0 + 2, r0 + 1, s0),
+        "moka should be filled from redis"
+    );
+
+    // Without both: PostgreSQL answers, and both faster tiers are filled.
+    moka.invalidate(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    redis
+        .invalidate(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    replay().await;
+    assert_eq!(counts(), (m0 + 2, r0 + 1, s0 + 1), "postgres should answer");
+    replay().await;
+    assert_eq!(
+        counts(),
+        (m0 + 3, r0 + 1, s0 + 1),
+        "moka should be filled from postgres"
+    );
+    moka.invalidate(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    replay().await;
+    assert_eq!(
+        counts(),
+        (m0 + 3, r0 + 2, s0 + 1),
+        "redis should be filled from postgres"
+    );
+
+    // A different payload is refused on a cache hit too.
+    let other = idem
+        .process(&key, "another payload", |_| async {
+            Ok::<_, std::io::Error>(String::new())
+        })
+        .await;
+    assert!(
+        matches!(other, Err(idem::IdemError::PayloadMismatch)),
+        "{other:?}"
+    );
+    assert_eq!(source(), s0 + 1, "the mismatch was found in a cache");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_cache_entries_are_misses_and_dropped() {
+    let redis = redis_cache(redis_server::shared_url()).await;
+    let store = TieredStore::new(postgres().await).with_cache(redis.clone());
+    let key = testkit::unique_key("bad-entry");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"truth", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let client = idem::redis::redis::Client::open(redis_server::shared_url())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _: () = idem::redis::redis::cmd("SET")
+        .arg(redis.redis_key(&key))
+        .arg("garbage")
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    match store.acquire(&key, None, Duration::from_secs(30)).await {
+        Ok(Acquisition::Completed(r)) => assert_eq!(&r.response[..], b"truth"),
+        other => panic!("expected the source's record, got {other:?}"),
+    }
+    // Dropped, then filled again from the source with a good entry.
+    match redis.get(&key).await {
+        Ok(Some(r)) => assert_eq!(&r.response[..], b"truth"),
+        other => panic!("expected a refilled entry, got {other:?}"),
+    }
+}
+
+/// Redis (the middle tier) is killed in the middle of a storm and stays
+/// down: nothing runs twice, and every call is answered by moka or
+/// PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stopped_mid_storm_changes_nothing_but_speed() {
+    let redis = Arc::new(redis_server::RedisServer::start(&[]));
+    let store = TieredStore::new(postgres().await)
+        .with_cache(moka())
+        .with_cache(redis_cache(&redis.url).await)
+        .cache_timeout(Duration::from_millis(100));
+    let idem = Idempotency::new(store)
+        .lease(Duration::from_secs(20))
+        .on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(30),
+            poll: Duration::from_millis(5),
+        });
+    let down = redis.clone();
+    let report =
+        support::chaos::storm_through_fault(idem, 300, 16, Box::new(move || down.kill()), None)
+            .await;
+    assert_eq!(
+        report.unavailable, 0,
+        "a cache outage must not fail any call"
+    );
+}
+
+/// Concurrent misses for one key are merged into one lookup of the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_misses_are_merged_into_one_source_lookup() {
+    let moka = moka();
+    let store = Arc::new(
+        TieredStore::new(CountedSource {
+            inner: postgres().await,
+            acquires: AtomicUsize::new(0),
+        })
+        .with_cache(moka.clone()),
+    );
+    let key = testkit::unique_key("merged");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"once", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    moka.invalidate(&key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let before = store.source().acquires.load(Ordering::SeqCst);
+    let barrier = Arc::new(tokio::sync::Barrier::new(32));
+    let mut tasks = Vec::new();
+    for _ in 0..32 {
+        let (store, key, barrier) = (store.clone(), key.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            store.acquire(&key, None, Duration::from_secs(30)).await
+        }));
+    }
+    for task in tasks {
+        match task.await.unwrap_or_else(|e| panic!("{e}")) {
+            Ok(Acquisition::Completed(r)) => assert_eq!(&r.response[..], b"once"),
+            other => panic!("expected the completed record, got {other:?}"),
+        }
+    }
+    assert_eq!(
+        store.source().acquires.load(Ordering::SeqCst) - before,
+        1,
+        "32 concurrent misses reached the source more than once"
+    );
+}
