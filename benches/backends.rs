@@ -305,6 +305,63 @@ fn redis(c: &mut Criterion) {
     fresh_and_duplicate(c, "redis-cluster", &runtime, cluster);
 }
 
+/// A duplicate answered by each tier of a tiered store, from one run: moka
+/// in front; Redis when it is the fastest tier; PostgreSQL with no cache.
+#[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
+fn tiered(c: &mut Criterion) {
+    use idem::postgres::PgStore;
+    use idem::tiered::{MokaCache, RedisCache, TieredStore};
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lease = Duration::from_secs(60);
+    let retention = Duration::from_secs(3600);
+    let (pg, redis) = runtime.block_on(async {
+        let pg = PgStore::new(support::pg::pool(support::pg::shared_url(), 8).await);
+        pg.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let redis = RedisCache::connect(support::redis_server::shared_url())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        (pg, redis)
+    });
+    let stacks = [
+        (
+            "duplicate answered by moka (moka -> redis -> postgres)",
+            TieredStore::new(pg.clone())
+                .with_cache(MokaCache::new(100_000, 64 << 20))
+                .with_cache(redis.clone()),
+        ),
+        (
+            "duplicate answered by redis (redis -> postgres)",
+            TieredStore::new(pg.clone()).with_cache(redis.clone()),
+        ),
+        (
+            "duplicate answered by postgres (no cache tier)",
+            TieredStore::new(pg.clone()),
+        ),
+    ];
+    let mut group = c.benchmark_group("tiered");
+    for (name, store) in stacks {
+        let key = IdempotencyKey::new("bench.tier", format!("{}", fastrand::u64(..)))
+            .unwrap_or_else(|e| panic!("{e}"));
+        runtime.block_on(fresh_with(&store, &key, lease, retention));
+        group.bench_function(name, |b| {
+            b.to_async(&runtime).iter(|| async {
+                let got = store.acquire(&key, None, lease).await;
+                assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
+            })
+        });
+    }
+    group.finish();
+}
+
+#[cfg(not(all(feature = "tiered", feature = "postgres", feature = "redis")))]
+fn tiered(_: &mut Criterion) {
+    eprintln!("tiered benches skipped: build with --features tiered,postgres,redis");
+}
+
 #[cfg(not(feature = "redis"))]
 fn redis(_: &mut Criterion) {
     eprintln!("redis benches skipped: build with --features redis");
@@ -336,6 +393,6 @@ criterion_group! {
     config = Criterion::default()
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(3));
-    targets = memory, postgres, redis
+    targets = memory, postgres, redis, tiered
 }
 criterion_main!(benches);

@@ -35,6 +35,9 @@ enum Backend {
     Postgres,
     /// RedisStore (feature `redis`) on --redis-url.
     Redis,
+    /// TieredStore (feature `tiered`): moka, then Redis (--redis-url), then
+    /// PostgreSQL (--postgres-url) as the source of truth.
+    Tiered,
 }
 
 #[derive(Debug, Parser)]
@@ -214,6 +217,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Postgres => postgres_store(&args).await?,
         Backend::Redis => redis_store(&args).await?,
+        Backend::Tiered => tiered_store(&args).await?,
     };
     let ok = run(&args, store).await?;
     if !ok {
@@ -453,21 +457,28 @@ async fn run(
 }
 
 #[cfg(feature = "postgres")]
-async fn postgres_store(
-    args: &Args,
-) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, Box<dyn std::error::Error>> {
     let url = args
         .postgres_url
         .as_deref()
-        .ok_or("--backend postgres needs --postgres-url (or IDEM_POSTGRES_URL)")?;
+        .ok_or("this backend needs --postgres-url (or IDEM_POSTGRES_URL)")?;
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(args.concurrency.clamp(2, 64) as u32)
+        .max_connections(4)
         .test_before_acquire(false)
         .connect(url)
         .await?;
-    let store = idem::postgres::PgStore::new(pool);
+    let store = idem::postgres::PgStore::builder(pool)
+        .connections(args.concurrency.clamp(2, 64))
+        .build()?;
     store.migrate().await?;
-    Ok(Arc::new(store))
+    Ok(store)
+}
+
+#[cfg(feature = "postgres")]
+async fn postgres_store(
+    args: &Args,
+) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    Ok(Arc::new(pg_store(args).await?))
 }
 
 #[cfg(not(feature = "postgres"))]
@@ -487,6 +498,26 @@ async fn redis_store(args: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn s
 #[cfg(not(feature = "redis"))]
 async fn redis_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
     Err("this build has no Redis backend: run with --features redis".into())
+}
+
+#[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
+async fn tiered_store(
+    args: &Args,
+) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    use idem::tiered::{MokaCache, RedisCache, TieredStore};
+    let url = args
+        .redis_url
+        .as_deref()
+        .ok_or("--backend tiered needs --redis-url (or IDEM_REDIS_URL) for its Redis tier")?;
+    let store = TieredStore::new(pg_store(args).await?)
+        .with_cache(MokaCache::new(100_000, 256 << 20))
+        .with_cache(RedisCache::connect(url).await?);
+    Ok(Arc::new(store))
+}
+
+#[cfg(not(all(feature = "tiered", feature = "postgres", feature = "redis")))]
+async fn tiered_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+    Err("this build has no tiered backend: run with --features tiered,postgres,redis".into())
 }
 
 /// Starts the handler in a task and kills the task once the handler has

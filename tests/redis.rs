@@ -306,8 +306,10 @@ async fn server_killed_and_restarted_mid_storm_runs_nothing_twice() {
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .call_timeout(Duration::from_millis(500));
+    // A reservation whose reply was lost in the crash stays until its lease
+    // ends (the redelivery then takes it over): keep the lease short.
     let idem = Idempotency::new(store)
-        .lease(Duration::from_secs(20))
+        .lease(Duration::from_secs(5))
         .on_in_progress(InProgressPolicy::Wait {
             max_wait: Duration::from_secs(30),
             poll: Duration::from_millis(5),

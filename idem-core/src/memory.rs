@@ -429,6 +429,14 @@ impl IdempotencyStore for MemoryStore {
                 s.expires_at = now + retention;
                 Ok(())
             }
+            // Completed by this very lease: a retry after a lost reply.
+            Some(Slot::Live(s))
+                if s.is_live(now)
+                    && s.token == lease.token.as_u128()
+                    && matches!(s.state, State::Completed { .. }) =>
+            {
+                Ok(())
+            }
             _ => Err(StoreError::LeaseLost),
         }
     }

@@ -43,8 +43,10 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     ) -> Result<Acquisition, StoreError>;
 
     /// Records `response` for the lease's key and keeps it for `retention`.
-    /// [`StoreError::LeaseLost`] if the token no longer holds the key
-    /// (including when the record is already completed).
+    /// [`StoreError::LeaseLost`] if the token no longer holds the key.
+    /// Completing again with the lease that completed the record succeeds
+    /// and changes nothing (the first response stays), so a completion can
+    /// be retried after a lost reply.
     async fn complete(
         &self,
         lease: &Lease,

@@ -88,7 +88,10 @@ pub trait RecordCache: Send + Sync + 'static {
     /// The completed record of `key`, if cached.
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError>;
 
-    /// Caches a completed record for `ttl`.
+    /// Caches a completed record for `ttl`, unless the key already has an
+    /// entry: a completed record never changes while it lives, so an
+    /// existing entry is right and must stay (a repeated completion is a
+    /// no-op at the source, and must be one here too).
     async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError>;
 
     /// Drops the entry of `key`.

@@ -98,7 +98,7 @@ impl RecordCache for MokaCache {
             record: record.clone(),
             ttl,
         });
-        self.cache.insert(record.key.clone(), entry).await;
+        self.cache.entry(record.key.clone()).or_insert(entry).await;
         Ok(())
     }
 

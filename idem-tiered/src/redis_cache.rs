@@ -14,7 +14,7 @@ const HEADER: usize = 2 + 4 + 8 + 8 + 1;
 
 /// A Redis cache tier: one string per completed record under its own
 /// prefix (default `idem-cache:`, apart from a `RedisStore`'s records),
-/// `SET ... PX ttl`. Works on any shared connection of the `redis` crate,
+/// `SET ... PX ttl NX`. Works on any shared connection of the `redis` crate,
 /// cluster included (one key per call).
 #[derive(Clone)]
 pub struct RedisCache<C = ConnectionManager> {
@@ -170,6 +170,7 @@ where
             .arg(encode(record))
             .arg("PX")
             .arg(ttl_ms)
+            .arg("NX")
             .query_async::<()>(&mut conn)
             .await
             .map_err(unavailable)
