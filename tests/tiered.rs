@@ -374,3 +374,105 @@ async fn concurrent_misses_are_merged_into_one_source_lookup() {
         "32 concurrent misses reached the source more than once"
     );
 }
+
+/// The Redis tier frozen (SIGSTOP): calls wait at most the cache timeout for
+/// it, are answered by PostgreSQL, and the timeouts are counted per tier.
+#[test]
+fn a_frozen_cache_tier_times_out_is_skipped_and_counted() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let redis = redis_server::RedisServer::start(&[]);
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        runtime.block_on(async {
+            let store = TieredStore::new(postgres().await)
+                .with_cache(redis_cache(&redis.url).await)
+                .cache_timeout(Duration::from_millis(100));
+            let key = testkit::unique_key("frozen");
+            let Ok(Acquisition::Acquired(l)) =
+                store.acquire(&key, None, Duration::from_secs(30)).await
+            else {
+                panic!("not acquired")
+            };
+            store
+                .complete(&l, b"from postgres", Duration::from_secs(600))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            store.invalidate_caches(&key).await;
+            redis.signal("STOP");
+            let answer = tokio::time::timeout(
+                Duration::from_secs(5),
+                store.acquire(&key, None, Duration::from_secs(30)),
+            )
+            .await;
+            redis.signal("CONT");
+            match answer {
+                Ok(Ok(Acquisition::Completed(r))) => assert_eq!(&r.response[..], b"from postgres"),
+                other => {
+                    panic!("expected the source's record despite the frozen tier, got {other:?}")
+                }
+            }
+        });
+    });
+    let counted = |name: &str, tier: &str| -> u64 {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, _, _, _)| {
+                k.key().name() == name
+                    && k.key()
+                        .labels()
+                        .any(|l| l.key() == "tier" && l.value() == tier)
+            })
+            .map(|(_, _, _, v)| match v {
+                DebugValue::Counter(n) => n,
+                _ => 0,
+            })
+            .sum()
+    };
+    assert!(
+        counted("idem_tier_errors_total", "redis") >= 1,
+        "the timeout was not counted"
+    );
+}
+
+/// `purge_periodically` deletes expired rows of the source on its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn purge_periodically_deletes_expired_rows() {
+    let store = Arc::new(postgres().await);
+    let key = testkit::unique_key("purged");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"r", Duration::from_millis(50))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let purger = idem::purge_periodically(store.clone(), Duration::from_millis(50), 100);
+    let sql = format!(
+        "SELECT count(*) FROM {} WHERE scope = $1 AND key = $2",
+        store.qualified_table()
+    );
+    let mut rows = 1i64;
+    for _ in 0..200 {
+        rows = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
+            .bind(key.scope())
+            .bind(key.id())
+            .fetch_one(store.pool())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if rows == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    purger.abort();
+    assert_eq!(rows, 0, "the expired row was never purged");
+}

@@ -106,6 +106,23 @@ impl RedisServer {
         }
     }
 
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay
+    /// open but nothing is answered, so clients time out.
+    pub fn signal(&self, signal: &str) {
+        if let Some(child) = self
+            .child
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            let status = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(child.id().to_string())
+                .status();
+            assert!(status.is_ok_and(|s| s.success()), "kill -{signal} failed");
+        }
+    }
+
     /// Sends one inline command and returns the raw reply.
     pub fn command(&self, line: &str) -> String {
         command(self.port, line)
