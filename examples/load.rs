@@ -1,0 +1,473 @@
+//! The load command: drives one backend from many tasks for a fixed time
+//! and prints one line per run with ops/s and latency percentiles.
+//!
+//! ```text
+//! cargo run --release --all-features --example load -- --backend redis --concurrency 64 --seconds 10 --mix fresh
+//! ```
+//!
+//! Output (one line, `name=value` pairs, stable for scripts):
+//!
+//! ```text
+//! load backend=redis via=process mix=fresh concurrency=64 seconds=10.00 ops=412345 ops_per_sec=41234 p50_us=1480.1 p99_us=3010.5 p999_us=4020.2 max_us=9001.0 executed=412345 replayed=0 in_progress=0 errors=0
+//! ```
+//!
+//! Mixes:
+//! - `fresh`: every operation is a new key (acquire, handler, complete:
+//!   2 round trips to the store).
+//! - `duplicate`: every operation is a delivery of one of 1,024 keys
+//!   completed before the run (one acquire, answered with the recorded
+//!   response: 1 round trip).
+//! - `contended`: rounds in which all tasks deliver the same new key at
+//!   once; one executes, the others are told it is in progress or get the
+//!   replay. An operation is one delivery.
+//!
+//! `--via process` (the default) goes through `Idempotency::process` with
+//! its default settings (heartbeat on, JSON codec, payload fingerprint);
+//! `--via store` calls the store's `acquire` and `complete` directly.
+//! `--backend postgres-tx` runs each delivery in its own transaction with
+//! the in-transaction mode (BEGIN, claim, complete, COMMIT).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use hdrhistogram::Histogram;
+use idem::{
+    Acquisition, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, MemoryStore, Processed,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Backend {
+    /// In-process MemoryStore.
+    Memory,
+    /// PgStore on --postgres-url.
+    Postgres,
+    /// PgStore's in-transaction mode on --postgres-url, one transaction per delivery.
+    PostgresTx,
+    /// RedisStore on --redis-url.
+    Redis,
+    /// RedisStore on the Redis Cluster of --redis-cluster-urls.
+    RedisCluster,
+    /// TieredStore: moka, then Redis, then PostgreSQL (duplicates answered by moka).
+    Tiered,
+    /// TieredStore: a Redis cache tier, then PostgreSQL (duplicates answered by Redis).
+    TieredRedis,
+    /// TieredStore with no cache tier (duplicates answered by PostgreSQL).
+    TieredPostgres,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mix {
+    /// A new key per operation.
+    Fresh,
+    /// Deliveries of keys completed before the run.
+    Duplicate,
+    /// All tasks deliver the same new key at once, round after round.
+    Contended,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Via {
+    /// `Idempotency::process` with a trivial handler.
+    Process,
+    /// The store's `acquire` (and `complete`) called directly.
+    Store,
+}
+
+#[derive(Debug, Parser)]
+#[command(about = "Drives one idem backend and prints ops/s and latency percentiles")]
+struct Args {
+    #[arg(long, value_enum, default_value = "memory")]
+    backend: Backend,
+    #[arg(long, value_enum, default_value = "fresh")]
+    mix: Mix,
+    #[arg(long, value_enum, default_value = "process")]
+    via: Via,
+    /// Concurrent tasks.
+    #[arg(long, default_value_t = 64)]
+    concurrency: usize,
+    /// Measured seconds.
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Unmeasured seconds before the measurement.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// Runtime worker threads (default: one per core).
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long, env = "IDEM_POSTGRES_URL")]
+    postgres_url: Option<String>,
+    #[arg(long, env = "IDEM_REDIS_URL")]
+    redis_url: Option<String>,
+    /// Comma-separated node URLs of a Redis Cluster.
+    #[arg(long, env = "IDEM_REDIS_CLUSTER_URLS")]
+    redis_cluster_urls: Option<String>,
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What a delivery got.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    Executed,
+    Replayed,
+    InProgress,
+}
+
+/// What the tasks drive.
+#[derive(Clone)]
+enum Target {
+    Store(
+        Arc<dyn IdempotencyStore>,
+        Arc<Idempotency<dyn IdempotencyStore>>,
+    ),
+    #[cfg(feature = "postgres")]
+    PgTx(idem::postgres::PgStore),
+}
+
+const LEASE: Duration = Duration::from_secs(60);
+const RETENTION: Duration = Duration::from_secs(3600);
+const DUPLICATE_KEYS: u64 = 1024;
+
+impl Target {
+    async fn deliver(&self, via: Via, key: &IdempotencyKey) -> Result<Outcome, BoxError> {
+        match self {
+            Target::Store(store, idem) => match via {
+                Via::Process => {
+                    let out = idem
+                        .process(
+                            key,
+                            &42u64,
+                            |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                        )
+                        .await;
+                    match out {
+                        Ok(Processed::Executed(_)) => Ok(Outcome::Executed),
+                        Ok(Processed::Replayed(_)) => Ok(Outcome::Replayed),
+                        Err(IdemError::InProgress { .. }) => Ok(Outcome::InProgress),
+                        Err(e) => Err(e.into()),
+                    }
+                }
+                Via::Store => match store.acquire(key, None, LEASE).await? {
+                    Acquisition::Acquired(lease) => {
+                        store.complete(&lease, b"43", RETENTION).await?;
+                        Ok(Outcome::Executed)
+                    }
+                    Acquisition::Completed(_) => Ok(Outcome::Replayed),
+                    Acquisition::InProgress { .. } => Ok(Outcome::InProgress),
+                    other => Err(format!("unexpected {other:?}").into()),
+                },
+            },
+            #[cfg(feature = "postgres")]
+            Target::PgTx(store) => {
+                use idem::postgres::Claim;
+                let mut tx = store.pool().begin().await?;
+                let fingerprint = Fingerprint::of(&42u64)?;
+                match store
+                    .in_transaction()
+                    .retention(RETENTION)
+                    .claim_with::<u64>(&mut tx, key, Some(fingerprint))
+                    .await?
+                {
+                    Claim::Acquired(lease) => {
+                        lease.complete(&mut tx, &43u64).await?;
+                        tx.commit().await?;
+                        Ok(Outcome::Executed)
+                    }
+                    Claim::Replayed(_) => {
+                        tx.rollback().await?;
+                        Ok(Outcome::Replayed)
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Counts and latencies of one task.
+struct Tally {
+    latency: Histogram<u64>,
+    executed: u64,
+    replayed: u64,
+    in_progress: u64,
+    errors: u64,
+}
+
+impl Tally {
+    fn new() -> Self {
+        Tally {
+            // nanoseconds, 3 significant digits, up to 100 s
+            latency: Histogram::new_with_bounds(1, 100_000_000_000, 3)
+                .unwrap_or_else(|e| panic!("histogram bounds: {e}")),
+            executed: 0,
+            replayed: 0,
+            in_progress: 0,
+            errors: 0,
+        }
+    }
+
+    fn record(&mut self, started: Instant, outcome: &Result<Outcome, BoxError>) {
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.latency.saturating_record(nanos.max(1));
+        match outcome {
+            Ok(Outcome::Executed) => self.executed += 1,
+            Ok(Outcome::Replayed) => self.replayed += 1,
+            Ok(Outcome::InProgress) => self.in_progress += 1,
+            Err(e) => {
+                if self.errors == 0 {
+                    eprintln!("load: first error of a task: {e}");
+                }
+                self.errors += 1;
+            }
+        }
+    }
+
+    fn merge(&mut self, other: Tally) {
+        if let Err(e) = self.latency.add(&other.latency) {
+            eprintln!("load: histogram merge: {e}");
+        }
+        self.executed += other.executed;
+        self.replayed += other.replayed;
+        self.in_progress += other.in_progress;
+        self.errors += other.errors;
+    }
+}
+
+/// Names keys apart from earlier runs on the same servers.
+struct Keys {
+    run: String,
+    scope: &'static str,
+    next: AtomicU64,
+}
+
+impl Keys {
+    fn key(&self, n: u64) -> IdempotencyKey {
+        IdempotencyKey::new(self.scope, format!("{}-{n}", self.run))
+            .unwrap_or_else(|e| panic!("generated key: {e}"))
+    }
+    fn next(&self) -> IdempotencyKey {
+        self.key(self.next.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if let Some(threads) = args.threads {
+        builder.worker_threads(threads);
+    }
+    let runtime = builder.enable_all().build()?;
+    runtime.block_on(run(args))
+}
+
+async fn run(args: Args) -> Result<(), BoxError> {
+    if args.concurrency == 0 {
+        return Err("--concurrency must be at least 1".into());
+    }
+    let target = target(&args).await?;
+    let scope = match args.mix {
+        Mix::Fresh => "load.fresh",
+        Mix::Duplicate => "load.duplicate",
+        Mix::Contended => "load.contended",
+    };
+    let keys = Arc::new(Keys {
+        run: format!("{:016x}", fastrand::u64(..)),
+        scope,
+        next: AtomicU64::new(0),
+    });
+    if args.mix == Mix::Duplicate {
+        for n in 0..DUPLICATE_KEYS {
+            target.deliver(args.via, &keys.key(n)).await?;
+        }
+    }
+    let contended_round = Arc::new(AtomicU64::new(1 << 40));
+    if args.warmup > 0.0 {
+        phase(&args, &target, &keys, &contended_round, args.warmup).await;
+    }
+    let started = Instant::now();
+    let tally = phase(&args, &target, &keys, &contended_round, args.seconds).await;
+    let elapsed = started.elapsed().as_secs_f64();
+    let ops = tally.executed + tally.replayed + tally.in_progress;
+    let us = |q: f64| tally.latency.value_at_quantile(q) as f64 / 1000.0;
+    println!(
+        "load backend={} via={} mix={} concurrency={} seconds={:.2} ops={} ops_per_sec={:.0} \
+         p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} executed={} replayed={} in_progress={} errors={}",
+        name(args.backend),
+        name(args.via),
+        name(args.mix),
+        args.concurrency,
+        elapsed,
+        ops,
+        ops as f64 / elapsed,
+        us(0.5),
+        us(0.99),
+        us(0.999),
+        tally.latency.max() as f64 / 1000.0,
+        tally.executed,
+        tally.replayed,
+        tally.in_progress,
+        tally.errors,
+    );
+    if tally.errors > 0 {
+        return Err(format!("{} operations failed", tally.errors).into());
+    }
+    Ok(())
+}
+
+/// Runs every task for `seconds` and merges their tallies.
+async fn phase(
+    args: &Args,
+    target: &Target,
+    keys: &Arc<Keys>,
+    contended_round: &Arc<AtomicU64>,
+    seconds: f64,
+) -> Tally {
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let barrier = Arc::new(tokio::sync::Barrier::new(args.concurrency));
+    let go_on = Arc::new(AtomicBool::new(true));
+    let tasks: Vec<_> = (0..args.concurrency)
+        .map(|_| {
+            let (target, keys, via, mix) = (target.clone(), keys.clone(), args.via, args.mix);
+            let (barrier, go_on, round) = (barrier.clone(), go_on.clone(), contended_round.clone());
+            tokio::spawn(async move {
+                let mut tally = Tally::new();
+                let mut n = fastrand::u64(..DUPLICATE_KEYS);
+                loop {
+                    let key = match mix {
+                        Mix::Fresh => {
+                            if Instant::now() >= deadline {
+                                break;
+                            }
+                            keys.next()
+                        }
+                        Mix::Duplicate => {
+                            if Instant::now() >= deadline {
+                                break;
+                            }
+                            n = (n + 1) % DUPLICATE_KEYS;
+                            keys.key(n)
+                        }
+                        Mix::Contended => {
+                            // The leader of each round decides for everyone
+                            // whether it runs; the second wait makes every
+                            // task read that decision before the next one.
+                            if barrier.wait().await.is_leader() {
+                                go_on.store(Instant::now() < deadline, Ordering::SeqCst);
+                                round.fetch_add(1, Ordering::SeqCst);
+                            }
+                            barrier.wait().await;
+                            if !go_on.load(Ordering::SeqCst) {
+                                break;
+                            }
+                            keys.key(round.load(Ordering::SeqCst))
+                        }
+                    };
+                    let started = Instant::now();
+                    let outcome = target.deliver(via, &key).await;
+                    tally.record(started, &outcome);
+                }
+                tally
+            })
+        })
+        .collect();
+    let mut total = Tally::new();
+    for task in tasks {
+        match task.await {
+            Ok(tally) => total.merge(tally),
+            Err(e) => {
+                eprintln!("load: a task failed: {e}");
+                total.errors += 1;
+            }
+        }
+    }
+    total
+}
+
+fn name<V: ValueEnum>(v: V) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_owned())
+        .unwrap_or_default()
+}
+
+async fn target(args: &Args) -> Result<Target, BoxError> {
+    let store: Arc<dyn IdempotencyStore> = match args.backend {
+        Backend::Memory => Arc::new(MemoryStore::new()),
+        #[cfg(feature = "postgres")]
+        Backend::Postgres => Arc::new(pg_store(args).await?),
+        #[cfg(feature = "postgres")]
+        Backend::PostgresTx => return Ok(Target::PgTx(pg_store(args).await?)),
+        #[cfg(feature = "redis")]
+        Backend::Redis => Arc::new(idem::redis::RedisStore::connect(redis_url(args)?).await?),
+        #[cfg(feature = "redis")]
+        Backend::RedisCluster => {
+            let urls = args.redis_cluster_urls.as_deref().ok_or(
+                "--backend redis-cluster needs --redis-cluster-urls (or IDEM_REDIS_CLUSTER_URLS)",
+            )?;
+            Arc::new(idem::redis::RedisStore::connect_cluster(urls.split(',')).await?)
+        }
+        #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
+        Backend::Tiered => {
+            use idem::tiered::{MokaCache, RedisCache, TieredStore};
+            Arc::new(
+                TieredStore::new(pg_store(args).await?)
+                    .with_cache(MokaCache::new(100_000, 256 << 20))
+                    .with_cache(RedisCache::connect(redis_url(args)?).await?),
+            )
+        }
+        #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
+        Backend::TieredRedis => {
+            use idem::tiered::{RedisCache, TieredStore};
+            Arc::new(
+                TieredStore::new(pg_store(args).await?)
+                    .with_cache(RedisCache::connect(redis_url(args)?).await?),
+            )
+        }
+        #[cfg(all(feature = "tiered", feature = "postgres"))]
+        Backend::TieredPostgres => Arc::new(idem::tiered::TieredStore::new(pg_store(args).await?)),
+        #[allow(unreachable_patterns)]
+        other => {
+            return Err(format!(
+                "this build has no {} backend: run with --all-features",
+                name(other)
+            )
+            .into())
+        }
+    };
+    let idem: Arc<Idempotency<dyn IdempotencyStore>> = Arc::new(
+        Idempotency::from_arc(store.clone())
+            .lease(LEASE)
+            .retention(RETENTION)
+            .on_in_progress(InProgressPolicy::Reject),
+    );
+    Ok(Target::Store(store, idem))
+}
+
+#[cfg(feature = "redis")]
+fn redis_url(args: &Args) -> Result<&str, BoxError> {
+    Ok(args
+        .redis_url
+        .as_deref()
+        .ok_or("this backend needs --redis-url (or IDEM_REDIS_URL)")?)
+}
+
+#[cfg(feature = "postgres")]
+async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, BoxError> {
+    let url = args
+        .postgres_url
+        .as_deref()
+        .ok_or("this backend needs --postgres-url (or IDEM_POSTGRES_URL)")?;
+    // The in-transaction mode runs on the pool; the store's own calls on
+    // its own connections.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(args.concurrency.clamp(2, 128) as u32)
+        .test_before_acquire(false)
+        .connect(url)
+        .await?;
+    let store = idem::postgres::PgStore::builder(pool)
+        .connections(args.concurrency.clamp(1, 128))
+        .build()?;
+    store.migrate().await?;
+    Ok(store)
+}

@@ -1,0 +1,140 @@
+# Shared by scripts/test, scripts/load-table and scripts/ratio: helpers that
+# install what is missing and start servers on free loopback ports in a
+# temporary directory, stopped when the sourcing script exits. Source it
+# after `set -euo pipefail`; each server is a function `server_NAME`.
+# ---------------------------------------------------------------- helpers
+WORK_DIR="$(mktemp -d -t idem-test.XXXXXX)"
+chmod 755 "$WORK_DIR" # servers may run as another user
+PIDS=()
+STOPS=() # commands that stop servers, run at exit
+
+log() { printf '\n== %s\n' "$*"; }
+
+cleanup() {
+  local pid stop
+  for stop in "${STOPS[@]}"; do eval "$stop" >/dev/null 2>&1 || true; done
+  for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+  for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null || true; done
+  rm -rf "$WORK_DIR"
+}
+trap cleanup EXIT
+
+track_pid() { PIDS+=("$1"); }
+
+# apt_package PACKAGE...: install Debian packages.
+APT_UPDATED=0
+apt_package() {
+  if [[ $APT_UPDATED -eq 0 ]]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# apt_install BINARY PACKAGE: install PACKAGE if BINARY is not on PATH.
+apt_install() {
+  command -v "$1" >/dev/null 2>&1 || apt_package "$2"
+}
+
+# free_port: a TCP port on 127.0.0.1 that nothing listens on now.
+free_port() {
+  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+}
+
+# wait_until SECONDS DESCRIPTION COMMAND...: retry COMMAND until it succeeds.
+wait_until() {
+  local deadline=$((SECONDS + $1)) what=$2
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    if ((SECONDS >= deadline)); then
+      echo "error: $what did not come up within the time limit" >&2
+      return 1
+    fi
+    sleep 0.1
+  done
+}
+
+# ---------------------------------------------------------------- servers
+# PostgreSQL: initdb in the work dir, started on a free port (as the
+# postgres user when we are root: it refuses to run as root). Exports
+# IDEM_POSTGRES_URL (the shared test server and the main job use it) and
+# IDEM_PG_BIN (tests that need a server of their own start one from there).
+server_postgres() {
+  local bin dir port
+  bin=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1)
+  if [[ -z "$bin" || ! -x "$bin/initdb" ]]; then
+    apt_package postgresql
+    bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
+  fi
+  export IDEM_PG_BIN="$bin"
+  local as_pg=()
+  if [[ $EUID -eq 0 ]]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home-dir /var/lib/postgresql postgres
+    as_pg=(runuser -u postgres --)
+  fi
+  dir="$WORK_DIR/pg"
+  port=$(free_port)
+  mkdir -p "$dir"
+  [[ $EUID -eq 0 ]] && chown -R postgres:postgres "$dir"
+  "${as_pg[@]}" "$bin/initdb" -D "$dir/data" -U postgres -A trust -E UTF8 --no-sync --no-instructions >/dev/null
+  "${as_pg[@]}" "$bin/pg_ctl" -D "$dir/data" -l "$dir/server.log" -w -t 60 \
+    -o "-p $port -k $dir -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=300" \
+    start >/dev/null
+  STOPS+=("${as_pg[*]} $bin/pg_ctl -D $dir/data -m fast -w stop")
+  export IDEM_POSTGRES_URL="postgres://postgres@127.0.0.1:$port/postgres"
+  echo "PostgreSQL ($bin) on $IDEM_POSTGRES_URL"
+}
+
+# Redis: redis-server (and redis-cli, which the cluster tests use) installed
+# if missing; one server started for the main job and the shared tests
+# (IDEM_REDIS_URL). Tests that kill a server or need a cluster start their own.
+server_redis() {
+  local dir port
+  apt_install redis-server redis-server
+  apt_install redis-cli redis-tools
+  dir="$WORK_DIR/redis"
+  port=$(free_port)
+  mkdir -p "$dir"
+  redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" --appendonly no \
+    --daemonize no >"$dir/server.log" 2>&1 &
+  track_pid $!
+  wait_until 30 "redis-server on port $port" redis_pong "$port"
+  export IDEM_REDIS_URL="redis://127.0.0.1:$port/"
+  echo "Redis ($(redis-server --version | cut -d' ' -f3)) on $IDEM_REDIS_URL"
+}
+
+redis_pong() { [[ "$(redis-cli -h 127.0.0.1 -p "$1" ping 2>/dev/null)" == "PONG" ]]; }
+
+
+# A Redis Cluster of 3 masters for the load command and the benches
+# (IDEM_REDIS_CLUSTER_URLS, comma-separated). The tests start their own.
+server_redis_cluster() {
+  local dir port ports=() urls=() hosts=()
+  apt_install redis-server redis-server
+  apt_install redis-cli redis-tools
+  for _ in 1 2 3; do
+    port=$(free_port)
+    dir="$WORK_DIR/redis-cluster-$port"
+    mkdir -p "$dir"
+    redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" --appendonly no \
+      --cluster-enabled yes --cluster-config-file "$dir/nodes.conf" \
+      --daemonize no >"$dir/server.log" 2>&1 &
+    track_pid $!
+    wait_until 30 "redis-server on port $port" redis_pong "$port"
+    ports+=("$port")
+    hosts+=("127.0.0.1:$port")
+    urls+=("redis://127.0.0.1:$port/")
+  done
+  redis-cli --cluster create "${hosts[@]}" --cluster-replicas 0 --cluster-yes >"$WORK_DIR/cluster-create.log" 2>&1
+  wait_until 30 "the Redis Cluster" redis_cluster_ok "${ports[@]}"
+  IDEM_REDIS_CLUSTER_URLS=$(IFS=,; echo "${urls[*]}")
+  export IDEM_REDIS_CLUSTER_URLS
+  echo "Redis Cluster on $IDEM_REDIS_CLUSTER_URLS"
+}
+
+redis_cluster_ok() {
+  local port
+  for port in "$@"; do
+    redis-cli -h 127.0.0.1 -p "$port" cluster info | grep -q 'cluster_state:ok' || return 1
+  done
+}
