@@ -1,111 +1,60 @@
-//! Criterion benches of the facade, one group per backend. Each bench name
-//! says what one iteration does.
+//! Criterion benches of the facade: the same benches for every backend, one
+//! group per backend. Each bench name says what one iteration does.
 //!
 //! ```text
-//! cargo bench --all-features --bench backends
+//! cargo bench --all-features --bench backends              # everything
+//! cargo bench --all-features --bench backends -- redis/    # one group
 //! ```
 //!
-//! Server backends use the servers of `tests/support` (a PostgreSQL of their
-//! own, or `IDEM_POSTGRES_URL`). Benches named `c=32` run 32 tasks at once and
-//! report the time per operation, so ops/s = 1 / time.
+//! Server backends use the servers of `tests/support`: a PostgreSQL, a Redis
+//! and a 3-master Redis Cluster of their own on free loopback ports, or the
+//! ones in `IDEM_POSTGRES_URL`, `IDEM_REDIS_URL` and
+//! `IDEM_REDIS_CLUSTER_URLS`. Benches named `c=64` run 64 tasks at once and
+//! report the time per operation (ops/s = 1 / time); `contention` benches
+//! report the time for one round of 64 tasks delivering one new key.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 #[cfg(any(feature = "postgres", feature = "redis"))]
 #[path = "../tests/support/mod.rs"]
 mod support;
-use idem::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore};
+use idem::{
+    Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
+    MemoryStore, Processed,
+};
+use tokio::runtime::Runtime;
+
+const LEASE: Duration = Duration::from_secs(60);
+const RETENTION: Duration = Duration::from_secs(3600);
+const TASKS: u64 = 64;
 
 static NEXT: AtomicU64 = AtomicU64::new(0);
 
-fn fresh_key() -> IdempotencyKey {
+/// A key no earlier run used (the servers may be shared between runs).
+fn fresh_key(scope: &str) -> IdempotencyKey {
+    static RUN: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    let run = RUN.get_or_init(|| fastrand::u64(..));
     let id = NEXT.fetch_add(1, Ordering::Relaxed);
-    IdempotencyKey::new("bench.fresh", id.to_string()).unwrap_or_else(|e| panic!("{e}"))
+    IdempotencyKey::new(scope, format!("{run:x}-{id}")).unwrap_or_else(|e| panic!("{e}"))
 }
 
-fn memory(c: &mut Criterion) {
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_time()
+fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
         .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let lease = Duration::from_secs(60);
-    let retention = Duration::from_secs(3600);
-    let mut group = c.benchmark_group("memory");
+        .unwrap_or_else(|e| panic!("{e}"))
+}
 
-    let store = MemoryStore::new();
-    group.bench_function("store: acquire + complete of a fresh key", |b| {
-        b.to_async(&runtime).iter(|| async {
-            let key = fresh_key();
-            let Ok(Acquisition::Acquired(lease)) = store.acquire(&key, None, lease).await else {
-                panic!("fresh key not acquired")
-            };
-            black_box(store.complete(&lease, b"{\"ok\":true}", retention).await)
-        })
-    });
-
-    let done = IdempotencyKey::new("bench.dup", "done").unwrap_or_else(|e| panic!("{e}"));
-    runtime.block_on(async {
-        let Ok(Acquisition::Acquired(l)) = store.acquire(&done, None, lease).await else {
-            panic!("not acquired")
-        };
-        store
-            .complete(&l, b"{\"ok\":true}", retention)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-    });
-    group.bench_function("store: acquire of a completed key (duplicate)", |b| {
-        b.to_async(&runtime)
-            .iter(|| async { black_box(store.acquire(&done, None, lease).await) })
-    });
-
-    let idem = Idempotency::new(MemoryStore::new()).heartbeat(false);
-    group.bench_function("process: fresh key, trivial handler", |b| {
-        b.to_async(&runtime).iter(|| async {
-            let key = fresh_key();
-            black_box(
-                idem.process(
-                    &key,
-                    42u64,
-                    |n| async move { Ok::<_, std::io::Error>(n + 1) },
-                )
-                .await,
-            )
-        })
-    });
-
-    let dup = IdempotencyKey::new("bench.dup", "process").unwrap_or_else(|e| panic!("{e}"));
-    group.bench_function("process: duplicate, replayed", |b| {
-        b.to_async(&runtime).iter(|| async {
-            black_box(
-                idem.process(
-                    &dup,
-                    42u64,
-                    |n| async move { Ok::<_, std::io::Error>(n + 1) },
-                )
-                .await,
-            )
-        })
-    });
-
-    let beating = Idempotency::new(MemoryStore::new());
-    group.bench_function("process: fresh key, trivial handler, heartbeat on", |b| {
-        b.to_async(&runtime).iter(|| async {
-            let key = fresh_key();
-            black_box(
-                beating
-                    .process(
-                        &key,
-                        42u64,
-                        |n| async move { Ok::<_, std::io::Error>(n + 1) },
-                    )
-                    .await,
-            )
-        })
-    });
-    group.finish();
+/// Every sample runs the same number of iterations, enough for 64 tasks to
+/// do many each: criterion's default (1, 2, 3... iterations per sample)
+/// would measure little but spawning and draining 64 tasks.
+fn flat(group: &mut criterion::BenchmarkGroup<'_, criterion::measurement::WallTime>) {
+    group.sampling_mode(SamplingMode::Flat).sample_size(20);
 }
 
 /// Runs `iters` operations spread over `tasks` tasks and returns the
@@ -133,131 +82,41 @@ where
     started.elapsed()
 }
 
-#[cfg(feature = "postgres")]
-fn postgres(c: &mut Criterion) {
-    use idem::postgres::PgStore;
-    use std::sync::Arc;
-
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let store = runtime.block_on(async {
-        let store = PgStore::new(support::pg::pool(support::pg::shared_url(), 32).await);
-        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-        store
-    });
-    let lease = Duration::from_secs(60);
-    let retention = Duration::from_secs(3600);
-    let mut group = c.benchmark_group("postgres");
-
-    let fresh = {
-        let store = store.clone();
-        move || {
-            let store = store.clone();
-            async move {
-                let key = fresh_key();
-                let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, lease).await else {
-                    panic!("fresh key not acquired")
-                };
-                store
-                    .complete(&l, b"{\"ok\":true}", retention)
-                    .await
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
-        }
+async fn acquire_and_complete<S: IdempotencyStore + ?Sized>(store: &S, key: &IdempotencyKey) {
+    let Ok(Acquisition::Acquired(l)) = store.acquire(key, None, LEASE).await else {
+        panic!("fresh key not acquired")
     };
-    let done = IdempotencyKey::new("bench.dup", format!("pg-{}", fastrand::u64(..)))
+    store
+        .complete(&l, b"43", RETENTION)
+        .await
         .unwrap_or_else(|e| panic!("{e}"));
-    runtime.block_on(fresh_with(&store, &done, lease, retention));
-    let duplicate = {
-        let (store, done) = (store.clone(), done.clone());
-        move || {
-            let (store, done) = (store.clone(), done.clone());
-            async move {
-                let got = store.acquire(&done, None, lease).await;
-                assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
-            }
-        }
-    };
-
-    group.bench_function("store: acquire + complete of a fresh key, c=1", |b| {
-        let op = fresh.clone();
-        b.to_async(&runtime).iter(&op)
-    });
-    group.bench_function("store: acquire + complete of a fresh key, c=32", |b| {
-        let op = fresh.clone();
-        b.to_async(&runtime)
-            .iter_custom(|iters| concurrently(32, iters, op.clone()))
-    });
-    group.bench_function("store: acquire of a completed key (duplicate), c=1", |b| {
-        let op = duplicate.clone();
-        b.to_async(&runtime).iter(&op)
-    });
-    group.bench_function("store: acquire of a completed key (duplicate), c=32", |b| {
-        let op = duplicate.clone();
-        b.to_async(&runtime)
-            .iter_custom(|iters| concurrently(32, iters, op.clone()))
-    });
-
-    let idem = Arc::new(Idempotency::new(store.clone()).heartbeat(false));
-    group.bench_function("process: fresh key, trivial handler, c=1", |b| {
-        b.to_async(&runtime).iter(|| {
-            let idem = idem.clone();
-            async move {
-                let key = fresh_key();
-                black_box(
-                    idem.process(
-                        &key,
-                        42u64,
-                        |n| async move { Ok::<_, std::io::Error>(n + 1) },
-                    )
-                    .await
-                    .unwrap_or_else(|e| panic!("{e}")),
-                )
-            }
-        })
-    });
-    group.finish();
 }
 
-/// Fresh-key and duplicate benches at concurrency 1 and 64 for one store.
-#[cfg(feature = "redis")]
-fn fresh_and_duplicate<S: IdempotencyStore + Clone>(
+/// The benches every store gets: fresh and duplicate through the store at
+/// c=1 and c=64, the whole `process` path, and 64 tasks on one key.
+fn store_benches(
     c: &mut Criterion,
     group_name: &str,
-    runtime: &tokio::runtime::Runtime,
-    store: S,
+    runtime: &Runtime,
+    store: Arc<dyn IdempotencyStore>,
 ) {
-    let lease = Duration::from_secs(60);
-    let retention = Duration::from_secs(3600);
     let mut group = c.benchmark_group(group_name);
+    flat(&mut group);
     let fresh = {
         let store = store.clone();
         move || {
             let store = store.clone();
-            async move {
-                let key = fresh_key();
-                let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, lease).await else {
-                    panic!("fresh key not acquired")
-                };
-                store
-                    .complete(&l, b"{\"ok\":true}", retention)
-                    .await
-                    .unwrap_or_else(|e| panic!("{e}"));
-            }
+            async move { acquire_and_complete(&*store, &fresh_key("bench.fresh")).await }
         }
     };
-    let done = IdempotencyKey::new("bench.dup", format!("{group_name}-{}", fastrand::u64(..)))
-        .unwrap_or_else(|e| panic!("{e}"));
-    runtime.block_on(fresh_with(&store, &done, lease, retention));
+    let done = fresh_key("bench.dup");
+    runtime.block_on(acquire_and_complete(&*store, &done));
     let duplicate = {
         let (store, done) = (store.clone(), done.clone());
         move || {
             let (store, done) = (store.clone(), done.clone());
             async move {
-                let got = store.acquire(&done, None, lease).await;
+                let got = store.acquire(&done, None, LEASE).await;
                 assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
             }
         }
@@ -267,32 +126,218 @@ fn fresh_and_duplicate<S: IdempotencyStore + Clone>(
     });
     group.bench_function("store: acquire + complete of a fresh key, c=64", |b| {
         b.to_async(runtime)
-            .iter_custom(|iters| concurrently(64, iters, fresh.clone()))
+            .iter_custom(|iters| concurrently(TASKS, iters, fresh.clone()))
     });
     group.bench_function("store: acquire of a completed key (duplicate), c=1", |b| {
         b.to_async(runtime).iter(&duplicate)
     });
     group.bench_function("store: acquire of a completed key (duplicate), c=64", |b| {
         b.to_async(runtime)
-            .iter_custom(|iters| concurrently(64, iters, duplicate.clone()))
+            .iter_custom(|iters| concurrently(TASKS, iters, duplicate.clone()))
     });
+
+    let idem: Idempotency<dyn IdempotencyStore> = Idempotency::from_arc(store.clone())
+        .lease(LEASE)
+        .retention(RETENTION)
+        .on_in_progress(InProgressPolicy::Reject);
+    group.bench_function("process: fresh key, trivial handler, c=1", |b| {
+        b.to_async(runtime).iter(|| async {
+            let out = idem
+                .process(&fresh_key("bench.process"), &42u64, |n| async move {
+                    Ok::<_, std::io::Error>(n + 1)
+                })
+                .await;
+            assert!(matches!(out, Ok(Processed::Executed(43))), "{out:?}");
+        })
+    });
+    let replayed = fresh_key("bench.process");
+    runtime.block_on(async {
+        let out = idem
+            .process(&replayed, &42u64, |n| async move {
+                Ok::<_, std::io::Error>(n + 1)
+            })
+            .await;
+        assert!(matches!(out, Ok(Processed::Executed(43))), "{out:?}");
+    });
+    group.bench_function("process: duplicate, replayed, c=1", |b| {
+        b.to_async(runtime).iter(|| async {
+            let out = idem
+                .process(&replayed, &42u64, |n| async move {
+                    Ok::<_, std::io::Error>(n + 1)
+                })
+                .await;
+            assert!(matches!(out, Ok(Processed::Replayed(43))), "{out:?}");
+        })
+    });
+    group.bench_function(
+        "contention: 64 tasks process one fresh key at once (one round)",
+        |b| {
+            b.to_async(runtime).iter(|| {
+                let idem = idem.clone();
+                async move { black_box(contended_round(idem).await) }
+            })
+        },
+    );
+    group.finish();
+}
+
+/// 64 tasks deliver one new key at once; exactly one runs the handler, the
+/// others are told it is in progress or get the replay.
+async fn contended_round(idem: Idempotency<dyn IdempotencyStore>) -> u64 {
+    let key = fresh_key("bench.contended");
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (idem, key) = (idem.clone(), key.clone());
+            tokio::spawn(async move {
+                match idem
+                    .process(
+                        &key,
+                        &42u64,
+                        |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                    )
+                    .await
+                {
+                    Ok(Processed::Executed(_)) => 1,
+                    Ok(Processed::Replayed(_)) | Err(IdemError::InProgress { .. }) => 0,
+                    Err(e) => panic!("{e}"),
+                }
+            })
+        })
+        .collect();
+    let mut executed = 0;
+    for task in tasks {
+        executed += task.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert_eq!(executed, 1, "one of the 64 deliveries executes");
+    executed
+}
+
+fn memory(c: &mut Criterion) {
+    let runtime = runtime();
+    store_benches(c, "memory", &runtime, Arc::new(MemoryStore::new()));
+}
+
+#[cfg(feature = "postgres")]
+async fn pg_store(connections: usize) -> idem::postgres::PgStore {
+    let pool = support::pg::pool(support::pg::shared_url(), connections as u32).await;
+    let store = idem::postgres::PgStore::builder(pool)
+        .connections(connections)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+#[cfg(feature = "postgres")]
+fn postgres(c: &mut Criterion) {
+    let runtime = runtime();
+    let store = runtime.block_on(pg_store(TASKS as usize));
+    store_benches(c, "postgres", &runtime, Arc::new(store.clone()));
+    postgres_in_transaction(c, &runtime, store);
+}
+
+/// The in-transaction mode: one transaction per delivery (BEGIN, claim,
+/// complete, COMMIT; a duplicate: BEGIN, claim, ROLLBACK).
+#[cfg(feature = "postgres")]
+fn postgres_in_transaction(c: &mut Criterion, runtime: &Runtime, store: idem::postgres::PgStore) {
+    use idem::postgres::Claim;
+    let deliver = |store: idem::postgres::PgStore, key: IdempotencyKey| async move {
+        let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+        match store
+            .in_transaction()
+            .claim::<_, u64>(&mut tx, &key, &42u64)
+            .await
+        {
+            Ok(Claim::Acquired(lease)) => {
+                lease
+                    .complete(&mut tx, &43u64)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+                1u64
+            }
+            Ok(Claim::Replayed(n)) => {
+                assert_eq!(n, 43);
+                tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+                0
+            }
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let mut group = c.benchmark_group("postgres-in-transaction");
+    flat(&mut group);
+    group.bench_function("claim + complete + commit of a fresh key, c=1", |b| {
+        b.to_async(runtime).iter(|| {
+            let store = store.clone();
+            async move { assert_eq!(deliver(store, fresh_key("bench.tx")).await, 1) }
+        })
+    });
+    group.bench_function("claim + complete + commit of a fresh key, c=64", |b| {
+        let store = store.clone();
+        b.to_async(runtime).iter_custom(move |iters| {
+            let store = store.clone();
+            concurrently(TASKS, iters, move || {
+                let store = store.clone();
+                async move { assert_eq!(deliver(store, fresh_key("bench.tx")).await, 1) }
+            })
+        })
+    });
+    let done = fresh_key("bench.tx");
+    runtime.block_on(deliver(store.clone(), done.clone()));
+    group.bench_function(
+        "claim of a completed key (duplicate) + rollback, c=1",
+        |b| {
+            b.to_async(runtime).iter(|| {
+                let (store, done) = (store.clone(), done.clone());
+                async move { assert_eq!(deliver(store, done).await, 0) }
+            })
+        },
+    );
+    group.bench_function(
+        "claim of a completed key (duplicate) + rollback, c=64",
+        |b| {
+            let (store, done) = (store.clone(), done.clone());
+            b.to_async(runtime).iter_custom(move |iters| {
+                let (store, done) = (store.clone(), done.clone());
+                concurrently(TASKS, iters, move || {
+                    let (store, done) = (store.clone(), done.clone());
+                    async move { assert_eq!(deliver(store, done).await, 0) }
+                })
+            })
+        },
+    );
+    group.bench_function(
+        "contention: 64 transactions claim one fresh key at once (one round)",
+        |b| {
+            b.to_async(runtime).iter(|| {
+                let store = store.clone();
+                async move {
+                    let key = fresh_key("bench.tx-contended");
+                    let tasks: Vec<_> = (0..TASKS)
+                        .map(|_| tokio::spawn(deliver(store.clone(), key.clone())))
+                        .collect();
+                    let mut executed = 0;
+                    for t in tasks {
+                        executed += t.await.unwrap_or_else(|e| panic!("{e}"));
+                    }
+                    assert_eq!(executed, 1, "one of the 64 transactions executes");
+                }
+            })
+        },
+    );
     group.finish();
 }
 
 #[cfg(feature = "redis")]
 fn redis(c: &mut Criterion) {
     use idem::redis::RedisStore;
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let runtime = runtime();
     let standalone = runtime.block_on(async {
         RedisStore::connect(support::redis_server::shared_url())
             .await
             .unwrap_or_else(|e| panic!("{e}"))
     });
-    fresh_and_duplicate(c, "redis", &runtime, standalone);
+    store_benches(c, "redis", &runtime, Arc::new(standalone));
     let cluster = runtime.block_on(async {
         RedisStore::connect_cluster(
             support::redis_server::shared_cluster()
@@ -302,36 +347,32 @@ fn redis(c: &mut Criterion) {
         .await
         .unwrap_or_else(|e| panic!("{e}"))
     });
-    fresh_and_duplicate(c, "redis-cluster", &runtime, cluster);
+    store_benches(c, "redis-cluster", &runtime, Arc::new(cluster));
 }
 
-/// A duplicate answered by each tier of a tiered store, from one run: moka
-/// in front; Redis when it is the fastest tier; PostgreSQL with no cache.
+/// A duplicate answered by each tier of a tiered store: moka in front;
+/// Redis when it is the fastest tier; PostgreSQL with no cache tier. Then
+/// the whole benches on moka -> Redis -> PostgreSQL.
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 fn tiered(c: &mut Criterion) {
-    use idem::postgres::PgStore;
     use idem::tiered::{MokaCache, RedisCache, TieredStore};
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    let lease = Duration::from_secs(60);
-    let retention = Duration::from_secs(3600);
+    let runtime = runtime();
     let (pg, redis) = runtime.block_on(async {
-        let pg = PgStore::new(support::pg::pool(support::pg::shared_url(), 8).await);
-        pg.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let pg = pg_store(TASKS as usize).await;
         let redis = RedisCache::connect(support::redis_server::shared_url())
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         (pg, redis)
     });
+    let full = || {
+        TieredStore::new(pg.clone())
+            .with_cache(MokaCache::new(100_000, 64 << 20))
+            .with_cache(redis.clone())
+    };
     let stacks = [
         (
             "duplicate answered by moka (moka -> redis -> postgres)",
-            TieredStore::new(pg.clone())
-                .with_cache(MokaCache::new(100_000, 64 << 20))
-                .with_cache(redis.clone()),
+            full(),
         ),
         (
             "duplicate answered by redis (redis -> postgres)",
@@ -342,19 +383,19 @@ fn tiered(c: &mut Criterion) {
             TieredStore::new(pg.clone()),
         ),
     ];
-    let mut group = c.benchmark_group("tiered");
+    let mut group = c.benchmark_group("tiered-hit");
     for (name, store) in stacks {
-        let key = IdempotencyKey::new("bench.tier", format!("{}", fastrand::u64(..)))
-            .unwrap_or_else(|e| panic!("{e}"));
-        runtime.block_on(fresh_with(&store, &key, lease, retention));
+        let key = fresh_key("bench.tier");
+        runtime.block_on(acquire_and_complete(&store, &key));
         group.bench_function(name, |b| {
             b.to_async(&runtime).iter(|| async {
-                let got = store.acquire(&key, None, lease).await;
+                let got = store.acquire(&key, None, LEASE).await;
                 assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
             })
         });
     }
     group.finish();
+    store_benches(c, "tiered", &runtime, Arc::new(full()));
 }
 
 #[cfg(not(all(feature = "tiered", feature = "postgres", feature = "redis")))]
@@ -365,22 +406,6 @@ fn tiered(_: &mut Criterion) {
 #[cfg(not(feature = "redis"))]
 fn redis(_: &mut Criterion) {
     eprintln!("redis benches skipped: build with --features redis");
-}
-
-#[cfg(any(feature = "postgres", feature = "redis"))]
-async fn fresh_with<S: IdempotencyStore>(
-    store: &S,
-    key: &IdempotencyKey,
-    lease: Duration,
-    retention: Duration,
-) {
-    let Ok(Acquisition::Acquired(l)) = store.acquire(key, None, lease).await else {
-        panic!("not acquired")
-    };
-    store
-        .complete(&l, b"{\"ok\":true}", retention)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
 }
 
 #[cfg(not(feature = "postgres"))]

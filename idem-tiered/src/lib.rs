@@ -96,6 +96,13 @@ pub trait RecordCache: Send + Sync + 'static {
 
     /// Drops the entry of `key`.
     async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError>;
+
+    /// Whether the tier lives in this process and never waits on I/O (moka).
+    /// Calls to such a tier are not wrapped in the `cache_timeout` timer,
+    /// which would cost more than the lookup itself. Default `false`.
+    fn in_process(&self) -> bool {
+        false
+    }
 }
 
 type FlightKey = (IdempotencyKey, Option<Fingerprint>);
@@ -193,7 +200,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
     /// are logged and counted.
     pub async fn invalidate_caches(&self, key: &IdempotencyKey) {
         for cache in &self.caches {
-            match tokio::time::timeout(self.cache_timeout, cache.invalidate(key)).await {
+            match self.bounded(cache, cache.invalidate(key)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => {
                     tier_counter("idem_tier_errors_total", cache.name());
@@ -207,10 +214,24 @@ impl<S: IdempotencyStore> TieredStore<S> {
         }
     }
 
+    /// Runs a call to `cache` within `cache_timeout`, or unbounded when the
+    /// tier is in-process.
+    async fn bounded<T>(
+        &self,
+        cache: &Arc<dyn RecordCache>,
+        call: impl std::future::Future<Output = T>,
+    ) -> Result<T, tokio::time::error::Elapsed> {
+        if cache.in_process() {
+            Ok(call.await)
+        } else {
+            tokio::time::timeout(self.cache_timeout, call).await
+        }
+    }
+
     /// Looks `key` up in tier `i`; `None` on a miss or a failure.
     async fn lookup(&self, i: usize, key: &IdempotencyKey) -> Option<CompletedRecord> {
         let cache = &self.caches[i];
-        match tokio::time::timeout(self.cache_timeout, cache.get(key)).await {
+        match self.bounded(cache, cache.get(key)).await {
             Ok(Ok(Some(record))) if record.expires_at > SystemTime::now() => {
                 tier_counter("idem_tier_hits_total", cache.name());
                 Some(record)
@@ -219,7 +240,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
             Ok(Err(CacheError::Undecodable(detail))) => {
                 tier_counter("idem_tier_errors_total", cache.name());
                 tracing::warn!(tier = cache.name(), key = %key, %detail, "undecodable cache entry: invalidated, treated as a miss");
-                let _ = tokio::time::timeout(self.cache_timeout, cache.invalidate(key)).await;
+                let _ = self.bounded(cache, cache.invalidate(key)).await;
                 None
             }
             Ok(Err(e)) => {
@@ -248,7 +269,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
             return;
         }
         for cache in &self.caches[..end] {
-            match tokio::time::timeout(self.cache_timeout, cache.put(record, ttl)).await {
+            match self.bounded(cache, cache.put(record, ttl)).await {
                 Ok(Ok(())) => tier_counter("idem_tier_fills_total", cache.name()),
                 Ok(Err(e)) => {
                     tier_counter("idem_tier_errors_total", cache.name());

@@ -89,6 +89,10 @@ impl RecordCache for MokaCache {
         "moka"
     }
 
+    fn in_process(&self) -> bool {
+        true
+    }
+
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError> {
         Ok(self.cache.get(key).await.map(|e| e.record.clone()))
     }
