@@ -1,0 +1,651 @@
+//! The fault and load suite: exactly-once under redelivery storms, crashed
+//! and zombie workers, long handlers, and server faults, on every backend.
+//!
+//! Every scenario records side effects in a ledger (an atomic counter per
+//! message, or a PostgreSQL table written in the same transaction for the
+//! in-transaction mode) and checks it at the end. Each prints one
+//! `reliability scenario=... backend=...` line with its figures; RELIABILITY.md
+//! tabulates them (`cargo test --all-features --test faults -- --nocapture`).
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use idem::postgres::{Claim, PgStore};
+use idem::redis::RedisStore;
+use idem::tiered::{MokaCache, RedisCache, TieredStore};
+use idem::{
+    Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Lease,
+    MemoryStore, Processed, Record, StoreError,
+};
+use idem_core::Fingerprint;
+
+// ------------------------------------------------------------ backends
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Memory,
+    Postgres,
+    PostgresTx,
+    Redis,
+    RedisCluster,
+    Tiered,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Postgres => "postgres",
+            Backend::PostgresTx => "postgres-tx",
+            Backend::Redis => "redis",
+            Backend::RedisCluster => "redis-cluster",
+            Backend::Tiered => "tiered",
+        }
+    }
+
+    /// The store (for the in-transaction mode: the PgStore it runs on).
+    async fn store(self) -> Arc<dyn IdempotencyStore> {
+        match self {
+            Backend::Memory => Arc::new(MemoryStore::new()),
+            Backend::Postgres | Backend::PostgresTx => Arc::new(pg_store().await),
+            Backend::Redis => Arc::new(
+                RedisStore::connect(support::redis_server::shared_url())
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+            Backend::RedisCluster => Arc::new(
+                RedisStore::connect_cluster(
+                    support::redis_server::shared_cluster()
+                        .iter()
+                        .map(String::as_str),
+                )
+                .await
+                .unwrap_or_else(|e| panic!("{e}")),
+            ),
+            Backend::Tiered => Arc::new(
+                TieredStore::new(pg_store().await)
+                    .with_cache(MokaCache::new(100_000, 64 << 20))
+                    .with_cache(
+                        RedisCache::connect(support::redis_server::shared_url())
+                            .await
+                            .unwrap_or_else(|e| panic!("{e}")),
+                    ),
+            ),
+        }
+    }
+
+    async fn receiver(self, lease: Duration) -> Receiver {
+        if self == Backend::PostgresTx {
+            return Receiver::tx(pg_store().await).await;
+        }
+        Receiver::Store(
+            Idempotency::from_arc(self.store().await)
+                .lease(lease)
+                .on_in_progress(InProgressPolicy::Reject),
+        )
+    }
+}
+
+async fn pg_store() -> PgStore {
+    pg_store_at(support::pg::shared_url()).await
+}
+
+async fn pg_store_at(url: &str) -> PgStore {
+    let store = PgStore::builder(support::pg::pool(url, 32).await)
+        .connections(32)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+fn run_id() -> String {
+    format!("{:016x}", fastrand::u64(..))
+}
+
+fn key(scope: &str, run: &str, msg: u64) -> IdempotencyKey {
+    IdempotencyKey::new(scope, format!("{run}-{msg}")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Prints the figures of one scenario in the format RELIABILITY.md uses.
+fn report(scenario: &str, backend: Backend, fields: &[(&str, String)], started: Instant) {
+    let mut line = format!("reliability scenario={scenario} backend={}", backend.name());
+    for (k, v) in fields {
+        line.push_str(&format!(" {k}={v}"));
+    }
+    line.push_str(&format!(" duration_ms={}", started.elapsed().as_millis()));
+    println!("{line}");
+}
+
+// ------------------------------------------------------------ receivers
+
+/// What one delivery got.
+#[derive(Debug)]
+enum Delivery {
+    Executed(u64),
+    Replayed(u64),
+    InProgress,
+    Failed(String),
+}
+
+/// A message receiver on one backend; its effect is counted in a ledger.
+#[derive(Clone)]
+enum Receiver {
+    Store(Idempotency<dyn IdempotencyStore>),
+    /// The in-transaction mode: the effect is a row in `ledger`, written in
+    /// the same transaction as the reservation and the completion.
+    Tx {
+        store: PgStore,
+        ledger: String,
+    },
+}
+
+static EXECUTION: AtomicU64 = AtomicU64::new(1);
+
+impl Receiver {
+    async fn tx(store: PgStore) -> Receiver {
+        let ledger = format!("ledger_{}", run_id());
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE {ledger} (msg int8 NOT NULL, execution int8 NOT NULL)"
+        )))
+        .execute(store.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        Receiver::Tx { store, ledger }
+    }
+
+    /// Delivers `msg` under `key`; the effect adds one to `ledger[msg]`
+    /// (or a row to the ledger table) and the recorded result is a number
+    /// unique to this execution.
+    async fn deliver(&self, key: &IdempotencyKey, msg: u64, ledger: &Ledger) -> Delivery {
+        match self {
+            Receiver::Store(idem) => {
+                let out = idem
+                    .process(key, msg, |msg| async move {
+                        ledger.effect(msg);
+                        Ok::<_, std::convert::Infallible>(EXECUTION.fetch_add(1, Ordering::SeqCst))
+                    })
+                    .await;
+                match out {
+                    Ok(Processed::Executed(v)) => Delivery::Executed(v),
+                    Ok(Processed::Replayed(v)) => Delivery::Replayed(v),
+                    Err(IdemError::InProgress { .. }) => Delivery::InProgress,
+                    Err(e) => Delivery::Failed(e.to_string()),
+                }
+            }
+            Receiver::Tx { store, ledger } => match tx_deliver(store, ledger, key, msg).await {
+                Ok(d) => d,
+                Err(e) => Delivery::Failed(e),
+            },
+        }
+    }
+
+    /// How many effects the ledger holds per message.
+    async fn effects(&self, ledger: &Ledger, messages: u64) -> Vec<u32> {
+        match self {
+            Receiver::Store(_) => (0..messages).map(|m| ledger.count(m)).collect(),
+            Receiver::Tx { store, ledger } => {
+                let rows: Vec<(i64, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+                    "SELECT msg, count(*) FROM {ledger} GROUP BY msg"
+                )))
+                .fetch_all(store.pool())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+                let mut out = vec![0; messages as usize];
+                for (msg, n) in rows {
+                    out[msg as usize] = n as u32;
+                }
+                out
+            }
+        }
+    }
+
+    /// The store holding the records.
+    fn store(&self) -> Arc<dyn IdempotencyStore> {
+        match self {
+            Receiver::Store(idem) => idem.store().clone(),
+            Receiver::Tx { store, .. } => Arc::new(store.clone()),
+        }
+    }
+}
+
+async fn tx_deliver(
+    store: &PgStore,
+    ledger: &str,
+    key: &IdempotencyKey,
+    msg: u64,
+) -> Result<Delivery, String> {
+    let mut tx = store.pool().begin().await.map_err(|e| e.to_string())?;
+    match store
+        .in_transaction()
+        .claim::<_, u64>(&mut tx, key, &msg)
+        .await
+    {
+        Ok(Claim::Acquired(lease)) => {
+            let execution = EXECUTION.fetch_add(1, Ordering::SeqCst);
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {ledger} (msg, execution) VALUES ($1, $2)"
+            )))
+            .bind(msg as i64)
+            .bind(execution as i64)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| e.to_string())?;
+            lease
+                .complete(&mut tx, &execution)
+                .await
+                .map_err(|e| e.to_string())?;
+            tx.commit().await.map_err(|e| e.to_string())?;
+            Ok(Delivery::Executed(execution))
+        }
+        Ok(Claim::Replayed(v)) => Ok(Delivery::Replayed(v)),
+        Err(IdemError::InProgress { .. }) => Ok(Delivery::InProgress),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Side effects per message, counted in process.
+struct Ledger(Vec<AtomicU32>);
+
+impl Ledger {
+    fn new(messages: u64) -> Arc<Ledger> {
+        Arc::new(Ledger((0..messages).map(|_| AtomicU32::new(0)).collect()))
+    }
+    fn effect(&self, msg: u64) {
+        self.0[msg as usize].fetch_add(1, Ordering::SeqCst);
+    }
+    fn count(&self, msg: u64) -> u32 {
+        self.0[msg as usize].load(Ordering::SeqCst)
+    }
+}
+
+// ------------------------------------------------------------ 1. storm
+
+/// What a storm saw.
+struct Storm {
+    deliveries: u64,
+    redeliveries: u64,
+    failures: u64,
+    double_effects: usize,
+    lost_completions: usize,
+}
+
+/// Delivers each of `messages` messages 1 to 8 times, in random order, from
+/// `workers` workers; a delivery told "in progress" or failed goes back to
+/// the end of the queue, as a broker redelivers. Checks that every message
+/// had its effect exactly once, that every replay returned the recorded
+/// result, and that every record is still completed at the end.
+async fn storm(
+    backend: Backend,
+    receiver: Receiver,
+    messages: u64,
+    workers: usize,
+    during: Option<tokio::task::JoinHandle<()>>,
+) -> Storm {
+    let run = run_id();
+    let mut deliveries: Vec<u64> = (0..messages)
+        .flat_map(|m| std::iter::repeat_n(m, fastrand::usize(1..=8)))
+        .collect();
+    fastrand::shuffle(&mut deliveries);
+    let planned = deliveries.len() as u64;
+    let queue = Arc::new(Mutex::new(VecDeque::from(deliveries)));
+    let ledger = Ledger::new(messages);
+    let results: Arc<Vec<AtomicU64>> = Arc::new((0..messages).map(|_| AtomicU64::new(0)).collect());
+    let replays = Arc::new(Mutex::new(Vec::new()));
+    let counters = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let (receiver, queue, ledger, results, replays, counters, run) = (
+                receiver.clone(),
+                queue.clone(),
+                ledger.clone(),
+                results.clone(),
+                replays.clone(),
+                counters.clone(),
+                run.clone(),
+            );
+            tokio::spawn(async move {
+                loop {
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                    let Some(msg) = next else { break };
+                    counters[0].fetch_add(1, Ordering::Relaxed);
+                    match receiver
+                        .deliver(&key("faults.storm", &run, msg), msg, &ledger)
+                        .await
+                    {
+                        Delivery::Executed(v) => {
+                            let before = results[msg as usize].swap(v, Ordering::SeqCst);
+                            assert_eq!(before, 0, "message {msg} executed twice");
+                        }
+                        Delivery::Replayed(v) => replays
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push((msg, v)),
+                        other => {
+                            if let Delivery::Failed(e) = &other {
+                                if counters[2].fetch_add(1, Ordering::Relaxed) == 0 {
+                                    eprintln!("first failed delivery (redelivered): {e}");
+                                }
+                            }
+                            counters[1].fetch_add(1, Ordering::Relaxed);
+                            // Redelivered later; a short pause as a broker's
+                            // redelivery delay, so a fault is not spun on.
+                            tokio::time::sleep(Duration::from_millis(2)).await;
+                            queue
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .push_back(msg);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await
+            .unwrap_or_else(|e| panic!("a storm worker panicked: {e}"));
+    }
+    if let Some(during) = during {
+        during.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let effects = receiver.effects(&ledger, messages).await;
+    let double_effects = effects.iter().filter(|&&n| n > 1).count();
+    let missing = effects.iter().filter(|&&n| n == 0).count();
+    assert_eq!(
+        double_effects,
+        0,
+        "{}: messages with a double effect",
+        backend.name()
+    );
+    assert_eq!(missing, 0, "{}: messages never executed", backend.name());
+    for (msg, v) in replays.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        assert_eq!(
+            *v,
+            results[*msg as usize].load(Ordering::SeqCst),
+            "a replay of message {msg} differs from its recorded result"
+        );
+    }
+    let store = receiver.store();
+    let mut lost_completions = 0;
+    for msg in 0..messages {
+        match store.get(&key("faults.storm", &run, msg)).await {
+            Ok(Some(Record {
+                state: idem::RecordState::Completed { .. },
+                ..
+            })) => {}
+            _ => lost_completions += 1,
+        }
+    }
+    let c = |i: usize| counters[i].load(Ordering::SeqCst);
+    debug_assert!(c(0) >= planned);
+    Storm {
+        deliveries: c(0),
+        redeliveries: c(1),
+        failures: c(2),
+        double_effects,
+        lost_completions,
+    }
+}
+
+async fn storm_scenario(backend: Backend) {
+    let started = Instant::now();
+    let messages = 10_000;
+    let receiver = backend.receiver(Duration::from_secs(30)).await;
+    let s = storm(backend, receiver, messages, 64, None).await;
+    assert_eq!(s.failures, 0, "no delivery fails without a fault");
+    assert_eq!(s.lost_completions, 0);
+    report(
+        "redelivery-storm",
+        backend,
+        &[
+            ("messages", messages.to_string()),
+            ("deliveries", s.deliveries.to_string()),
+            ("in_progress_redeliveries", s.redeliveries.to_string()),
+            ("double_effects", s.double_effects.to_string()),
+            ("lost_completions", s.lost_completions.to_string()),
+        ],
+        started,
+    );
+}
+
+mod redelivery_storm {
+    use super::*;
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn memory() {
+        storm_scenario(Backend::Memory).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        storm_scenario(Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_tx() {
+        storm_scenario(Backend::PostgresTx).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis() {
+        storm_scenario(Backend::Redis).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster() {
+        storm_scenario(Backend::RedisCluster).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiered() {
+        storm_scenario(Backend::Tiered).await
+    }
+}
+
+// ------------------------------------------------------------ 2. crash
+
+/// A store whose `release` never reaches the backend: the worker process
+/// died before it could send it. Everything else goes to the real store.
+struct DiesBeforeRelease(Arc<dyn IdempotencyStore>);
+
+#[async_trait]
+impl IdempotencyStore for DiesBeforeRelease {
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.0.acquire(key, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(lease, response, retention).await
+    }
+    async fn release(&self, _: &Lease) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.0.extend(lease, lease_for).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.0.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.0.delete(key).await
+    }
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.0.purge_expired(max).await
+    }
+}
+
+const SHORT_LEASE: Duration = Duration::from_millis(400);
+
+/// A worker's handler is killed mid-way (before its side effect, or after
+/// the effect started), and its process dies before it can release the key.
+/// After the lease, the redelivery takes the key over as attempt 2: with an
+/// effect outside the store, the effect that had started is done again
+/// (at-least-once, and `attempt` tells the handler); before the effect,
+/// it runs once.
+async fn crash_scenario(backend: Backend, effect_started: bool) {
+    let started = Instant::now();
+    let store = backend.store().await;
+    let run = run_id();
+    let key = key("faults.crash", &run, 0);
+    let ledger = Ledger::new(1);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let dying: Idempotency<dyn IdempotencyStore> = Idempotency::from_arc(Arc::new(
+        DiesBeforeRelease(store.clone()),
+    )
+        as Arc<dyn IdempotencyStore>)
+    .lease(SHORT_LEASE);
+    let worker = {
+        let (key, ledger) = (key.clone(), ledger.clone());
+        tokio::spawn(async move {
+            let _ = dying
+                .process_with(&key, None, |_| async move {
+                    if effect_started {
+                        ledger.effect(0);
+                    }
+                    let _ = started_tx.send(());
+                    std::future::pending::<Result<u64, std::convert::Infallible>>().await
+                })
+                .await;
+        })
+    };
+    started_rx.await.unwrap_or_else(|e| panic!("{e}"));
+    worker.abort();
+    let _ = worker.await;
+
+    // The redelivery waits out the dead worker's lease, then takes over.
+    let idem = Idempotency::from_arc(store)
+        .lease(SHORT_LEASE)
+        .on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(10),
+            poll: Duration::from_millis(50),
+        });
+    let attempt = Arc::new(AtomicU32::new(0));
+    let out = {
+        let (ledger, attempt) = (ledger.clone(), attempt.clone());
+        idem.process_with(&key, None, |ctx| async move {
+            attempt.store(ctx.attempt, Ordering::SeqCst);
+            ledger.effect(0);
+            Ok::<_, std::convert::Infallible>(7u64)
+        })
+        .await
+    };
+    assert!(matches!(out, Ok(Processed::Executed(7))), "{out:?}");
+    assert_eq!(
+        attempt.load(Ordering::SeqCst),
+        2,
+        "the takeover runs as attempt 2"
+    );
+    let expected = if effect_started { 2 } else { 1 };
+    assert_eq!(ledger.count(0), expected);
+    report(
+        if effect_started {
+            "crash-after-effect"
+        } else {
+            "crash-before-effect"
+        },
+        backend,
+        &[
+            ("messages", "1".into()),
+            ("deliveries", "2".into()),
+            (
+                "takeover_attempt",
+                attempt.load(Ordering::SeqCst).to_string(),
+            ),
+            ("effects", ledger.count(0).to_string()),
+        ],
+        started,
+    );
+}
+
+/// In the in-transaction mode the effect is a row of the same transaction:
+/// a worker killed after writing it rolls back with its reservation, and
+/// the redelivery's effect is the only one.
+async fn crash_tx_scenario() {
+    let started = Instant::now();
+    let store = pg_store().await;
+    let Receiver::Tx { ledger, .. } = Receiver::tx(store.clone()).await else {
+        unreachable!()
+    };
+    let key = key("faults.crash", &run_id(), 0);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let worker = {
+        let (store, ledger, key) = (store.clone(), ledger.clone(), key.clone());
+        tokio::spawn(async move {
+            let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let Ok(Claim::Acquired(_lease)) = store
+                .in_transaction()
+                .claim::<_, u64>(&mut tx, &key, &0u64)
+                .await
+            else {
+                panic!("not acquired")
+            };
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "INSERT INTO {ledger} VALUES (0, 1)"
+            )))
+            .execute(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+            let _ = started_tx.send(());
+            std::future::pending::<()>().await;
+        })
+    };
+    started_rx.await.unwrap_or_else(|e| panic!("{e}"));
+    worker.abort();
+    let _ = worker.await;
+    let receiver = Receiver::Tx {
+        store: store.clone(),
+        ledger,
+    };
+    let ledger_unused = Ledger::new(1);
+    let out = receiver.deliver(&key, 0, &ledger_unused).await;
+    assert!(matches!(out, Delivery::Executed(_)), "{out:?}");
+    let effects = receiver.effects(&ledger_unused, 1).await;
+    assert_eq!(
+        effects,
+        vec![1],
+        "the killed transaction's effect rolled back"
+    );
+    report(
+        "crash-after-effect",
+        Backend::PostgresTx,
+        &[
+            ("messages", "1".into()),
+            ("deliveries", "2".into()),
+            ("takeover_attempt", "1".into()),
+            ("effects", effects[0].to_string()),
+        ],
+        started,
+    );
+}
+
+mod crash_mid_handler {
+    use super::*;
+    macro_rules! crash_tests {
+        ($($name:ident: $backend:expr),*) => {$(
+            mod $name {
+                use super::*;
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn before_the_effect() { crash_scenario($backend, false).await }
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn after_the_effect_started() { crash_scenario($backend, true).await }
+            }
+        )*};
+    }
+    crash_tests!(memory: Backend::Memory, postgres: Backend::Postgres, redis: Backend::Redis,
+                 redis_cluster: Backend::RedisCluster, tiered: Backend::Tiered);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_tx_never_doubles_the_effect() {
+        crash_tx_scenario().await
+    }
+}
