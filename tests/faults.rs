@@ -291,7 +291,7 @@ async fn storm(
 ) -> Storm {
     let run = run_id();
     let mut deliveries: Vec<u64> = (0..messages)
-        .flat_map(|m| std::iter::repeat_n(m, fastrand::usize(1..=8)))
+        .flat_map(|m| std::iter::repeat(m).take(fastrand::usize(1..=8)))
         .collect();
     fastrand::shuffle(&mut deliveries);
     let planned = deliveries.len() as u64;
@@ -647,5 +647,202 @@ mod crash_mid_handler {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_tx_never_doubles_the_effect() {
         crash_tx_scenario().await
+    }
+}
+
+/// A handler that must not run.
+fn never<T>(why: &str) -> Result<T, std::convert::Infallible> {
+    panic!("{why}")
+}
+
+// ------------------------------------------------------------ 3. zombie
+
+/// A worker stalls past its lease (heartbeat off, so nothing renews it);
+/// another worker takes the key over and completes it. When the zombie
+/// wakes up and finishes, its completion is fenced off with `LeaseLost`,
+/// the new owner's result stands, and replays return it.
+async fn zombie_scenario(backend: Backend) {
+    let started = Instant::now();
+    let store = backend.store().await;
+    let key = key("faults.zombie", &run_id(), 0);
+    let ledger = Ledger::new(1);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let (wake_tx, wake_rx) = tokio::sync::oneshot::channel::<()>();
+    let zombie = {
+        let idem = Idempotency::from_arc(store.clone())
+            .lease(SHORT_LEASE)
+            .heartbeat(false);
+        let (key, ledger) = (key.clone(), ledger.clone());
+        tokio::spawn(async move {
+            idem.process_with(&key, None, |_| async move {
+                let _ = started_tx.send(());
+                let _ = wake_rx.await;
+                ledger.effect(0);
+                Ok::<_, std::convert::Infallible>(1u64)
+            })
+            .await
+        })
+    };
+    started_rx.await.unwrap_or_else(|e| panic!("{e}"));
+
+    let idem = Idempotency::from_arc(store)
+        .lease(Duration::from_secs(30))
+        .on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(10),
+            poll: Duration::from_millis(50),
+        });
+    let new_owner = {
+        let ledger = ledger.clone();
+        idem.process_with(&key, None, |ctx| async move {
+            assert_eq!(ctx.attempt, 2, "the new owner takes over as attempt 2");
+            ledger.effect(0);
+            Ok::<_, std::convert::Infallible>(2u64)
+        })
+        .await
+    };
+    assert!(
+        matches!(new_owner, Ok(Processed::Executed(2))),
+        "{new_owner:?}"
+    );
+
+    let _ = wake_tx.send(());
+    let zombie = zombie.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(zombie, Err(IdemError::LeaseLost)),
+        "the zombie is fenced off: {zombie:?}"
+    );
+    let replay = idem
+        .process_with(&key, None, |_| async {
+            never::<u64>("a completed key never runs again")
+        })
+        .await;
+    assert!(
+        matches!(replay, Ok(Processed::Replayed(2))),
+        "replays return the new owner's result: {replay:?}"
+    );
+    report(
+        "zombie-worker",
+        backend,
+        &[
+            ("messages", "1".into()),
+            ("deliveries", "3".into()),
+            ("zombie_completion", "LeaseLost".into()),
+            ("replayed", "new-owner".into()),
+            ("effects", ledger.count(0).to_string()),
+        ],
+        started,
+    );
+}
+
+mod zombie_worker {
+    use super::*;
+    /// MemoryStore on paused time: the lease runs out without waiting.
+    #[tokio::test(start_paused = true)]
+    async fn memory() {
+        zombie_scenario(Backend::Memory).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        zombie_scenario(Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis() {
+        zombie_scenario(Backend::Redis).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster() {
+        zombie_scenario(Backend::RedisCluster).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiered() {
+        zombie_scenario(Backend::Tiered).await
+    }
+}
+
+// ------------------------------------------------------------ 4. heartbeat
+
+/// A handler that runs for 5 leases keeps its key: the heartbeat renews the
+/// lease, every duplicate delivered meanwhile is told "in progress", no
+/// takeover happens, and the effect runs once.
+async fn heartbeat_scenario(backend: Backend) {
+    let started = Instant::now();
+    let store = backend.store().await;
+    let key = key("faults.heartbeat", &run_id(), 0);
+    let ledger = Ledger::new(1);
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let long = {
+        let idem = Idempotency::from_arc(store.clone()).lease(SHORT_LEASE);
+        let (key, ledger) = (key.clone(), ledger.clone());
+        tokio::spawn(async move {
+            idem.process_with(&key, None, |ctx| async move {
+                ledger.effect(0);
+                let _ = started_tx.send(());
+                tokio::time::sleep(SHORT_LEASE * 5).await; // the handler's long work
+                Ok::<_, std::convert::Infallible>(ctx.attempt)
+            })
+            .await
+        })
+    };
+    started_rx.await.unwrap_or_else(|e| panic!("{e}"));
+    let duplicate = Idempotency::from_arc(store).lease(SHORT_LEASE);
+    let mut rejected = 0;
+    while !long.is_finished() {
+        let out = duplicate
+            .process_with(&key, None, |_| async {
+                never::<u32>("no takeover while the heartbeat runs")
+            })
+            .await;
+        match out {
+            Err(IdemError::InProgress { .. }) => rejected += 1,
+            Ok(Processed::Replayed(1)) => break, // it just finished
+            other => panic!("a duplicate during the long handler got {other:?}"),
+        }
+        tokio::time::sleep(SHORT_LEASE / 4).await;
+    }
+    let out = long.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(out, Ok(Processed::Executed(1))),
+        "the first attempt completes: {out:?}"
+    );
+    assert!(
+        rejected >= 10,
+        "duplicates kept arriving during the 5 leases: {rejected}"
+    );
+    assert_eq!(ledger.count(0), 1);
+    report(
+        "heartbeat-5-leases",
+        backend,
+        &[
+            ("messages", "1".into()),
+            ("deliveries", (rejected + 1).to_string()),
+            ("in_progress_answers", rejected.to_string()),
+            ("takeovers", "0".into()),
+            ("effects", ledger.count(0).to_string()),
+        ],
+        started,
+    );
+}
+
+mod heartbeat {
+    use super::*;
+    #[tokio::test(start_paused = true)]
+    async fn memory() {
+        heartbeat_scenario(Backend::Memory).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres() {
+        heartbeat_scenario(Backend::Postgres).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis() {
+        heartbeat_scenario(Backend::Redis).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_cluster() {
+        heartbeat_scenario(Backend::RedisCluster).await
+    }
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiered() {
+        heartbeat_scenario(Backend::Tiered).await
     }
 }
