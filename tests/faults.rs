@@ -132,6 +132,8 @@ enum Delivery {
     Executed(u64),
     Replayed(u64),
     InProgress,
+    /// The store could not be reached (`StoreError::Unavailable`).
+    Unavailable(String),
     Failed(String),
 }
 
@@ -177,12 +179,15 @@ impl Receiver {
                     Ok(Processed::Executed(v)) => Delivery::Executed(v),
                     Ok(Processed::Replayed(v)) => Delivery::Replayed(v),
                     Err(IdemError::InProgress { .. }) => Delivery::InProgress,
+                    Err(IdemError::Store(e @ StoreError::Unavailable(_))) => {
+                        Delivery::Unavailable(e.to_string())
+                    }
                     Err(e) => Delivery::Failed(e.to_string()),
                 }
             }
             Receiver::Tx { store, ledger } => match tx_deliver(store, ledger, key, msg).await {
                 Ok(d) => d,
-                Err(e) => Delivery::Failed(e),
+                Err(e) => e,
             },
         }
     }
@@ -216,13 +221,45 @@ impl Receiver {
     }
 }
 
+/// A failed delivery of the in-transaction mode: connection-level sqlx
+/// errors and `StoreError::Unavailable` mean the server could not be
+/// reached.
+fn tx_failure(e: impl Into<TxError>) -> Delivery {
+    match e.into() {
+        TxError::Sqlx(
+            e @ (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_)),
+        ) => Delivery::Unavailable(e.to_string()),
+        TxError::Sqlx(sqlx::Error::Database(e))
+            if e.code()
+                .is_some_and(|c| c.starts_with("57") || c.starts_with("08")) =>
+        {
+            Delivery::Unavailable(e.to_string())
+        }
+        TxError::Idem(IdemError::Store(e @ StoreError::Unavailable(_))) => {
+            Delivery::Unavailable(e.to_string())
+        }
+        TxError::Store(e @ StoreError::Unavailable(_)) => Delivery::Unavailable(e.to_string()),
+        other => Delivery::Failed(other.to_string()),
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum TxError {
+    #[error(transparent)]
+    Sqlx(#[from] sqlx::Error),
+    #[error(transparent)]
+    Idem(#[from] IdemError<std::convert::Infallible>),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
 async fn tx_deliver(
     store: &PgStore,
     ledger: &str,
     key: &IdempotencyKey,
     msg: u64,
-) -> Result<Delivery, String> {
-    let mut tx = store.pool().begin().await.map_err(|e| e.to_string())?;
+) -> Result<Delivery, Delivery> {
+    let mut tx = store.pool().begin().await.map_err(tx_failure)?;
     match store
         .in_transaction()
         .claim::<_, u64>(&mut tx, key, &msg)
@@ -237,17 +274,17 @@ async fn tx_deliver(
             .bind(execution as i64)
             .execute(&mut *tx)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(tx_failure)?;
             lease
                 .complete(&mut tx, &execution)
                 .await
-                .map_err(|e| e.to_string())?;
-            tx.commit().await.map_err(|e| e.to_string())?;
+                .map_err(tx_failure)?;
+            tx.commit().await.map_err(tx_failure)?;
             Ok(Delivery::Executed(execution))
         }
         Ok(Claim::Replayed(v)) => Ok(Delivery::Replayed(v)),
         Err(IdemError::InProgress { .. }) => Ok(Delivery::InProgress),
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(tx_failure(e)),
     }
 }
 
@@ -268,10 +305,42 @@ impl Ledger {
 
 // ------------------------------------------------------------ 1. storm
 
+/// A fault injected into a storm: gets the storm's progress, returns when
+/// the fault is over.
+type Fault = Box<dyn FnOnce(Arc<Progress>) -> futures::future::BoxFuture<'static, ()> + Send>;
+
+/// How far a storm got, for a fault to wait on.
+#[derive(Default)]
+struct Progress {
+    executed: AtomicU64,
+    unavailable: AtomicU64,
+    changed: tokio::sync::Notify,
+}
+
+impl Progress {
+    /// Waits until `ready` holds.
+    async fn until(&self, ready: impl Fn(&Progress) -> bool) {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if ready(self) {
+                return;
+            }
+            changed.await;
+        }
+    }
+    fn bump(&self, counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+}
+
 /// What a storm saw.
 struct Storm {
     deliveries: u64,
     redeliveries: u64,
+    unavailable: u64,
     failures: u64,
     double_effects: usize,
     lost_completions: usize,
@@ -287,8 +356,10 @@ async fn storm(
     receiver: Receiver,
     messages: u64,
     workers: usize,
-    during: Option<tokio::task::JoinHandle<()>>,
+    fault: Option<Fault>,
 ) -> Storm {
+    let progress = Arc::new(Progress::default());
+    let fault = fault.map(|f| tokio::spawn(f(progress.clone())));
     let run = run_id();
     let mut deliveries: Vec<u64> = (0..messages)
         .flat_map(|m| std::iter::repeat(m).take(fastrand::usize(1..=8)))
@@ -302,6 +373,7 @@ async fn storm(
     let counters = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let tasks: Vec<_> = (0..workers)
         .map(|_| {
+            let progress = progress.clone();
             let (receiver, queue, ledger, results, replays, counters, run) = (
                 receiver.clone(),
                 queue.clone(),
@@ -323,16 +395,26 @@ async fn storm(
                         Delivery::Executed(v) => {
                             let before = results[msg as usize].swap(v, Ordering::SeqCst);
                             assert_eq!(before, 0, "message {msg} executed twice");
+                            progress.bump(&progress.executed);
                         }
                         Delivery::Replayed(v) => replays
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .push((msg, v)),
                         other => {
-                            if let Delivery::Failed(e) = &other {
-                                if counters[2].fetch_add(1, Ordering::Relaxed) == 0 {
-                                    eprintln!("first failed delivery (redelivered): {e}");
+                            match &other {
+                                Delivery::Unavailable(e) => {
+                                    if progress.unavailable.load(Ordering::SeqCst) == 0 {
+                                        eprintln!("first Unavailable (redelivered): {e}");
+                                    }
+                                    progress.bump(&progress.unavailable)
                                 }
+                                Delivery::Failed(e) => {
+                                    if counters[2].fetch_add(1, Ordering::Relaxed) == 0 {
+                                        eprintln!("first failed delivery (redelivered): {e}");
+                                    }
+                                }
+                                _ => {}
                             }
                             counters[1].fetch_add(1, Ordering::Relaxed);
                             // Redelivered later; a short pause as a broker's
@@ -352,8 +434,10 @@ async fn storm(
         t.await
             .unwrap_or_else(|e| panic!("a storm worker panicked: {e}"));
     }
-    if let Some(during) = during {
-        during.await.unwrap_or_else(|e| panic!("{e}"));
+    if let Some(fault) = fault {
+        fault
+            .await
+            .unwrap_or_else(|e| panic!("the fault task failed: {e}"));
     }
     let effects = receiver.effects(&ledger, messages).await;
     let double_effects = effects.iter().filter(|&&n| n > 1).count();
@@ -388,6 +472,7 @@ async fn storm(
     Storm {
         deliveries: c(0),
         redeliveries: c(1),
+        unavailable: progress.unavailable.load(Ordering::SeqCst),
         failures: c(2),
         double_effects,
         lost_completions,
@@ -399,7 +484,11 @@ async fn storm_scenario(backend: Backend) {
     let messages = 10_000;
     let receiver = backend.receiver(Duration::from_secs(30)).await;
     let s = storm(backend, receiver, messages, 64, None).await;
-    assert_eq!(s.failures, 0, "no delivery fails without a fault");
+    assert_eq!(
+        s.failures + s.unavailable,
+        0,
+        "no delivery fails without a fault"
+    );
     assert_eq!(s.lost_completions, 0);
     report(
         "redelivery-storm",
@@ -844,5 +933,190 @@ mod heartbeat {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn tiered() {
         heartbeat_scenario(Backend::Tiered).await
+    }
+}
+
+// ------------------------------------------------------------ 5. server faults
+
+/// Receivers for a storm through a fault: a lease long enough that a
+/// completion retried through a short outage lands before anyone may take
+/// the key over, and a completion retry budget longer than the outage.
+fn fault_receiver(store: Arc<dyn IdempotencyStore>) -> Receiver {
+    Receiver::Store(
+        Idempotency::from_arc(store)
+            .lease(Duration::from_secs(5))
+            .complete_retry(Duration::from_secs(20))
+            .on_in_progress(InProgressPolicy::Reject),
+    )
+}
+
+async fn redis_at(url: &str) -> Arc<dyn IdempotencyStore> {
+    Arc::new(
+        RedisStore::connect(url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .call_timeout(Duration::from_millis(500)),
+    )
+}
+
+async fn pg_at(url: &str) -> PgStore {
+    let store = PgStore::builder(support::pg::pool(url, 16).await)
+        .connections(16)
+        .call_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+/// A fault that starts once a third of the messages ran, and ends once a
+/// delivery has seen it (`Unavailable`), so every run really crosses it.
+fn fault(
+    messages: u64,
+    start: impl FnOnce() + Send + 'static,
+    end: impl FnOnce() + Send + 'static,
+) -> Fault {
+    Box::new(move |progress: Arc<Progress>| {
+        Box::pin(async move {
+            progress
+                .until(|p| p.executed.load(Ordering::SeqCst) >= messages / 3)
+                .await;
+            let seen = progress.unavailable.load(Ordering::SeqCst);
+            tokio::task::spawn_blocking(start)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            progress
+                .until(|p| p.unavailable.load(Ordering::SeqCst) > seen)
+                .await;
+            tokio::task::spawn_blocking(end)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        })
+    })
+}
+
+const FAULT_MESSAGES: u64 = 2_000;
+
+async fn fault_storm(scenario: &str, backend: Backend, receiver: Receiver, fault: Fault) {
+    let started = Instant::now();
+    let s = storm(backend, receiver, FAULT_MESSAGES, 32, Some(fault)).await;
+    assert!(
+        s.unavailable > 0,
+        "calls failed with Unavailable during the fault"
+    );
+    assert_eq!(
+        s.failures, 0,
+        "every failure during the fault is Unavailable"
+    );
+    assert_eq!(s.lost_completions, 0, "no completed record was lost");
+    report(
+        scenario,
+        backend,
+        &[
+            ("messages", FAULT_MESSAGES.to_string()),
+            ("deliveries", s.deliveries.to_string()),
+            ("unavailable", s.unavailable.to_string()),
+            ("double_effects", s.double_effects.to_string()),
+            ("lost_completions", s.lost_completions.to_string()),
+        ],
+        started,
+    );
+}
+
+mod server_faults {
+    use super::support::pg::PgServer;
+    use super::support::redis_server::RedisServer;
+    use super::*;
+
+    /// Redis with an append-only file synced on every write: killed with
+    /// SIGKILL mid-storm and started again, it comes back with every
+    /// record. (Without persistence a restart loses every record: see
+    /// RELIABILITY.md.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_killed_and_restarted() {
+        let server = Arc::new(RedisServer::start(&[
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+        ]));
+        let receiver = fault_receiver(redis_at(&server.url).await);
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(FAULT_MESSAGES, move || a.kill(), move || b.start_again());
+        fault_storm(
+            "redis-killed-restarted-aof",
+            Backend::Redis,
+            receiver,
+            fault,
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn redis_frozen_then_thawed() {
+        let server = Arc::new(RedisServer::start(&[]));
+        let receiver = fault_receiver(redis_at(&server.url).await);
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(
+            FAULT_MESSAGES,
+            move || a.signal("STOP"),
+            move || b.signal("CONT"),
+        );
+        fault_storm("redis-sigstop-sigcont", Backend::Redis, receiver, fault).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_restarted() {
+        let server = Arc::new(PgServer::start());
+        let receiver = fault_receiver(Arc::new(pg_at(&server.url).await));
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+        fault_storm("postgres-restarted", Backend::Postgres, receiver, fault).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_frozen_then_thawed() {
+        let server = Arc::new(PgServer::start());
+        let receiver = fault_receiver(Arc::new(pg_at(&server.url).await));
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(
+            FAULT_MESSAGES,
+            move || a.signal("STOP"),
+            move || b.signal("CONT"),
+        );
+        fault_storm(
+            "postgres-sigstop-sigcont",
+            Backend::Postgres,
+            receiver,
+            fault,
+        )
+        .await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_tx_restarted() {
+        let server = Arc::new(PgServer::start());
+        let receiver = Receiver::tx(pg_at(&server.url).await).await;
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+        fault_storm("postgres-restarted", Backend::PostgresTx, receiver, fault).await;
+    }
+
+    /// The tiered store with its source of truth restarted: duplicates of
+    /// completed keys keep being answered by moka and Redis meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn tiered_source_restarted() {
+        let server = Arc::new(PgServer::start());
+        let store = TieredStore::new(pg_at(&server.url).await)
+            .with_cache(MokaCache::new(100_000, 64 << 20))
+            .with_cache(
+                RedisCache::connect(support::redis_server::shared_url())
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}")),
+            );
+        let receiver = fault_receiver(Arc::new(store));
+        let (a, b) = (server.clone(), server.clone());
+        let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+        fault_storm("postgres-restarted", Backend::Tiered, receiver, fault).await;
     }
 }

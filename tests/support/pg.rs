@@ -154,6 +154,26 @@ impl PgServer {
     pub fn dir(&self) -> &Path {
         &self.dir
     }
+
+    /// Sends `signal` (`STOP`, `CONT`) to the postmaster and every backend
+    /// process: SIGSTOP freezes the whole server, connections stay open and
+    /// nothing is answered, so clients time out.
+    pub fn signal(&self, signal: &str) {
+        let pid_file = self.data().join("postmaster.pid");
+        let pid = std::fs::read_to_string(&pid_file)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", pid_file.display()));
+        let pid = pid.lines().next().unwrap_or_default().trim().to_string();
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "kill -{signal} {pid} && (pkill -{signal} -P {pid} || true)"
+            ))
+            .status();
+        assert!(
+            status.is_ok_and(|s| s.success()),
+            "kill -{signal} {pid} failed"
+        );
+    }
 }
 
 fn run(command: &mut Command) {
