@@ -409,10 +409,10 @@ async fn storm(
                                     }
                                     progress.bump(&progress.unavailable)
                                 }
-                                Delivery::Failed(e) => {
-                                    if counters[2].fetch_add(1, Ordering::Relaxed) == 0 {
-                                        eprintln!("first failed delivery (redelivered): {e}");
-                                    }
+                                Delivery::Failed(e)
+                                    if counters[2].fetch_add(1, Ordering::Relaxed) == 0 =>
+                                {
+                                    eprintln!("first failed delivery (redelivered): {e}");
                                 }
                                 _ => {}
                             }
