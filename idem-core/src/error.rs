@@ -119,7 +119,9 @@ pub enum StoreError {
         /// The configured limit.
         max_records: usize,
     },
-    /// The response is larger than the store accepts. Not retryable.
+    /// The response is larger than the store accepts. Not retryable. The
+    /// store refuses it before writing anything; the executor then releases
+    /// the key (the handler ran: its effects are not undone).
     #[error("response of {size} bytes is larger than the store's limit of {limit} bytes")]
     ResponseTooLarge {
         /// The response's size in bytes.

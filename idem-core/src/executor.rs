@@ -357,6 +357,13 @@ where
                 tracing::warn!(key = %key, attempt = lease.attempt, "completion fenced off: the lease was taken over while the handler ran");
                 Err(IdemError::LeaseLost)
             }
+            Err(e @ StoreError::ResponseTooLarge { .. }) => {
+                // Refused before anything was written: the key would stay
+                // in progress until its lease ran out. Release it, as for a
+                // response that does not encode.
+                self.release(&lease).await;
+                Err(IdemError::Store(e))
+            }
             Err(e) => Err(IdemError::Store(e)),
         }
     }

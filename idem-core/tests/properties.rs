@@ -86,14 +86,16 @@ fn scalar() -> impl Strategy<Value = Value> {
 }
 
 fn node() -> impl Strategy<Value = Node> {
-    scalar().prop_map(Node::Scalar).prop_recursive(4, 64, 6, |inner| {
-        prop_oneof![
-            prop::collection::vec(inner.clone(), 0..6).prop_map(Node::Array),
-            // unique field names (a JSON object has each name once)
-            prop::collection::btree_map(any::<String>(), inner, 0..6)
-                .prop_map(|m| Node::Object(m.into_iter().collect())),
-        ]
-    })
+    scalar()
+        .prop_map(Node::Scalar)
+        .prop_recursive(4, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Node::Array),
+                // unique field names (a JSON object has each name once)
+                prop::collection::btree_map(any::<String>(), inner, 0..6)
+                    .prop_map(|m| Node::Object(m.into_iter().collect())),
+            ]
+        })
 }
 
 proptest! {
