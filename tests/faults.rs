@@ -1402,3 +1402,87 @@ mod bad_input {
         }
     }
 }
+
+/// The in-transaction mode has no lease to run out: a stalled transaction
+/// keeps the key, a duplicate waits on it (it does not take over), and
+/// replays the stalled one's result once it commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zombie_worker_postgres_tx_stalled_transaction_is_waited_for() {
+    let started = Instant::now();
+    let store = pg_store().await;
+    let Receiver::Tx { ledger, .. } = Receiver::tx(store.clone()).await else {
+        unreachable!()
+    };
+    let key = key("faults.zombie", &run_id(), 0);
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim::<_, u64>(&mut tx, &key, &0u64)
+        .await
+    else {
+        panic!("not acquired")
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {ledger} VALUES (0, 1)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+
+    let receiver = Receiver::Tx {
+        store: store.clone(),
+        ledger: ledger.clone(),
+    };
+    let duplicate = {
+        let (receiver, key) = (receiver.clone(), key.clone());
+        tokio::spawn(async move { receiver.deliver(&key, 0, &Ledger::new(1)).await })
+    };
+    // The duplicate is blocked on the stalled transaction's row: PostgreSQL
+    // shows a session waiting on this transaction's backend.
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let waiting = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+        )
+        .bind(holder)
+        .fetch_one(store.pool())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while waiting().await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the duplicate never waited on the lock"
+        );
+        tokio::task::yield_now().await;
+    }
+    assert!(
+        !duplicate.is_finished(),
+        "the duplicate waits; it does not take over"
+    );
+    lease
+        .complete(&mut tx, &21u64)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let out = duplicate.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(out, Delivery::Replayed(21)), "{out:?}");
+    let effects = receiver.effects(&Ledger::new(1), 1).await;
+    assert_eq!(effects, vec![1]);
+    report(
+        "zombie-worker",
+        Backend::PostgresTx,
+        &[
+            ("messages", "1".into()),
+            ("deliveries", "2".into()),
+            ("zombie_completion", "committed-duplicate-waited".into()),
+            ("replayed", "stalled-transaction".into()),
+            ("effects", effects[0].to_string()),
+        ],
+        started,
+    );
+}
