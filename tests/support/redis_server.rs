@@ -183,6 +183,19 @@ fn cluster_port() -> u16 {
 }
 
 fn start_cluster() -> Vec<String> {
+    start_cluster_servers()
+        .into_iter()
+        .map(|server| {
+            let url = server.url.clone();
+            std::mem::forget(server); // the watchdog stops it
+            url
+        })
+        .collect()
+}
+
+/// A 3-master cluster of its own (no replicas), its servers returned so a
+/// test can freeze or kill one.
+pub fn start_cluster_servers() -> Vec<RedisServer> {
     let mut nodes = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..3 {
@@ -199,9 +212,8 @@ fn start_cluster() -> Vec<String> {
                 "5000",
             ],
         );
-        nodes.push(server.url.clone());
+        nodes.push(server);
         ports.push(port);
-        std::mem::forget(server); // the watchdog stops it
     }
     let out = Command::new("redis-cli")
         .arg("--cluster")
