@@ -15,3 +15,7 @@ pub use idem_postgres as postgres;
 /// The tiered store (feature `tiered`).
 #[cfg(feature = "tiered")]
 pub use idem_tiered as tiered;
+
+/// The `Idempotency-Key` layer for tower and axum (feature `http`).
+#[cfg(feature = "http")]
+pub use idem_http as http;

@@ -1,0 +1,579 @@
+//! An `Idempotency-Key` layer for [tower] and axum, on any idem store.
+//!
+//! It follows the IETF draft "The Idempotency-Key HTTP Header Field": a
+//! client sends a unique key with a request that is not idempotent (a
+//! `POST`); the first request with a key runs, its response is recorded,
+//! and a retry with the same key gets the recorded response back, marked
+//! `Idempotent-Replayed: true`, instead of running again.
+//!
+//! ```no_run
+//! use axum::{routing::post, Json, Router};
+//! use idem_core::{Idempotency, MemoryStore};
+//! use idem_http::IdempotencyLayer;
+//!
+//! async fn create_payment(Json(body): Json<serde_json::Value>) -> Json<serde_json::Value> {
+//!     Json(serde_json::json!({ "charged": body["amount"] }))
+//! }
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+//!     // two clients never share keys: scope them by who is calling
+//!     .tenant(|req| {
+//!         req.headers
+//!             .get("x-api-key")
+//!             .and_then(|v| v.to_str().ok())
+//!             .map(str::to_owned)
+//!     });
+//! let app: Router = Router::new()
+//!     .route("/payments", post(create_payment))
+//!     .layer(layer);
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//! axum::serve(listener, app).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! | request | response |
+//! |---|---|
+//! | first with a key | the handler runs; its response is recorded if its status is recorded (default: 2xx and 4xx) |
+//! | same key, same method, path and body, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
+//! | same key while the first still runs | `409 Conflict`, `Retry-After` |
+//! | same key, different body (or method, path) | `422 Unprocessable Content` |
+//! | no key where one is required | `400 Bad Request` |
+//! | a malformed key | `400 Bad Request` |
+//! | a body over the limit | `413 Content Too Large`, before anything is stored |
+//! | the store unreachable | `503 Service Unavailable`, `Retry-After` |
+//! | the handler answers 5xx (not recorded by default) | passed through; the key is released, a retry runs again |
+//!
+//! Errors are `application/problem+json` (RFC 9457).
+//!
+//! The key of a request is the pair (tenant, method, path, header value)
+//! under the layer's scope, so two tenants, or two routes, never collide
+//! and never read each other's responses. The fingerprint covers the
+//! method, the path with its query, and the body.
+#![deny(missing_docs)]
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use base64::Engine;
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use idem_core::{
+    Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
+    Processed,
+};
+use serde::{Deserialize, Serialize};
+
+/// The request header that carries the key.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// The response header set on a replayed response.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The body of the layer's responses: the handler's own body, passed
+/// through, or a recorded or problem body.
+pub type LayerBody = UnsyncBoxBody<Bytes, BoxError>;
+/// A boxed error.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+type TenantFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
+type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// The longest `Idempotency-Key` header value accepted, in bytes.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// A [`tower::Layer`] that makes the requests it wraps idempotent by their
+/// `Idempotency-Key` header. See the [crate docs](crate).
+pub struct IdempotencyLayer<S: ?Sized, C = JsonCodec> {
+    config: Arc<Config<S, C>>,
+}
+
+struct Config<S: ?Sized, C> {
+    idem: Idempotency<S, C>,
+    scope: String,
+    required: bool,
+    methods: Vec<Method>,
+    max_body_bytes: usize,
+    tenant: Option<Arc<TenantFn>>,
+    record: Arc<StatusFn>,
+    skip_headers: Vec<HeaderName>,
+}
+
+impl<S: ?Sized, C> Clone for IdempotencyLayer<S, C> {
+    fn clone(&self) -> Self {
+        IdempotencyLayer {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("scope", &self.config.scope)
+            .field("required", &self.config.required)
+            .field("methods", &self.config.methods)
+            .field("max_body_bytes", &self.config.max_body_bytes)
+            .field("tenant", &self.config.tenant.is_some())
+            .finish()
+    }
+}
+
+impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
+    /// A layer over `idem`: its store, lease, retention and heartbeat apply.
+    /// A duplicate that arrives while the first request runs gets 409 unless
+    /// the executor's policy is `InProgressPolicy::Wait`, in which case it
+    /// waits for the recorded response.
+    ///
+    /// Defaults: scope `http`; the key is required on `POST` and `PATCH`
+    /// (other methods pass through untouched); bodies up to 1 MiB; no
+    /// tenant; 2xx and 4xx responses are recorded, others release the key.
+    pub fn new(idem: Idempotency<S, C>) -> Self {
+        IdempotencyLayer {
+            config: Arc::new(Config {
+                idem,
+                scope: "http".to_owned(),
+                required: true,
+                methods: vec![Method::POST, Method::PATCH],
+                max_body_bytes: 1 << 20,
+                tenant: None,
+                record: Arc::new(|s: StatusCode| s.is_success() || s.is_client_error()),
+                skip_headers: vec![
+                    http::header::DATE,
+                    CONTENT_LENGTH,
+                    http::header::TRANSFER_ENCODING,
+                    http::header::CONNECTION,
+                    http::header::SET_COOKIE,
+                ],
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Config<S, C>)) -> Self {
+        match Arc::get_mut(&mut self.config) {
+            Some(config) => f(config),
+            None => unreachable!("a layer is configured before it is cloned"),
+        }
+        self
+    }
+
+    /// The scope of the idempotency keys (default `http`): give each API
+    /// its own when several share a store.
+    pub fn scope(self, scope: impl Into<String>) -> Self {
+        let scope = scope.into();
+        self.edit(|c| c.scope = scope)
+    }
+
+    /// Whether a request without the header is refused with 400 (default
+    /// `true`) or passed through without idempotency.
+    pub fn required(self, required: bool) -> Self {
+        self.edit(|c| c.required = required)
+    }
+
+    /// The methods the layer applies to (default `POST` and `PATCH`).
+    pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
+        let methods = methods.into_iter().collect();
+        self.edit(|c| c.methods = methods)
+    }
+
+    /// The largest request body accepted (default 1 MiB); larger ones get
+    /// 413 before anything is stored.
+    pub fn max_body_bytes(self, max: usize) -> Self {
+        self.edit(|c| c.max_body_bytes = max)
+    }
+
+    /// Who is calling, from the request head (an API key, the subject of a
+    /// verified token put in the extensions by an auth layer...). Keys are
+    /// scoped by it, so two callers sending the same key never collide and
+    /// never read each other's responses. Without it, all callers share
+    /// one key space.
+    pub fn tenant(
+        self,
+        tenant: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.tenant = Some(Arc::new(tenant)))
+    }
+
+    /// Which response statuses are recorded and replayed (default: 2xx and
+    /// 4xx). A response that is not recorded is passed through and releases
+    /// the key, so a retry runs the handler again (default for 5xx).
+    pub fn record_status(self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.edit(|c| c.record = Arc::new(record))
+    }
+}
+
+impl<S: ?Sized, C, Inner> tower::Layer<Inner> for IdempotencyLayer<S, C> {
+    type Service = IdempotencyService<S, Inner, C>;
+
+    fn layer(&self, inner: Inner) -> Self::Service {
+        IdempotencyService {
+            config: self.config.clone(),
+            inner,
+        }
+    }
+}
+
+/// The service of [`IdempotencyLayer`].
+pub struct IdempotencyService<S: ?Sized, Inner, C = JsonCodec> {
+    config: Arc<Config<S, C>>,
+    inner: Inner,
+}
+
+impl<S: ?Sized, Inner: Clone, C> Clone for IdempotencyService<S, Inner, C> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            config: self.config.clone(),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S: ?Sized, Inner, C> fmt::Debug for IdempotencyService<S, Inner, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("scope", &self.config.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A response as recorded and replayed.
+#[derive(Debug, Serialize, Deserialize)]
+struct Recorded {
+    status: u16,
+    headers: Vec<(String, String)>,
+    /// base64
+    body: String,
+}
+
+/// Why the handler's outcome is not recorded.
+enum NotRecorded<E> {
+    /// A status the policy does not record: passed through as it is.
+    Response(Response<LayerBody>),
+    /// The inner service failed.
+    Service(E),
+}
+
+impl<E> fmt::Display for NotRecorded<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotRecorded::Response(r) => write!(f, "a {} response, not recorded", r.status()),
+            NotRecorded::Service(_) => f.write_str("the inner service failed"),
+        }
+    }
+}
+
+impl<S, Inner, C, ReqBody, ResBody> tower::Service<Request<ReqBody>> for IdempotencyService<S, Inner, C>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<LayerBody>;
+    type Error = Inner::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The clone that was made ready is the one that serves this call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        Box::pin(async move { handle(config, inner, request).await })
+    }
+}
+
+async fn handle<S, C, Inner, ReqBody, ResBody>(
+    config: Arc<Config<S, C>>,
+    mut inner: Inner,
+    request: Request<ReqBody>,
+) -> Result<Response<LayerBody>, Inner::Error>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    Inner::Future: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if !config.methods.contains(request.method()) {
+        return inner.call(request).await.map(box_response);
+    }
+    let header = match request.headers().get(&IDEMPOTENCY_KEY) {
+        Some(value) => value.clone(),
+        None if config.required => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is missing",
+                "This operation requires an Idempotency-Key header.",
+            ))
+        }
+        None => return inner.call(request).await.map(box_response),
+    };
+    let Some(client_key) = parse_key(&header) else {
+        return Ok(problem(
+            StatusCode::BAD_REQUEST,
+            "Idempotency-Key is malformed",
+            &format!(
+                "The Idempotency-Key header must be 1 to {MAX_KEY_LEN} visible ASCII characters \
+                 (a string, optionally quoted)."
+            ),
+        ));
+    };
+    let too_large = || {
+        problem(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "Request body too large",
+            &format!("The body must be at most {} bytes.", config.max_body_bytes),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
+        return Ok(too_large());
+    }
+    let (parts, body) = request.into_parts();
+    let body = match Limited::new(body, config.max_body_bytes).collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large()),
+        Err(e) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Request body could not be read",
+                &e.to_string(),
+            ))
+        }
+    };
+
+    let tenant = config
+        .tenant
+        .as_ref()
+        .and_then(|f| f(&parts))
+        .unwrap_or_default();
+    let path = parts.uri.path().to_owned();
+    let key = match IdempotencyKey::composite(
+        config.scope.clone(),
+        [tenant.as_str(), parts.method.as_str(), path.as_str(), client_key],
+    ) {
+        Ok(key) => key,
+        Err(e) => {
+            return Ok(problem(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key is not usable",
+                &e.to_string(),
+            ))
+        }
+    };
+    let fingerprint = {
+        let target = parts
+            .uri
+            .path_and_query()
+            .map(|p| p.as_str())
+            .unwrap_or("/");
+        let mut bytes = Vec::with_capacity(body.len() + target.len() + 16);
+        bytes.extend_from_slice(parts.method.as_str().as_bytes());
+        bytes.push(b'\n');
+        bytes.extend_from_slice(target.as_bytes());
+        bytes.push(b'\n');
+        bytes.extend_from_slice(&body);
+        Fingerprint::of_bytes(&bytes)
+    };
+
+    let request = Request::from_parts(parts, ReqBody::from(body));
+    let record = config.record.clone();
+    let skip = &config.skip_headers;
+    let outcome = config
+        .idem
+        .process_with(&key, Some(fingerprint), |_| async move {
+            let response = inner.call(request).await.map_err(NotRecorded::Service)?;
+            let (parts, body) = response.into_parts();
+            if !record(parts.status) {
+                let body = body.map_err(Into::into).boxed_unsync();
+                return Err(NotRecorded::Response(Response::from_parts(parts, body)));
+            }
+            let bytes = match body.collect().await {
+                Ok(collected) => collected.to_bytes(),
+                Err(e) => {
+                    let e: BoxError = e.into();
+                    return Err(NotRecorded::Response(problem(
+                        StatusCode::BAD_GATEWAY,
+                        "The response body could not be read",
+                        &e.to_string(),
+                    )));
+                }
+            };
+            Ok(Recorded {
+                status: parts.status.as_u16(),
+                headers: parts
+                    .headers
+                    .iter()
+                    .filter(|(name, _)| !skip.contains(name))
+                    .filter_map(|(name, value)| {
+                        value.to_str().ok().map(|v| (name.as_str().to_owned(), v.to_owned()))
+                    })
+                    .collect(),
+                body: base64::engine::general_purpose::STANDARD.encode(&bytes),
+            })
+        })
+        .await;
+
+    Ok(match outcome {
+        Ok(Processed::Executed(recorded)) => replay(recorded, false),
+        Ok(Processed::Replayed(recorded)) => replay(recorded, true),
+        Err(IdemError::Handler(NotRecorded::Response(response))) => response,
+        Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),
+        Err(IdemError::WaitTimeout { .. }) => with_retry_after(
+            problem(
+                StatusCode::CONFLICT,
+                "A request with this Idempotency-Key is being processed",
+                "Retry after the time given in Retry-After to get its response.",
+            ),
+            Duration::from_secs(1),
+        ),
+        Err(IdemError::InProgress { retry_after, .. }) => {
+            with_retry_after(
+                problem(
+                    StatusCode::CONFLICT,
+                    "A request with this Idempotency-Key is being processed",
+                    "Retry after the time given in Retry-After to get its response.",
+                ),
+                retry_after,
+            )
+        }
+        Err(IdemError::PayloadMismatch) => problem(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Idempotency-Key reused with a different request",
+            "This key was used with another method, path or body. Use a new key for a new request.",
+        ),
+        Err(IdemError::Store(e)) if e.is_retryable() => with_retry_after(
+            problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Idempotency store unavailable",
+                &e.to_string(),
+            ),
+            Duration::from_secs(1),
+        ),
+        Err(e) => {
+            tracing::error!(error = %e, "idempotency layer failed");
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotent processing failed",
+                &e.to_string(),
+            )
+        }
+    })
+}
+
+/// The key from the header: a token, or a quoted string (the draft's
+/// structured-field form), of visible ASCII.
+fn parse_key(value: &HeaderValue) -> Option<&str> {
+    let raw = value.to_str().ok()?.trim();
+    let key = match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
+        Some(inner) => inner,
+        None => raw,
+    };
+    let visible = key.bytes().all(|b| (0x21..=0x7e).contains(&b) && b != b'"');
+    (visible && (1..=MAX_KEY_LEN).contains(&key.len())).then_some(key)
+}
+
+fn box_response<B>(response: Response<B>) -> Response<LayerBody>
+where
+    B: http_body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    response.map(|b| b.map_err(Into::into).boxed_unsync())
+}
+
+fn full(bytes: impl Into<Bytes>) -> LayerBody {
+    Full::new(bytes.into())
+        .map_err(|e: Infallible| match e {})
+        .boxed_unsync()
+}
+
+fn replay(recorded: Recorded, replayed: bool) -> Response<LayerBody> {
+    let body = match base64::engine::general_purpose::STANDARD.decode(&recorded.body) {
+        Ok(body) => body,
+        Err(e) => {
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "The recorded response does not decode",
+                &e.to_string(),
+            )
+        }
+    };
+    let mut response = Response::new(full(body));
+    *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
+    for (name, value) in recorded.headers {
+        if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
+            response.headers_mut().append(name, value);
+        }
+    }
+    if replayed {
+        response
+            .headers_mut()
+            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    }
+    response
+}
+
+/// An `application/problem+json` response (RFC 9457).
+fn problem(status: StatusCode, title: &str, detail: &str) -> Response<LayerBody> {
+    let body = serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    });
+    let mut response = Response::new(full(body.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+fn with_retry_after(mut response: Response<LayerBody>, after: Duration) -> Response<LayerBody> {
+    let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    response
+        .headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
+        let parse = |s: &str| HeaderValue::from_str(s).ok().and_then(|v| parse_key(&v).map(str::to_owned));
+        assert_eq!(parse("abc-123").as_deref(), Some("abc-123"));
+        assert_eq!(parse("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"").as_deref(), Some("8e03978e-40d5-43e8-bc93-6894a57f9324"));
+        assert_eq!(parse(""), None);
+        assert_eq!(parse("\"\""), None);
+        assert_eq!(parse("a b"), None);
+        assert_eq!(parse(&"k".repeat(MAX_KEY_LEN)).map(|k| k.len()), Some(MAX_KEY_LEN));
+        assert_eq!(parse(&"k".repeat(MAX_KEY_LEN + 1)), None);
+    }
+}
