@@ -204,7 +204,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// Which response statuses are recorded and replayed (default: 2xx and
     /// 4xx). A response that is not recorded is passed through and releases
     /// the key, so a retry runs the handler again (default for 5xx).
-    pub fn record_status(self, record: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+    pub fn record_status(
+        self,
+        record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
         self.edit(|c| c.record = Arc::new(record))
     }
 }
@@ -269,7 +272,8 @@ impl<E> fmt::Display for NotRecorded<E> {
     }
 }
 
-impl<S, Inner, C, ReqBody, ResBody> tower::Service<Request<ReqBody>> for IdempotencyService<S, Inner, C>
+impl<S, Inner, C, ReqBody, ResBody> tower::Service<Request<ReqBody>>
+    for IdempotencyService<S, Inner, C>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,
@@ -373,7 +377,12 @@ where
     let path = parts.uri.path().to_owned();
     let key = match IdempotencyKey::composite(
         config.scope.clone(),
-        [tenant.as_str(), parts.method.as_str(), path.as_str(), client_key],
+        [
+            tenant.as_str(),
+            parts.method.as_str(),
+            path.as_str(),
+            client_key,
+        ],
     ) {
         Ok(key) => key,
         Err(e) => {
@@ -429,7 +438,10 @@ where
                     .iter()
                     .filter(|(name, _)| !skip.contains(name))
                     .filter_map(|(name, value)| {
-                        value.to_str().ok().map(|v| (name.as_str().to_owned(), v.to_owned()))
+                        value
+                            .to_str()
+                            .ok()
+                            .map(|v| (name.as_str().to_owned(), v.to_owned()))
                     })
                     .collect(),
                 body: base64::engine::general_purpose::STANDARD.encode(&bytes),
@@ -450,16 +462,14 @@ where
             ),
             Duration::from_secs(1),
         ),
-        Err(IdemError::InProgress { retry_after, .. }) => {
-            with_retry_after(
-                problem(
-                    StatusCode::CONFLICT,
-                    "A request with this Idempotency-Key is being processed",
-                    "Retry after the time given in Retry-After to get its response.",
-                ),
-                retry_after,
-            )
-        }
+        Err(IdemError::InProgress { retry_after, .. }) => with_retry_after(
+            problem(
+                StatusCode::CONFLICT,
+                "A request with this Idempotency-Key is being processed",
+                "Retry after the time given in Retry-After to get its response.",
+            ),
+            retry_after,
+        ),
         Err(IdemError::PayloadMismatch) => problem(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Idempotency-Key reused with a different request",
@@ -567,13 +577,23 @@ mod tests {
 
     #[test]
     fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
-        let parse = |s: &str| HeaderValue::from_str(s).ok().and_then(|v| parse_key(&v).map(str::to_owned));
+        let parse = |s: &str| {
+            HeaderValue::from_str(s)
+                .ok()
+                .and_then(|v| parse_key(&v).map(str::to_owned))
+        };
         assert_eq!(parse("abc-123").as_deref(), Some("abc-123"));
-        assert_eq!(parse("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"").as_deref(), Some("8e03978e-40d5-43e8-bc93-6894a57f9324"));
+        assert_eq!(
+            parse("\"8e03978e-40d5-43e8-bc93-6894a57f9324\"").as_deref(),
+            Some("8e03978e-40d5-43e8-bc93-6894a57f9324")
+        );
         assert_eq!(parse(""), None);
         assert_eq!(parse("\"\""), None);
         assert_eq!(parse("a b"), None);
-        assert_eq!(parse(&"k".repeat(MAX_KEY_LEN)).map(|k| k.len()), Some(MAX_KEY_LEN));
+        assert_eq!(
+            parse(&"k".repeat(MAX_KEY_LEN)).map(|k| k.len()),
+            Some(MAX_KEY_LEN)
+        );
         assert_eq!(parse(&"k".repeat(MAX_KEY_LEN + 1)), None);
     }
 }

@@ -1,0 +1,319 @@
+//! The Idempotency-Key layer through a real axum server on 127.0.0.1 and a
+//! real HTTP client (reqwest), on PostgreSQL.
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Json, Router};
+use idem::http::IdempotencyLayer;
+use idem::postgres::PgStore;
+use idem::Idempotency;
+use serde_json::{json, Value};
+
+#[derive(Clone)]
+struct App {
+    effects: Arc<AtomicU64>,
+    flaky_calls: Arc<AtomicU64>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+async fn create_payment(State(app): State<App>, Json(body): Json<Value>) -> impl IntoResponse {
+    let id = app.effects.fetch_add(1, Ordering::SeqCst) + 1;
+    let mut headers = HeaderMap::new();
+    headers.insert(
+        "location",
+        format!("/payments/{id}")
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    (
+        StatusCode::CREATED,
+        headers,
+        Json(json!({ "payment_id": id, "amount": body["amount"] })),
+    )
+}
+
+async fn declined(State(app): State<App>) -> impl IntoResponse {
+    app.effects.fetch_add(1, Ordering::SeqCst);
+    (
+        StatusCode::PAYMENT_REQUIRED,
+        Json(json!({ "error": "card declined" })),
+    )
+}
+
+/// 503 on its first call, 201 after: a 5xx is not recorded.
+async fn flaky(State(app): State<App>) -> impl IntoResponse {
+    if app.flaky_calls.fetch_add(1, Ordering::SeqCst) == 0 {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({ "error": "try again" })),
+        )
+    } else {
+        app.effects.fetch_add(1, Ordering::SeqCst);
+        (StatusCode::CREATED, Json(json!({ "ok": true })))
+    }
+}
+
+/// Waits for the test to open the gate.
+async fn slow(State(app): State<App>, Json(body): Json<Value>) -> impl IntoResponse {
+    let id = app.effects.fetch_add(1, Ordering::SeqCst) + 1;
+    let _permit = app.gate.acquire().await;
+    (
+        StatusCode::CREATED,
+        Json(json!({ "payment_id": id, "amount": body["amount"] })),
+    )
+}
+
+async fn get_payment() -> &'static str {
+    "a GET passes through"
+}
+
+struct Server {
+    url: String,
+    app: App,
+}
+
+async fn serve() -> Server {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let layer = IdempotencyLayer::new(Idempotency::new(store))
+        .scope(format!("http.{:08x}", fastrand::u32(..)))
+        .max_body_bytes(1024)
+        .tenant(|req| {
+            req.headers
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+    let app = App {
+        effects: Arc::default(),
+        flaky_calls: Arc::default(),
+        gate: Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let router = Router::new()
+        .route("/payments", post(create_payment).get(get_payment))
+        .route("/declined", post(declined))
+        .route("/flaky", post(flaky))
+        .route("/slow", post(slow))
+        .layer(layer)
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    Server { url, app }
+}
+
+struct Reply {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Value,
+}
+
+impl Reply {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+    fn content_type(&self) -> &str {
+        self.headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+    }
+}
+
+async fn post_json(url: &str, key: Option<&str>, tenant: &str, body: &Value) -> Reply {
+    let mut request = reqwest::Client::new()
+        .post(url)
+        .header("x-api-key", tenant)
+        .json(body);
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("{e}"));
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let text = response.text().await.unwrap_or_else(|e| panic!("{e}"));
+    let body = serde_json::from_str(&text).unwrap_or(Value::String(text));
+    Reply {
+        status,
+        headers,
+        body,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_code_table() {
+    let server = serve().await;
+    let payments = format!("{}/payments", server.url);
+    let effects = || server.app.effects.load(Ordering::SeqCst);
+    let body = json!({ "amount": 1200 });
+
+    let r = post_json(&payments, None, "t1", &body).await;
+    assert_eq!(
+        (r.status, r.content_type()),
+        (400, "application/problem+json"),
+        "no key: {:?}",
+        r.body
+    );
+    let r = post_json(&payments, Some("has space"), "t1", &body).await;
+    assert_eq!(r.status, 400, "a malformed key");
+    assert_eq!(effects(), 0);
+
+    let first = post_json(&payments, Some("k-1"), "t1", &body).await;
+    assert_eq!(first.status, 201);
+    assert!(!first.replayed());
+    assert_eq!(
+        first.headers.get("location").map(|v| v.as_bytes()),
+        Some(&b"/payments/1"[..])
+    );
+    let again = post_json(&payments, Some("\"k-1\""), "t1", &body).await;
+    assert_eq!(again.status, 201, "a quoted key is the same key");
+    assert!(again.replayed(), "Idempotent-Replayed: true");
+    assert_eq!(again.body, first.body);
+    assert_eq!(again.headers.get("location"), first.headers.get("location"));
+    assert_eq!(effects(), 1, "the retry did not run the handler");
+
+    let other = post_json(&payments, Some("k-1"), "t1", &json!({ "amount": 9999 })).await;
+    assert_eq!(
+        (other.status, other.content_type()),
+        (422, "application/problem+json")
+    );
+    assert_eq!(effects(), 1);
+
+    let big = json!({ "amount": 1, "note": "x".repeat(2048) });
+    let r = post_json(&payments, Some("k-big"), "t1", &big).await;
+    assert_eq!(
+        (r.status, r.content_type()),
+        (413, "application/problem+json")
+    );
+    assert_eq!(effects(), 1, "a body over the limit runs nothing");
+    let r = post_json(&payments, Some("k-big"), "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, false),
+        "and stores nothing: the key is free"
+    );
+    assert_eq!(effects(), 2);
+
+    let declined = format!("{}/declined", server.url);
+    let r = post_json(&declined, Some("k-402"), "t1", &body).await;
+    assert_eq!((r.status, r.replayed()), (402, false));
+    let r = post_json(&declined, Some("k-402"), "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (402, true),
+        "a 4xx is recorded and replayed"
+    );
+    assert_eq!(effects(), 3);
+
+    let flaky = format!("{}/flaky", server.url);
+    let r = post_json(&flaky, Some("k-503"), "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (503, false),
+        "a 5xx is passed through"
+    );
+    let r = post_json(&flaky, Some("k-503"), "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, false),
+        "and released: the retry runs"
+    );
+    let r = post_json(&flaky, Some("k-503"), "t1", &body).await;
+    assert_eq!((r.status, r.replayed()), (201, true));
+
+    let text = reqwest::get(&payments)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(text, "a GET passes through");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_identical_requests_run_once() {
+    let server = serve().await;
+    let slow = format!("{}/slow", server.url);
+    let body = json!({ "amount": 500 });
+    let requests: Vec<_> = (0..16)
+        .map(|_| {
+            let (slow, body) = (slow.clone(), body.clone());
+            tokio::spawn(async move { post_json(&slow, Some("same"), "t1", &body).await })
+        })
+        .collect();
+    // Every request but the one running waits for nothing: they come back
+    // 409 while the handler holds the gate closed.
+    let mut replies = Vec::new();
+    let mut pending = requests;
+    while replies.len() < 15 {
+        let (done, _, rest) = futures::future::select_all(pending).await;
+        replies.push(done.unwrap_or_else(|e| panic!("{e}")));
+        pending = rest;
+    }
+    for r in &replies {
+        assert_eq!(r.status, 409, "{:?}", r.body);
+        assert_eq!(r.content_type(), "application/problem+json");
+        assert!(
+            r.headers.get("retry-after").is_some(),
+            "409 says when to retry"
+        );
+    }
+    server.app.gate.add_permits(1);
+    let last = pending
+        .pop()
+        .unwrap_or_else(|| panic!("one request is left"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((last.status, last.replayed()), (201, false));
+    assert_eq!(
+        server.app.effects.load(Ordering::SeqCst),
+        1,
+        "one execution"
+    );
+    server.app.gate.add_permits(16);
+    let r = post_json(&slow, Some("same"), "t1", &body).await;
+    assert_eq!((r.status, r.replayed()), (201, true));
+    assert_eq!(r.body, last.body);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tenants_with_the_same_key_never_collide() {
+    let server = serve().await;
+    let payments = format!("{}/payments", server.url);
+    let body = json!({ "amount": 700 });
+    let a = post_json(&payments, Some("shared-key"), "tenant-a", &body).await;
+    let b = post_json(&payments, Some("shared-key"), "tenant-b", &body).await;
+    assert_eq!(
+        (a.status, a.replayed(), b.status, b.replayed()),
+        (201, false, 201, false)
+    );
+    assert_ne!(
+        a.body["payment_id"], b.body["payment_id"],
+        "each tenant ran its own"
+    );
+    let a2 = post_json(&payments, Some("shared-key"), "tenant-a", &body).await;
+    let b2 = post_json(&payments, Some("shared-key"), "tenant-b", &body).await;
+    assert!(a2.replayed() && b2.replayed());
+    assert_eq!(
+        (a2.body.clone(), b2.body.clone()),
+        (a.body, b.body),
+        "each reads only its own response"
+    );
+    assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
+}
