@@ -36,6 +36,8 @@
 //!   RDB loses every record; duplicates after that run again.
 #![deny(missing_docs)]
 
+pub mod streams;
+
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
