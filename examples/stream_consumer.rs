@@ -90,6 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     let store: Arc<dyn IdempotencyStore> = Arc::new(RedisStore::connect(&args.redis_url).await?);
+    let store_view = store.clone();
     let idem = Idempotency::from_arc(store).lease(Duration::from_secs(5));
     let ledger: Ledger = Arc::default();
     let charged = Arc::new(AtomicU64::new(0));
@@ -134,6 +135,34 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
     };
     in_flight.notified().await;
+    // Kill it once the charges that ran are recorded, with the rest of the
+    // batch in flight before their charge. (A kill between a charge and its
+    // record would make that charge run again after the takeover: the
+    // at-least-once hazard that RELIABILITY.md describes, and the handler is
+    // told by `Context::attempt`.)
+    let scope = format!("stream.{stream}");
+    loop {
+        let ran: Vec<String> = ledger
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let mut recorded = 0;
+        for id in &ran {
+            let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())?;
+            if let Ok(Some(record)) = store_view.get(&key).await {
+                recorded +=
+                    usize::from(matches!(record.state, idem::RecordState::Completed { .. }));
+            }
+        }
+        if recorded == ran.len()
+            && ran.len() == ledger.lock().unwrap_or_else(|p| p.into_inner()).len()
+        {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
     run.abort();
     let _ = run.await;
     let at_kill = charged.load(Ordering::SeqCst);

@@ -317,3 +317,50 @@ async fn two_tenants_with_the_same_key_never_collide() {
     );
     assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
 }
+
+/// The store unreachable: 503 with Retry-After, and the handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_down_is_503_with_retry_after() {
+    let redis = support::redis_server::RedisServer::start(&[]);
+    let store = idem::redis::RedisStore::connect(&redis.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .call_timeout(std::time::Duration::from_millis(300));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let effects = effects.clone();
+        move || async move {
+            effects.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, "created")
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(Idempotency::new(store)));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}/payments",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    redis.kill();
+    let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
+    assert_eq!(
+        (r.status, r.content_type()),
+        (503, "application/problem+json"),
+        "{:?}",
+        r.body
+    );
+    assert!(r.headers.get("retry-after").is_some());
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        0,
+        "nothing runs without a reservation"
+    );
+    redis.start_again();
+    let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
+    assert_eq!(r.status, 201, "after the outage the request runs");
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+}

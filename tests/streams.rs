@@ -68,6 +68,7 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
             .await
             .unwrap_or_else(|e| panic!("{e}")),
     );
+    let store_view = store.clone();
     let idem = Idempotency::from_arc(store).lease(Duration::from_secs(2));
     let effects: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     let done = Arc::new(AtomicU64::new(0));
@@ -118,6 +119,33 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
         })
     };
     stalled.notified().await;
+    // Killed once the effects that ran are recorded: a kill between an
+    // effect and its record is the at-least-once hazard of any receiver
+    // (RELIABILITY.md), not what this test is about.
+    let scope = format!("stream.{stream}");
+    loop {
+        let ran: Vec<String> = effects
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let mut recorded = 0;
+        for id in &ran {
+            let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())
+                .unwrap_or_else(|e| panic!("{e}"));
+            if let Ok(Some(record)) = store_view.get(&key).await {
+                if matches!(record.state, idem::RecordState::Completed { .. }) {
+                    recorded += 1;
+                }
+            }
+        }
+        let now = effects.lock().unwrap_or_else(|p| p.into_inner()).len();
+        if recorded == ran.len() && now == ran.len() {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
     a.abort();
     let _ = a.await;
     let after_kill = done.load(Ordering::SeqCst);
@@ -226,4 +254,66 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
         "streams: {sent} entries, {messages} messages, killed consumer ran {after_kill}; \
          survivor: {stats:?}"
     );
+}
+
+/// A shutdown while an entry is in flight: `run` returns only after that
+/// entry completed and was acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_finishes_the_entries_in_flight() {
+    let stream = format!("shutdown-{:08x}", fastrand::u32(..));
+    let _: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg("message_id")
+        .arg("only")
+        .query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = StreamConsumer::connect(
+        support::redis_server::shared_url(),
+        &stream,
+        "g",
+        "c",
+        Idempotency::new(store),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_field("message_id")
+    .block(Duration::from_millis(50));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = {
+        let (started, gate) = (started.clone(), gate.clone());
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    move |_entry: StreamEntry| {
+                        let (started, gate) = (started.clone(), gate.clone());
+                        async move {
+                            started.notify_one();
+                            let _permit = gate.acquire().await;
+                            Ok::<_, std::io::Error>(1u8)
+                        }
+                    },
+                    async {
+                        let _ = stop_rx.await;
+                    },
+                )
+                .await
+        })
+    };
+    started.notified().await;
+    let _ = stop_tx.send(());
+    assert!(!run.is_finished(), "the entry in flight holds the shutdown");
+    gate.add_permits(1);
+    let stats = run
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
+    assert_eq!(pending(&stream, "g").await, 0);
 }
