@@ -15,15 +15,14 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use async_trait::async_trait;
 use idem::postgres::{Claim, PgStore};
 use idem::redis::RedisStore;
+use idem::testkit::Tap;
 use idem::tiered::{MokaCache, RedisCache, TieredStore};
 use idem::{
-    Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Lease,
-    MemoryStore, Processed, Record, StoreError,
+    IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, MemoryStore,
+    Processed, Record, StoreError,
 };
-use idem_core::Fingerprint;
 
 // ------------------------------------------------------------ backends
 
@@ -122,6 +121,17 @@ fn report(scenario: &str, backend: Backend, fields: &[(&str, String)], started: 
     }
     line.push_str(&format!(" duration_ms={}", started.elapsed().as_millis()));
     println!("{line}");
+}
+
+/// One test per backend, `$name` running `$scenario($backend)` on a
+/// 2-thread runtime.
+macro_rules! on_backends {
+    ($scenario:path; $($name:ident => $backend:expr),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            $scenario($backend).await
+        }
+    )*};
 }
 
 // ------------------------------------------------------------ receivers
@@ -506,72 +516,12 @@ async fn storm_scenario(backend: Backend) {
 
 mod redelivery_storm {
     use super::*;
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn memory() {
-        storm_scenario(Backend::Memory).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        storm_scenario(Backend::Postgres).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres_tx() {
-        storm_scenario(Backend::PostgresTx).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis() {
-        storm_scenario(Backend::Redis).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster() {
-        storm_scenario(Backend::RedisCluster).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tiered() {
-        storm_scenario(Backend::Tiered).await
-    }
+    on_backends!(storm_scenario; memory => Backend::Memory, postgres => Backend::Postgres,
+        postgres_tx => Backend::PostgresTx, redis => Backend::Redis,
+        redis_cluster => Backend::RedisCluster, tiered => Backend::Tiered);
 }
 
 // ------------------------------------------------------------ 2. crash
-
-/// A store whose `release` never reaches the backend: the worker process
-/// died before it could send it. Everything else goes to the real store.
-struct DiesBeforeRelease(Arc<dyn IdempotencyStore>);
-
-#[async_trait]
-impl IdempotencyStore for DiesBeforeRelease {
-    async fn acquire(
-        &self,
-        key: &IdempotencyKey,
-        fingerprint: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Acquisition, StoreError> {
-        self.0.acquire(key, fingerprint, lease).await
-    }
-    async fn complete(
-        &self,
-        lease: &Lease,
-        response: &[u8],
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(lease, response, retention).await
-    }
-    async fn release(&self, _: &Lease) -> Result<(), StoreError> {
-        Ok(())
-    }
-    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-        self.0.extend(lease, lease_for).await
-    }
-    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.0.get(key).await
-    }
-    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.0.delete(key).await
-    }
-    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-        self.0.purge_expired(max).await
-    }
-}
 
 const SHORT_LEASE: Duration = Duration::from_millis(400);
 
@@ -588,11 +538,10 @@ async fn crash_scenario(backend: Backend, effect_started: bool) {
     let key = key("faults.crash", &run, 0);
     let ledger = Ledger::new(1);
     let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-    let dying: Idempotency<dyn IdempotencyStore> = Idempotency::from_arc(Arc::new(
-        DiesBeforeRelease(store.clone()),
-    )
-        as Arc<dyn IdempotencyStore>)
-    .lease(SHORT_LEASE);
+    // The worker's process dies before it can release the key.
+    let dying = Tap::new(store.clone());
+    dying.drop_releases(true);
+    let dying = Idempotency::new(dying).lease(SHORT_LEASE);
     let worker = {
         let (key, ledger) = (key.clone(), ledger.clone());
         tokio::spawn(async move {
@@ -719,14 +668,18 @@ async fn crash_tx_scenario() {
 
 mod crash_mid_handler {
     use super::*;
+    async fn before_the_effect(backend: Backend) {
+        crash_scenario(backend, false).await
+    }
+    async fn after_the_effect_started(backend: Backend) {
+        crash_scenario(backend, true).await
+    }
     macro_rules! crash_tests {
         ($($name:ident: $backend:expr),*) => {$(
             mod $name {
                 use super::*;
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn before_the_effect() { crash_scenario($backend, false).await }
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn after_the_effect_started() { crash_scenario($backend, true).await }
+                on_backends!(super::before_the_effect; before_the_effect => $backend);
+                on_backends!(super::after_the_effect_started; after_the_effect_started => $backend);
             }
         )*};
     }
@@ -830,22 +783,8 @@ mod zombie_worker {
     async fn memory() {
         zombie_scenario(Backend::Memory).await
     }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        zombie_scenario(Backend::Postgres).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis() {
-        zombie_scenario(Backend::Redis).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster() {
-        zombie_scenario(Backend::RedisCluster).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tiered() {
-        zombie_scenario(Backend::Tiered).await
-    }
+    on_backends!(zombie_scenario; postgres => Backend::Postgres, redis => Backend::Redis,
+        redis_cluster => Backend::RedisCluster, tiered => Backend::Tiered);
 }
 
 // ------------------------------------------------------------ 4. heartbeat
@@ -918,22 +857,8 @@ mod heartbeat {
     async fn memory() {
         heartbeat_scenario(Backend::Memory).await
     }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        heartbeat_scenario(Backend::Postgres).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis() {
-        heartbeat_scenario(Backend::Redis).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster() {
-        heartbeat_scenario(Backend::RedisCluster).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tiered() {
-        heartbeat_scenario(Backend::Tiered).await
-    }
+    on_backends!(heartbeat_scenario; postgres => Backend::Postgres, redis => Backend::Redis,
+        redis_cluster => Backend::RedisCluster, tiered => Backend::Tiered);
 }
 
 // ------------------------------------------------------------ 5. server faults
@@ -1376,26 +1301,8 @@ async fn bad_input_scenario(backend: Backend) {
 
 mod bad_input {
     use super::*;
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn memory() {
-        bad_input_scenario(Backend::Memory).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        bad_input_scenario(Backend::Postgres).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis() {
-        bad_input_scenario(Backend::Redis).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn redis_cluster() {
-        bad_input_scenario(Backend::RedisCluster).await
-    }
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn tiered() {
-        bad_input_scenario(Backend::Tiered).await
-    }
+    on_backends!(bad_input_scenario; memory => Backend::Memory, postgres => Backend::Postgres,
+        redis => Backend::Redis, redis_cluster => Backend::RedisCluster, tiered => Backend::Tiered);
 
     /// A response over PgStore's limit is refused before anything is sent:
     /// a typed, non-retryable error; the key is released.

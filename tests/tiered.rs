@@ -9,11 +9,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem::postgres::PgStore;
-use idem::testkit::{self, Harness, Settings};
+use idem::testkit::{self, Harness, Settings, Tap};
 use idem::tiered::{CacheError, MokaCache, RecordCache, RedisCache, TieredStore};
 use idem::{
-    async_trait, Acquisition, CompletedRecord, Fingerprint, Idempotency, IdempotencyKey,
-    IdempotencyStore, InProgressPolicy, Lease, Processed, Record, StoreError,
+    async_trait, Acquisition, CompletedRecord, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, Processed,
 };
 use support::{pg, redis_server};
 
@@ -139,54 +139,14 @@ impl<C: RecordCache + Clone> RecordCache for Counted<C> {
     }
 }
 
-/// The real PostgreSQL store, counting the acquisitions that reached it.
-struct CountedSource {
-    inner: PgStore,
-    acquires: AtomicUsize,
-}
-
-#[async_trait]
-impl IdempotencyStore for CountedSource {
-    async fn acquire(
-        &self,
-        key: &IdempotencyKey,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Acquisition, StoreError> {
-        self.acquires.fetch_add(1, Ordering::SeqCst);
-        self.inner.acquire(key, fp, lease).await
-    }
-    async fn complete(&self, l: &Lease, r: &[u8], ret: Duration) -> Result<(), StoreError> {
-        self.inner.complete(l, r, ret).await
-    }
-    async fn release(&self, l: &Lease) -> Result<(), StoreError> {
-        self.inner.release(l).await
-    }
-    async fn extend(&self, l: &Lease, d: Duration) -> Result<Lease, StoreError> {
-        self.inner.extend(l, d).await
-    }
-    async fn get(&self, k: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(k).await
-    }
-    async fn delete(&self, k: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(k).await
-    }
-    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(max).await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
     let moka = Counted::new(moka());
     let redis = Counted::new(redis_cache(redis_server::shared_url()).await);
     let store = Arc::new(
-        TieredStore::new(CountedSource {
-            inner: postgres().await,
-            acquires: AtomicUsize::new(0),
-        })
-        .with_cache(moka.clone())
-        .with_cache(redis.clone()),
+        TieredStore::new(Tap::new(postgres().await))
+            .with_cache(moka.clone())
+            .with_cache(redis.clone()),
     );
     let idem = Idempotency::from_arc(store.clone());
     let key = testkit::unique_key("tiers");
@@ -196,7 +156,7 @@ async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
         })
         .await;
     assert!(matches!(first, Ok(Processed::Executed(_))), "{first:?}");
-    let source = || store.source().acquires.load(Ordering::SeqCst);
+    let source = || store.source().acquires();
     let replay = || async {
         let out = idem
             .process(&key, "payload", |_| async {
@@ -333,13 +293,7 @@ async fn redis_stopped_mid_storm_changes_nothing_but_speed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_misses_are_merged_into_one_source_lookup() {
     let moka = moka();
-    let store = Arc::new(
-        TieredStore::new(CountedSource {
-            inner: postgres().await,
-            acquires: AtomicUsize::new(0),
-        })
-        .with_cache(moka.clone()),
-    );
+    let store = Arc::new(TieredStore::new(Tap::new(postgres().await)).with_cache(moka.clone()));
     let key = testkit::unique_key("merged");
     let Ok(Acquisition::Acquired(l)) = store.acquire(&key, None, Duration::from_secs(30)).await
     else {
@@ -352,7 +306,7 @@ async fn concurrent_misses_are_merged_into_one_source_lookup() {
     moka.invalidate(&key)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let before = store.source().acquires.load(Ordering::SeqCst);
+    let before = store.source().acquires();
     let barrier = Arc::new(tokio::sync::Barrier::new(32));
     let mut tasks = Vec::new();
     for _ in 0..32 {
@@ -369,7 +323,7 @@ async fn concurrent_misses_are_merged_into_one_source_lookup() {
         }
     }
     assert_eq!(
-        store.source().acquires.load(Ordering::SeqCst) - before,
+        store.source().acquires() - before,
         1,
         "32 concurrent misses reached the source more than once"
     );

@@ -5,10 +5,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
+use idem_core::testkit::Tap;
 use idem_core::{
     Acquisition, CodecError, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    InProgressPolicy, Lease, MemoryStore, Processed, Record, RecordState, StoreError,
+    InProgressPolicy, MemoryStore, Processed, Record, RecordState, StoreError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -24,49 +24,6 @@ struct Declined;
 
 fn key(id: &str) -> IdempotencyKey {
     IdempotencyKey::new("payments.charge", id).unwrap_or_else(|e| panic!("{e}"))
-}
-
-/// A real MemoryStore behind a wrapper that counts calls (not a mock: every
-/// call goes to the store).
-#[derive(Default)]
-struct Counting {
-    inner: MemoryStore,
-    acquires: AtomicUsize,
-    extends: AtomicUsize,
-    releases: AtomicUsize,
-}
-
-#[async_trait]
-impl IdempotencyStore for Counting {
-    async fn acquire(
-        &self,
-        key: &IdempotencyKey,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Acquisition, StoreError> {
-        self.acquires.fetch_add(1, Ordering::SeqCst);
-        self.inner.acquire(key, fp, lease).await
-    }
-    async fn complete(&self, l: &Lease, r: &[u8], ret: Duration) -> Result<(), StoreError> {
-        self.inner.complete(l, r, ret).await
-    }
-    async fn release(&self, l: &Lease) -> Result<(), StoreError> {
-        self.releases.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(l).await
-    }
-    async fn extend(&self, l: &Lease, d: Duration) -> Result<Lease, StoreError> {
-        self.extends.fetch_add(1, Ordering::SeqCst);
-        self.inner.extend(l, d).await
-    }
-    async fn get(&self, k: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(k).await
-    }
-    async fn delete(&self, k: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(k).await
-    }
-    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(max).await
-    }
 }
 
 /// Waits (yielding, no sleep) until the key has no record.
@@ -247,7 +204,7 @@ async fn completion_after_takeover_is_lease_lost_and_never_swallowed() {
 
 #[tokio::test(start_paused = true)]
 async fn heartbeat_keeps_the_key_for_five_leases_and_stops_after() {
-    let store = Arc::new(Counting::default());
+    let store = Arc::new(Tap::new(MemoryStore::new()));
     let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(1));
     let k = key("m-long");
     let worker = {
@@ -265,7 +222,10 @@ async fn heartbeat_keeps_the_key_for_five_leases_and_stops_after() {
     // take the key over.
     for _ in 0..9 {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let got = store.inner.acquire(&k, None, Duration::from_secs(1)).await;
+        let got = store
+            .inner()
+            .acquire(&k, None, Duration::from_secs(1))
+            .await;
         assert!(
             matches!(got, Ok(Acquisition::InProgress { attempt: 1, .. })),
             "{got:?}"
@@ -273,17 +233,13 @@ async fn heartbeat_keeps_the_key_for_five_leases_and_stops_after() {
     }
     let done = worker.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(done.ok(), Some(Processed::Executed(5)));
-    let extends = store.extends.load(Ordering::SeqCst);
+    let extends = store.extends();
     assert!(
         extends >= 12,
         "heartbeat renewed only {extends} times in 5 leases"
     );
     tokio::time::sleep(Duration::from_secs(10)).await;
-    assert_eq!(
-        store.extends.load(Ordering::SeqCst),
-        extends,
-        "heartbeat kept running"
-    );
+    assert_eq!(store.extends(), extends, "heartbeat kept running");
     match store.get(&k).await {
         Ok(Some(Record {
             state: RecordState::Completed { .. },
@@ -326,7 +282,7 @@ async fn reject_policy_reports_retry_after() {
 
 #[tokio::test(start_paused = true)]
 async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
-    let store = Arc::new(Counting::default());
+    let store = Arc::new(Tap::new(MemoryStore::new()));
     let idem = Idempotency::from_arc(store.clone()).on_in_progress(InProgressPolicy::Wait {
         max_wait: Duration::from_secs(5),
         poll: Duration::from_millis(10),
@@ -336,14 +292,15 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
 
     // The holder completes while we wait: replay.
     let k = key("m-wait-complete");
-    let Ok(Acquisition::Acquired(lease)) = store.inner.acquire(&k, fp.as_ref(), long).await else {
+    let Ok(Acquisition::Acquired(lease)) = store.inner().acquire(&k, fp.as_ref(), long).await
+    else {
         panic!("not acquired")
     };
     let holder = {
         let store = store.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            store.inner.complete(&lease, b"42", long).await
+            store.inner().complete(&lease, b"42", long).await
         })
     };
     let out = idem
@@ -354,14 +311,15 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
 
     // The holder releases: we run.
     let k = key("m-wait-release");
-    let Ok(Acquisition::Acquired(lease)) = store.inner.acquire(&k, fp.as_ref(), long).await else {
+    let Ok(Acquisition::Acquired(lease)) = store.inner().acquire(&k, fp.as_ref(), long).await
+    else {
         panic!("not acquired")
     };
     let holder = {
         let store = store.clone();
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(300)).await;
-            store.inner.release(&lease).await
+            store.inner().release(&lease).await
         })
     };
     let out = idem
@@ -373,10 +331,10 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
     // The holder never finishes: WaitTimeout after max_wait, with bounded
     // exponential polling (10, 20, 40, 80, 160, then 160 ms pauses).
     let k = key("m-wait-timeout");
-    let Ok(Acquisition::Acquired(_)) = store.inner.acquire(&k, fp.as_ref(), long).await else {
+    let Ok(Acquisition::Acquired(_)) = store.inner().acquire(&k, fp.as_ref(), long).await else {
         panic!("not acquired")
     };
-    store.acquires.store(0, Ordering::SeqCst);
+    let acquires_before = store.acquires();
     let started = tokio::time::Instant::now();
     let out = idem
         .process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) })
@@ -390,7 +348,7 @@ async fn wait_policy_replays_runs_or_times_out_with_bounded_polling() {
         waited >= Duration::from_secs(5) && waited < Duration::from_millis(5_200),
         "{waited:?}"
     );
-    let polls = store.acquires.load(Ordering::SeqCst);
+    let polls = store.acquires() - acquires_before;
     assert!((25..=40).contains(&polls), "{polls} acquire calls in 5 s");
 }
 
@@ -615,56 +573,10 @@ fn metrics_count_every_outcome() {
     );
 }
 
-/// A real MemoryStore whose first `fail` completions report the store as
-/// unavailable (a restart), to check that the executor retries them.
-struct FlakyComplete {
-    inner: MemoryStore,
-    fail: AtomicUsize,
-}
-
-#[async_trait]
-impl IdempotencyStore for FlakyComplete {
-    async fn acquire(
-        &self,
-        key: &IdempotencyKey,
-        fp: Option<&Fingerprint>,
-        lease: Duration,
-    ) -> Result<Acquisition, StoreError> {
-        self.inner.acquire(key, fp, lease).await
-    }
-    async fn complete(&self, l: &Lease, r: &[u8], ret: Duration) -> Result<(), StoreError> {
-        if self
-            .fail
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            return Err(StoreError::unavailable("injected: server restarting"));
-        }
-        self.inner.complete(l, r, ret).await
-    }
-    async fn release(&self, l: &Lease) -> Result<(), StoreError> {
-        self.inner.release(l).await
-    }
-    async fn extend(&self, l: &Lease, d: Duration) -> Result<Lease, StoreError> {
-        self.inner.extend(l, d).await
-    }
-    async fn get(&self, k: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.inner.get(k).await
-    }
-    async fn delete(&self, k: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.inner.delete(k).await
-    }
-    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(max).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn completion_is_retried_while_the_store_is_unavailable() {
-    let store = Arc::new(FlakyComplete {
-        inner: MemoryStore::new(),
-        fail: AtomicUsize::new(3),
-    });
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    store.fail_completes(3);
     let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(10));
     let runs = AtomicUsize::new(0);
     let out = idem
@@ -675,7 +587,7 @@ async fn completion_is_retried_while_the_store_is_unavailable() {
         .await;
     assert_eq!(out.ok(), Some(Processed::Executed(7)));
     assert_eq!(
-        store.fail.load(Ordering::SeqCst),
+        store.failing_completes_left(),
         0,
         "all failures were retried"
     );
@@ -686,10 +598,8 @@ async fn completion_is_retried_while_the_store_is_unavailable() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 
     // A store down for longer than the budget: the error comes back.
-    let store = Arc::new(FlakyComplete {
-        inner: MemoryStore::new(),
-        fail: AtomicUsize::new(usize::MAX),
-    });
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    store.fail_completes(usize::MAX);
     let idem = Idempotency::from_arc(store)
         .lease(Duration::from_secs(10))
         .complete_retry(Duration::from_secs(2));

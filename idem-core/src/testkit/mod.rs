@@ -37,6 +37,9 @@
 //! [`MemoryStore`], can run them under `tokio::time::pause()` (see
 //! `conformance_tests!(h, paused)`), where those waits take no time.
 
+mod tap;
+pub use tap::Tap;
+
 use std::collections::HashSet;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU32, Ordering};
