@@ -197,7 +197,7 @@ async fn contended_round(idem: Idempotency<dyn IdempotencyStore>) -> u64 {
                     )
                     .await
                 {
-                    Ok(Processed::Executed(_)) => 1,
+                    Ok(Processed::Executed(_)) | Ok(Processed::ExecutedNotReplayable { .. }) => 1,
                     Ok(Processed::Replayed(_)) | Err(IdemError::InProgress { .. }) => 0,
                     Err(e) => panic!("{e}"),
                 }

@@ -331,7 +331,8 @@ async fn run(
                     }
                 };
                 match outcome {
-                    Ok(Processed::Executed(receipt)) => {
+                    Ok(Processed::Executed(receipt))
+                    | Ok(Processed::ExecutedNotReplayable { value: receipt, .. }) => {
                         tally.executions.fetch_add(1, Ordering::SeqCst);
                         lock(&tally.executed).insert(delivery.message, receipt);
                         broker.ack();

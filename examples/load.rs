@@ -144,7 +144,8 @@ impl Target {
                         )
                         .await;
                     match out {
-                        Ok(Processed::Executed(_)) => Ok(Outcome::Executed),
+                        Ok(Processed::Executed(_))
+                        | Ok(Processed::ExecutedNotReplayable { .. }) => Ok(Outcome::Executed),
                         Ok(Processed::Replayed(_)) => Ok(Outcome::Replayed),
                         Err(IdemError::InProgress { .. }) => Ok(Outcome::InProgress),
                         Err(e) => Err(e.into()),

@@ -188,6 +188,7 @@ impl Receiver {
                 match out {
                     Ok(Processed::Executed(v)) => Delivery::Executed(v),
                     Ok(Processed::Replayed(v)) => Delivery::Replayed(v),
+                    Ok(Processed::ExecutedNotReplayable { reason, .. }) => Delivery::Failed(reason),
                     Err(IdemError::InProgress { .. }) => Delivery::InProgress,
                     Err(IdemError::Store(e @ StoreError::Unavailable(_))) => {
                         Delivery::Unavailable(e.to_string())

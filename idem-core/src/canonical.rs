@@ -6,12 +6,20 @@
 //! Sorting is done here, not left to `serde_json::Map`, so the result does
 //! not depend on whether some crate in the build turned on serde_json's
 //! `preserve_order` feature.
+//!
+//! Non-finite floats (NaN, `inf`, `-inf`) are refused: JSON has no form for
+//! them and serde_json would write `null`, so two different payloads would
+//! hash alike.
 
 use serde::Serialize;
 use serde_json::Value;
 
 /// The canonical JSON bytes of `value`.
+///
+/// Fails (never panics) when the value does not serialize or holds a
+/// non-finite float.
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+    crate::finite::check(value).map_err(<serde_json::Error as serde::ser::Error>::custom)?;
     let value = serde_json::to_value(value)?;
     let mut out = Vec::with_capacity(128);
     write_value(&value, &mut out)?;
@@ -62,6 +70,19 @@ mod tests {
         assert_eq!(
             text.as_deref(),
             Some(r#"{"a":"x\"y","b":[3,{"a":true,"z":null}],"é":1.5}"#)
+        );
+    }
+
+    #[test]
+    fn non_finite_floats_are_refused() {
+        for v in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert!(canonical_json(&v).is_err(), "{v}");
+            assert!(canonical_json(&vec![("x", v)]).is_err(), "{v}");
+        }
+        // `null` itself is fine and differs from nothing else.
+        assert_eq!(
+            canonical_json(&Option::<f64>::None).ok(),
+            Some(b"null".to_vec())
         );
     }
 }

@@ -15,11 +15,14 @@ pub trait Codec: Send + Sync + 'static {
 }
 
 /// JSON through serde_json: readable in the store, tolerant of added fields.
+/// A value holding a non-finite float (NaN, ±inf) does not encode
+/// (serde_json would write `null`, which then fails to replay as the type).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct JsonCodec;
 
 impl Codec for JsonCodec {
     fn encode<T: Serialize>(&self, value: &T) -> Result<Vec<u8>, CodecError> {
+        crate::finite::check(value).map_err(|e| CodecError::Encode(Box::new(e)))?;
         serde_json::to_vec(value).map_err(|e| CodecError::Encode(Box::new(e)))
     }
 

@@ -129,6 +129,14 @@ pub enum StoreError {
         /// The store's limit in bytes.
         limit: usize,
     },
+    /// An argument the store refuses before writing anything (a zero
+    /// lease, which would let a duplicate take over at once). Not
+    /// retryable.
+    #[error("invalid argument: {detail}")]
+    InvalidArgument {
+        /// What is wrong.
+        detail: String,
+    },
     /// Any other backend failure (a query error, a script error). Not
     /// retryable as such.
     #[error("idempotency store error: {0}")]
@@ -139,6 +147,15 @@ impl StoreError {
     /// Wraps a connection or timeout failure.
     pub fn unavailable(err: impl Into<BoxError>) -> Self {
         StoreError::Unavailable(err.into())
+    }
+
+    /// The error every store gives for a zero lease.
+    pub fn zero_lease() -> Self {
+        StoreError::InvalidArgument {
+            detail:
+                "a zero lease is over when granted: a duplicate would take the key over at once"
+                    .to_owned(),
+        }
     }
 
     /// Wraps any other backend failure.
@@ -173,7 +190,8 @@ pub enum IdemError<E> {
     /// the handler again.
     Handler(E),
     /// The handler panicked; the key was released, so a retry runs the
-    /// handler again.
+    /// handler again. (A panic in the response's `Serialize` is not this:
+    /// the handler's effects ran, so the key completes as not replayable.)
     Panicked {
         /// The panic message, when it was a string.
         message: String,
@@ -189,10 +207,25 @@ pub enum IdemError<E> {
         /// How long the executor waited.
         waited: Duration,
     },
-    /// The response did not serialize (the key was released), the payload
-    /// did not serialize for its fingerprint, or a recorded response did not
-    /// decode as the requested type (the record is kept). Not retryable.
+    /// The payload did not serialize for its fingerprint (nothing was
+    /// stored), or a recorded response did not decode as the requested type
+    /// (the record is kept). Not retryable.
     Codec(CodecError),
+    /// The key completed, but its handler's result could not be recorded
+    /// (it did not encode, the codec refused it, the store refused its
+    /// size, the HTTP response was streamed): the handler ran and will not
+    /// run again for this key, and there is nothing to replay. Not
+    /// retryable.
+    ResultUnavailable {
+        /// Why the result was not recorded.
+        reason: String,
+    },
+    /// The executor's configuration is refused (a zero lease). Nothing was
+    /// stored. Not retryable.
+    InvalidConfig {
+        /// What is wrong.
+        detail: String,
+    },
     /// The store failed; see [`StoreError::is_retryable`].
     Store(StoreError),
     /// The key was invalid. Not retryable.
@@ -210,6 +243,8 @@ impl<E> IdemError<E> {
             IdemError::PayloadMismatch
             | IdemError::LeaseLost
             | IdemError::Codec(_)
+            | IdemError::ResultUnavailable { .. }
+            | IdemError::InvalidConfig { .. }
             | IdemError::InvalidKey(_) => false,
             IdemError::Store(e) => e.is_retryable(),
         }
@@ -268,6 +303,14 @@ impl<E: fmt::Debug> fmt::Debug for IdemError<E> {
                 .field("waited", waited)
                 .finish(),
             IdemError::Codec(e) => f.debug_tuple("Codec").field(e).finish(),
+            IdemError::ResultUnavailable { reason } => f
+                .debug_struct("ResultUnavailable")
+                .field("reason", reason)
+                .finish(),
+            IdemError::InvalidConfig { detail } => f
+                .debug_struct("InvalidConfig")
+                .field("detail", detail)
+                .finish(),
             IdemError::Store(e) => f.debug_tuple("Store").field(e).finish(),
             IdemError::InvalidKey(e) => f.debug_tuple("InvalidKey").field(e).finish(),
         }
@@ -296,6 +339,11 @@ impl<E: fmt::Display> fmt::Display for IdemError<E> {
                 write!(f, "still in progress after waiting {waited:?}")
             }
             IdemError::Codec(e) => e.fmt(f),
+            IdemError::ResultUnavailable { reason } => write!(
+                f,
+                "the key completed but its result was not recorded ({reason}); the handler will not run again"
+            ),
+            IdemError::InvalidConfig { detail } => write!(f, "invalid idempotency configuration: {detail}"),
             IdemError::Store(e) => e.fmt(f),
             IdemError::InvalidKey(e) => e.fmt(f),
         }

@@ -2,19 +2,22 @@
 
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::FutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::codec::{Codec, JsonCodec};
 use crate::error::{CodecError, IdemError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
-use crate::record::{Acquisition, Lease, LeaseToken};
+use crate::record::{
+    not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, NOT_REPLAYABLE,
+};
 use crate::store::IdempotencyStore;
 
 /// What to do when a key is held by another worker with a live lease.
@@ -42,20 +45,36 @@ pub enum Processed<T> {
     Executed(T),
     /// An earlier call recorded this result; the handler did not run.
     Replayed(T),
+    /// The handler ran in this call and returned `value`, but the value
+    /// could not be recorded for replay (it did not encode, held a NaN, or
+    /// the store refused its size). The key is completed all the same, so
+    /// the handler never runs again for it; duplicates get
+    /// [`IdemError::ResultUnavailable`]. Treat it as executed, and look
+    /// into `reason`.
+    ExecutedNotReplayable {
+        /// The handler's value.
+        value: T,
+        /// Why it was not recorded.
+        reason: String,
+    },
 }
 
 impl<T> Processed<T> {
     /// The value, executed or replayed.
     pub fn into_inner(self) -> T {
         match self {
-            Processed::Executed(v) | Processed::Replayed(v) => v,
+            Processed::Executed(v)
+            | Processed::Replayed(v)
+            | Processed::ExecutedNotReplayable { value: v, .. } => v,
         }
     }
 
     /// A reference to the value.
     pub fn value(&self) -> &T {
         match self {
-            Processed::Executed(v) | Processed::Replayed(v) => v,
+            Processed::Executed(v)
+            | Processed::Replayed(v)
+            | Processed::ExecutedNotReplayable { value: v, .. } => v,
         }
     }
 
@@ -63,18 +82,29 @@ impl<T> Processed<T> {
     pub fn is_replayed(&self) -> bool {
         matches!(self, Processed::Replayed(_))
     }
+
+    /// Whether the handler ran in this call.
+    pub fn is_executed(&self) -> bool {
+        !self.is_replayed()
+    }
 }
 
 /// What [`Idempotency::process_with`] tells the handler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Context {
-    /// 1 on the first acquisition; more after a takeover, which means an
-    /// earlier worker started this handler and may have done its side
-    /// effects before it vanished. Pass it on as a fencing number to
-    /// systems that can check one.
+    /// 1 on the first acquisition of the record; more after a takeover,
+    /// which means an earlier worker started this handler and may have done
+    /// its side effects before it vanished. It resets when the record goes
+    /// away (release, delete, expiry): use [`fence`](Self::fence), not this,
+    /// as a fencing number.
     pub attempt: u32,
-    /// The fencing token of this acquisition.
+    /// The fence of this acquisition: strictly greater than every earlier
+    /// acquisition's of this key, across releases, deletes and expiry. Pass
+    /// it to a downstream system that keeps the highest fence seen per key
+    /// and refuses lower ones: a stale worker is then refused there.
+    pub fence: u64,
+    /// The lease token of this acquisition.
     pub token: LeaseToken,
 }
 
@@ -167,31 +197,44 @@ where
 {
     /// How long a worker holds a key before another may take it over.
     /// With heartbeat on, the lease is renewed while the handler runs, so
-    /// it bounds how long a *crashed* worker blocks the key.
+    /// it bounds how long a *crashed* worker blocks the key. A zero lease
+    /// is refused when a key is processed ([`IdemError::InvalidConfig`]);
+    /// `Duration::MAX` means as long as the store holds anything
+    /// ([`MAX_DURATION`](crate::MAX_DURATION), about 100 years).
     pub fn lease(mut self, lease: Duration) -> Self {
-        self.lease = lease;
+        self.lease = saturate(lease);
         self
     }
 
     /// How long a completed result is kept for replay. A duplicate that
     /// arrives later runs the handler again: pick a retention longer than
     /// the longest redelivery window of your broker or clients.
+    /// `Duration::MAX` is saturated to [`MAX_DURATION`](crate::MAX_DURATION).
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = saturate(retention);
         self
     }
 
     /// What to do when another worker holds the key.
     pub fn on_in_progress(mut self, policy: InProgressPolicy) -> Self {
-        self.in_progress = policy;
+        self.in_progress = match policy {
+            InProgressPolicy::Reject => InProgressPolicy::Reject,
+            InProgressPolicy::Wait { max_wait, poll } => InProgressPolicy::Wait {
+                max_wait: saturate(max_wait),
+                poll: saturate(poll).max(Duration::from_millis(1)),
+            },
+        };
         self
     }
 
     /// Renew the lease while the handler runs (default on). The renewal
-    /// runs beside the handler in the same task, every third of the lease
-    /// (see [`heartbeat_interval`](Self::heartbeat_interval)), and stops
-    /// when the handler ends. Off, a handler slower than the lease can be
-    /// taken over and its completion gets [`IdemError::LeaseLost`].
+    /// runs on its own tokio task (so a handler that blocks its thread
+    /// cannot starve it on a multi-thread runtime), every third of the
+    /// lease (see [`heartbeat_interval`](Self::heartbeat_interval)), from
+    /// the acquisition until the result is recorded, and stops when the
+    /// handler ends or the `process` future is dropped. Off, a handler
+    /// slower than the lease can be taken over and its completion gets
+    /// [`IdemError::LeaseLost`].
     pub fn heartbeat(mut self, on: bool) -> Self {
         self.heartbeat = on;
         self
@@ -199,7 +242,7 @@ where
 
     /// How often the heartbeat renews the lease; default a third of it.
     pub fn heartbeat_interval(mut self, every: Duration) -> Self {
-        self.heartbeat_every = Some(every);
+        self.heartbeat_every = Some(saturate(every).max(Duration::from_millis(1)));
         self
     }
 
@@ -219,12 +262,15 @@ where
 
     /// How long to keep retrying the completion after the handler succeeded
     /// when the store is briefly unavailable (a restart, a failover), with
-    /// backoff from 10 ms to 1 s. Default: half the lease. Giving up leaves
-    /// the key in progress; after the lease another delivery would run the
-    /// handler again, so retrying is what keeps the effect single. It is
-    /// always safe: the completion is a compare-and-set on the lease token.
+    /// backoff from 10 ms to 1 s. Default: half the lease. The heartbeat
+    /// keeps running meanwhile, and the retry never goes past the end of
+    /// the lease as last renewed (after it another worker may take the key
+    /// over). Giving up leaves the key in progress; after the lease another
+    /// delivery would run the handler again, so retrying is what keeps the
+    /// effect single. It is always safe: the completion is a
+    /// compare-and-set on the lease token.
     pub fn complete_retry(mut self, budget: Duration) -> Self {
-        self.complete_retry = Some(budget);
+        self.complete_retry = Some(saturate(budget));
         self
     }
 
@@ -237,13 +283,19 @@ where
     /// duplicate gets [`Processed::Replayed`] with the recorded result. The
     /// payload's fingerprint (SHA-256 of its canonical JSON) is stored, and
     /// a later call with the same key and another payload gets
-    /// [`IdemError::PayloadMismatch`].
+    /// [`IdemError::PayloadMismatch`]. A payload holding a NaN or an
+    /// infinite float is refused ([`IdemError::Codec`]): JSON has no form
+    /// for it.
     ///
     /// The handler's `Err` releases the key and comes back as
     /// [`IdemError::Handler`]; a panic releases it too and comes back as
     /// [`IdemError::Panicked`]. If the returned future is dropped while the
-    /// handler runs, the key is released in a spawned task (best effort; if
-    /// that fails, the lease expiry frees the key).
+    /// handler runs, the key is **not** released: the handler was cut off
+    /// after an unknown part of its effects, so the key stays in progress
+    /// until its lease ends, and the next delivery then takes it over with
+    /// a higher attempt and fence. To let the handler finish and its result
+    /// be recorded whatever the caller does, use
+    /// [`process_detached`](Self::process_detached).
     pub async fn process<P, T, E, F, Fut>(
         &self,
         key: &IdempotencyKey,
@@ -265,7 +317,7 @@ where
     /// Like [`process`](Self::process) with a fingerprint computed by the
     /// caller (say [`Fingerprint::of_bytes`] of a raw body), or none to
     /// skip the payload check. The handler gets a [`Context`] with the
-    /// attempt number.
+    /// attempt number and the fence.
     pub async fn process_with<T, E, F, Fut>(
         &self,
         key: &IdempotencyKey,
@@ -277,20 +329,80 @@ where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        let span = tracing::info_span!(
-            "idem.process",
-            scope = key.scope(),
-            outcome = tracing::field::Empty,
-            attempt = tracing::field::Empty,
-        );
+        let span = process_span(key);
         async move {
             let result = self.run(key, fingerprint.as_ref(), handler).await;
-            let span = tracing::Span::current();
-            span.record("outcome", outcome_name(&result));
+            tracing::Span::current().record("outcome", outcome_name(&result));
             result
         }
         .instrument(span)
         .await
+    }
+
+    /// Detached mode: like [`process`](Self::process), but the whole
+    /// processing (acquire, handler, completion) runs in a spawned tokio
+    /// task that the returned future only awaits. Dropping the future (an
+    /// HTTP client that disconnects, a consumer shutting down, a timeout)
+    /// does not stop the handler: it runs to its end and its result is
+    /// recorded, so the retry gets the replay (or "in progress" while it
+    /// still runs). This is the mode of the HTTP layer and the broker
+    /// consumers. It is a method of its own rather than a flag because a
+    /// spawned handler must be `Send + 'static`, which `process` does not
+    /// ask of its handler (it may borrow).
+    pub async fn process_detached<P, T, E, F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        payload: P,
+        handler: F,
+    ) -> Result<Processed<T>, IdemError<E>>
+    where
+        P: Serialize + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        F: FnOnce(P) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+    {
+        let fingerprint = Fingerprint::of(&payload)
+            .map_err(|e| IdemError::Codec(CodecError::Encode(Box::new(e))))?;
+        self.process_with_detached(key, Some(fingerprint), move |_| handler(payload))
+            .await
+    }
+
+    /// Detached mode of [`process_with`](Self::process_with); see
+    /// [`process_detached`](Self::process_detached).
+    pub async fn process_with_detached<T, E, F, Fut>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Processed<T>, IdemError<E>>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: Send + 'static,
+        F: FnOnce(Context) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+    {
+        let this = self.clone();
+        let key = key.clone();
+        let span = process_span(&key);
+        let task = async move {
+            let result = this.run(&key, fingerprint.as_ref(), handler).await;
+            tracing::Span::current().record("outcome", outcome_name(&result));
+            result
+        }
+        .instrument(span);
+        match tokio::spawn(task).await {
+            Ok(result) => result,
+            // `run` catches the handler's panics; this is the runtime
+            // shutting down under the task, or a panic in the store.
+            Err(e) => Err(IdemError::Panicked {
+                message: if e.is_panic() {
+                    panic_message(e.into_panic())
+                } else {
+                    "the detached task was cancelled (the runtime is shutting down)".to_owned()
+                },
+            }),
+        }
     }
 
     async fn run<T, E, F, Fut>(
@@ -304,11 +416,19 @@ where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
+        if self.lease.is_zero() {
+            return Err(IdemError::InvalidConfig {
+                detail: "the lease is zero: a duplicate would take the key over at once".into(),
+            });
+        }
         let scope = key.scope();
-        let lease = self.acquire(key, fingerprint).await?;
-        let lease = match lease {
-            Acquired::Lease(lease) => lease,
+        let (lease, sent_at) = match self.acquire(key, fingerprint).await? {
+            Acquired::Lease(lease, sent_at) => (lease, sent_at),
             Acquired::Replay(response) => {
+                if let Some(reason) = not_replayable_reason(&response) {
+                    count("idem_result_unavailable_total", scope);
+                    return Err(IdemError::ResultUnavailable { reason });
+                }
                 count("idem_replayed_total", scope);
                 return self
                     .codec
@@ -319,20 +439,28 @@ where
         };
         count("idem_acquired_total", scope);
         tracing::Span::current().record("attempt", lease.attempt);
+        tracing::Span::current().record("fence", lease.fence);
 
-        let mut guard = ReleaseOnDrop {
-            store: self.store.clone(),
-            lease: Some(lease.clone()),
-        };
+        // The lease surely ends no earlier than this, on our clock: the store
+        // started it after we sent the acquire. The heartbeat moves it on.
+        let lease_end = Arc::new(Mutex::new(later(sent_at, self.lease)));
+        // Runs from here until the result is recorded; aborted when dropped
+        // (handler done and recorded, or this future dropped: a dropped
+        // future does not release, the lease then runs out).
+        let heartbeat = self.start_heartbeat(&lease, &lease_end);
+        if heartbeat.is_some() {
+            // A task spawned from a worker waits in that worker's LIFO slot,
+            // which other workers cannot steal: yield once so it gets going
+            // before a handler that blocks this thread can starve it.
+            tokio::task::yield_now().await;
+        }
+
         let context = Context {
             attempt: lease.attempt,
+            fence: lease.fence,
             token: lease.token,
         };
-        let outcome = self.run_handler(&lease, handler, context).await;
-
-        // From here on the guard must not release behind our back.
-        guard.lease = None;
-        let value = match outcome {
+        let value = match run_handler(handler, context).await {
             HandlerOutcome::Ok(value) => value,
             HandlerOutcome::Err(e) => {
                 self.release(&lease).await;
@@ -343,39 +471,99 @@ where
                 return Err(IdemError::Panicked { message });
             }
         };
-        let bytes = match self.codec.encode(&value) {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                self.release(&lease).await;
-                return Err(IdemError::Codec(e));
+
+        // The handler's effects ran: from here the key is never released.
+        let codec = &self.codec;
+        let encoded = match std::panic::catch_unwind(AssertUnwindSafe(|| codec.encode(&value))) {
+            Ok(Ok(bytes)) => Ok(bytes),
+            Ok(Err(e)) => Err(format!("the result did not encode: {e}")),
+            Err(panic) => Err(format!(
+                "the result's Serialize panicked: {}",
+                panic_message(panic)
+            )),
+        };
+        let outcome = match encoded {
+            Ok(bytes) => match self.complete(&lease, &bytes, &lease_end).await {
+                Ok(()) => return Ok(Processed::Executed(value)),
+                Err(StoreError::ResponseTooLarge { size, limit }) => Err(format!(
+                    "the result is {size} bytes, over the store's limit of {limit}"
+                )),
+                Err(e) => Ok(Err(e)),
+            },
+            Err(reason) => Err(reason),
+        };
+        let result = match outcome {
+            Ok(result) => result,
+            Err(reason) => {
+                tracing::warn!(key = %key, %reason, "the handler ran but its result cannot be recorded: the key completes as not replayable");
+                count("idem_not_replayable_total", scope);
+                let mut marker = NOT_REPLAYABLE.to_vec();
+                marker.extend_from_slice(truncate(&reason, 1024).as_bytes());
+                match self.complete(&lease, &marker, &lease_end).await {
+                    Ok(()) => return Ok(Processed::ExecutedNotReplayable { value, reason }),
+                    Err(e) => Err(e),
+                }
             }
         };
-        match self.complete(&lease, &bytes).await {
+        drop(heartbeat);
+        match result {
             Ok(()) => Ok(Processed::Executed(value)),
             Err(StoreError::LeaseLost) => {
                 count("idem_lease_lost_total", scope);
-                tracing::warn!(key = %key, attempt = lease.attempt, "completion fenced off: the lease was taken over while the handler ran");
+                tracing::warn!(key = %key, attempt = lease.attempt, fence = lease.fence, "completion fenced off: the lease was taken over while the handler ran");
                 Err(IdemError::LeaseLost)
-            }
-            Err(e @ StoreError::ResponseTooLarge { .. }) => {
-                // Refused before anything was written: the key would stay
-                // in progress until its lease ran out. Release it, as for a
-                // response that does not encode.
-                self.release(&lease).await;
-                Err(IdemError::Store(e))
             }
             Err(e) => Err(IdemError::Store(e)),
         }
     }
 
-    /// Records the response, retrying while the store is unavailable.
-    async fn complete(&self, lease: &Lease, response: &[u8]) -> Result<(), StoreError> {
+    /// Spawns the heartbeat task, if on and inside a tokio runtime.
+    fn start_heartbeat(
+        &self,
+        lease: &Lease,
+        lease_end: &Arc<Mutex<Instant>>,
+    ) -> Option<AbortOnDrop> {
+        if !self.heartbeat {
+            return None;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(key = %lease.key, "no tokio runtime: the lease is not renewed while the handler runs");
+            return None;
+        };
+        let every = self
+            .heartbeat_every
+            .unwrap_or(self.lease / 3)
+            .max(Duration::from_millis(1));
+        let task = heartbeat_loop(
+            self.store.clone(),
+            lease.clone(),
+            self.lease,
+            every,
+            lease_end.clone(),
+        );
+        Some(AbortOnDrop(runtime.spawn(task)))
+    }
+
+    /// Records the response, retrying while the store is unavailable, never
+    /// past the budget nor the end of the lease as last renewed.
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        lease_end: &Mutex<Instant>,
+    ) -> Result<(), StoreError> {
         let budget = self.complete_retry.unwrap_or(self.lease / 2);
-        let deadline = tokio::time::Instant::now() + budget;
+        let give_up = later(Instant::now(), budget);
         let mut pause = Duration::from_millis(10);
         loop {
             match self.store.complete(lease, response, self.retention).await {
-                Err(e) if e.is_retryable() && tokio::time::Instant::now() + pause < deadline => {
+                Err(e) if e.is_retryable() => {
+                    let resume = later(Instant::now(), pause);
+                    let lease_over = *lock(lease_end);
+                    if resume >= give_up || resume >= lease_over {
+                        tracing::warn!(key = %lease.key, error = %e, "completion failed; giving up before the lease ends");
+                        return Err(e);
+                    }
                     tracing::warn!(key = %lease.key, error = %e, "completion failed; retrying");
                     tokio::time::sleep(pause).await;
                     pause = (pause * 2).min(Duration::from_secs(1));
@@ -385,21 +573,23 @@ where
         }
     }
 
-    /// Acquires the key, applying the in-progress policy.
+    /// Acquires the key, applying the in-progress policy; with a lease, the
+    /// instant its acquire was sent.
     async fn acquire<E>(
         &self,
         key: &IdempotencyKey,
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Acquired, IdemError<E>> {
         let scope = key.scope();
-        let started = tokio::time::Instant::now();
+        let started = Instant::now();
         let mut pause = match self.in_progress {
             InProgressPolicy::Wait { poll, .. } => poll.max(Duration::from_millis(1)),
             InProgressPolicy::Reject => Duration::ZERO,
         };
         loop {
+            let sent_at = Instant::now();
             match self.store.acquire(key, fingerprint, self.lease).await? {
-                Acquisition::Acquired(lease) => return Ok(Acquired::Lease(lease)),
+                Acquisition::Acquired(lease) => return Ok(Acquired::Lease(lease, sent_at)),
                 Acquisition::Completed(record) => return Ok(Acquired::Replay(record.response)),
                 Acquisition::Mismatch => {
                     count("idem_mismatch_total", scope);
@@ -422,63 +612,9 @@ where
                         return Err(IdemError::WaitTimeout { waited });
                     }
                     tokio::time::sleep(pause.min(max_wait - waited)).await;
-                    pause = (pause * 2).min(poll.max(Duration::from_millis(1)) * 16);
-                }
-            }
-        }
-    }
-
-    /// Runs the handler, with the heartbeat beside it, catching panics.
-    async fn run_handler<T, E, F, Fut>(
-        &self,
-        lease: &Lease,
-        handler: F,
-        context: Context,
-    ) -> HandlerOutcome<T, E>
-    where
-        F: FnOnce(Context) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-    {
-        let future = match std::panic::catch_unwind(AssertUnwindSafe(|| handler(context))) {
-            Ok(future) => future,
-            Err(panic) => return HandlerOutcome::Panicked(panic_message(panic)),
-        };
-        let guarded = AssertUnwindSafe(future).catch_unwind();
-        let result = if self.heartbeat {
-            let heartbeat = self.heartbeat_loop(lease);
-            tokio::pin!(guarded);
-            tokio::pin!(heartbeat);
-            tokio::select! {
-                biased;
-                result = &mut guarded => result,
-                _ = &mut heartbeat => guarded.await,
-            }
-        } else {
-            guarded.await
-        };
-        match result {
-            Ok(Ok(value)) => HandlerOutcome::Ok(value),
-            Ok(Err(e)) => HandlerOutcome::Err(e),
-            Err(panic) => HandlerOutcome::Panicked(panic_message(panic)),
-        }
-    }
-
-    /// Renews the lease until it is lost; then returns.
-    async fn heartbeat_loop(&self, lease: &Lease) {
-        let every = self
-            .heartbeat_every
-            .unwrap_or(self.lease / 3)
-            .max(Duration::from_millis(1));
-        loop {
-            tokio::time::sleep(every).await;
-            match self.store.extend(lease, self.lease).await {
-                Ok(_) => {}
-                Err(StoreError::LeaseLost) => {
-                    tracing::warn!(key = %lease.key, attempt = lease.attempt, "heartbeat: lease lost while the handler runs");
-                    return;
-                }
-                Err(e) => {
-                    tracing::warn!(key = %lease.key, error = %e, "heartbeat: lease renewal failed; will retry");
+                    pause = pause
+                        .saturating_mul(2)
+                        .min(poll.max(Duration::from_millis(1)).saturating_mul(16));
                 }
             }
         }
@@ -492,8 +628,53 @@ where
     }
 }
 
+/// Renews the lease until it is lost or the task is aborted, moving
+/// `lease_end` on after each renewal.
+async fn heartbeat_loop<S: IdempotencyStore + ?Sized>(
+    store: Arc<S>,
+    lease: Lease,
+    lease_for: Duration,
+    every: Duration,
+    lease_end: Arc<Mutex<Instant>>,
+) {
+    loop {
+        tokio::time::sleep(every).await;
+        let sent_at = Instant::now();
+        match store.extend(&lease, lease_for).await {
+            Ok(_) => {
+                let mut end = lock(&lease_end);
+                *end = (*end).max(later(sent_at, lease_for));
+            }
+            Err(StoreError::LeaseLost) => {
+                tracing::debug!(key = %lease.key, attempt = lease.attempt, "heartbeat: the lease is no longer held (taken over, or already recorded)");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(key = %lease.key, error = %e, "heartbeat: lease renewal failed; will retry");
+            }
+        }
+    }
+}
+
+/// Runs the handler, catching panics.
+async fn run_handler<T, E, F, Fut>(handler: F, context: Context) -> HandlerOutcome<T, E>
+where
+    F: FnOnce(Context) -> Fut,
+    Fut: Future<Output = Result<T, E>>,
+{
+    let future = match std::panic::catch_unwind(AssertUnwindSafe(|| handler(context))) {
+        Ok(future) => future,
+        Err(panic) => return HandlerOutcome::Panicked(panic_message(panic)),
+    };
+    match AssertUnwindSafe(future).catch_unwind().await {
+        Ok(Ok(value)) => HandlerOutcome::Ok(value),
+        Ok(Err(e)) => HandlerOutcome::Err(e),
+        Err(panic) => HandlerOutcome::Panicked(panic_message(panic)),
+    }
+}
+
 enum Acquired {
-    Lease(Lease),
+    Lease(Lease, Instant),
     Replay(bytes::Bytes),
 }
 
@@ -503,33 +684,44 @@ enum HandlerOutcome<T, E> {
     Panicked(String),
 }
 
-/// Releases the lease in a spawned task if the `process` future is dropped
-/// while the handler runs.
-struct ReleaseOnDrop<S: IdempotencyStore + ?Sized> {
-    store: Arc<S>,
-    lease: Option<Lease>,
+/// Aborts a spawned task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
-impl<S: IdempotencyStore + ?Sized> Drop for ReleaseOnDrop<S> {
-    fn drop(&mut self) {
-        let Some(lease) = self.lease.take() else {
-            return;
-        };
-        count("idem_released_total", lease.key.scope());
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let store = self.store.clone();
-                runtime.spawn(async move {
-                    if let Err(e) = store.release(&lease).await {
-                        tracing::warn!(key = %lease.key, error = %e, "cancelled handler: could not release the key; it frees itself when the lease ends");
-                    }
-                });
-            }
-            Err(_) => {
-                tracing::warn!(key = %lease.key, "cancelled handler outside a tokio runtime: the key frees itself when the lease ends");
-            }
-        }
+/// `t + d`, or `t` itself if that does not fit (the caller then stops
+/// early, the safe side).
+fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d).unwrap_or(t)
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
     }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn process_span(key: &IdempotencyKey) -> tracing::Span {
+    tracing::info_span!(
+        "idem.process",
+        scope = key.scope(),
+        outcome = tracing::field::Empty,
+        attempt = tracing::field::Empty,
+        fence = tracing::field::Empty,
+    )
 }
 
 fn count(name: &'static str, scope: &str) {
@@ -550,6 +742,7 @@ fn outcome_name<T, E>(result: &Result<Processed<T>, IdemError<E>>) -> &'static s
     match result {
         Ok(Processed::Executed(_)) => "executed",
         Ok(Processed::Replayed(_)) => "replayed",
+        Ok(Processed::ExecutedNotReplayable { .. }) => "executed_not_replayable",
         Err(IdemError::InProgress { .. }) => "in_progress",
         Err(IdemError::PayloadMismatch) => "mismatch",
         Err(IdemError::Handler(_)) => "handler_error",
@@ -557,6 +750,8 @@ fn outcome_name<T, E>(result: &Result<Processed<T>, IdemError<E>>) -> &'static s
         Err(IdemError::LeaseLost) => "lease_lost",
         Err(IdemError::WaitTimeout { .. }) => "wait_timeout",
         Err(IdemError::Codec(_)) => "codec_error",
+        Err(IdemError::ResultUnavailable { .. }) => "result_unavailable",
+        Err(IdemError::InvalidConfig { .. }) => "invalid_config",
         Err(IdemError::Store(_)) => "store_error",
         Err(IdemError::InvalidKey(_)) => "invalid_key",
     }

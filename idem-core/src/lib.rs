@@ -36,6 +36,7 @@ mod codec;
 mod error;
 mod executor;
 mod fingerprint;
+mod finite;
 mod key;
 mod memory;
 mod record;
@@ -52,7 +53,8 @@ pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{
-    Acquisition, CompletedRecord, Lease, LeaseToken, Record, RecordState, IN_PROGRESS_GRACE,
+    not_replayable_reason, saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record,
+    RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,
 };
 pub use store::{purge_periodically, IdempotencyStore};
 

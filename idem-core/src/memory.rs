@@ -15,11 +15,21 @@ use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{
-    Acquisition, CompletedRecord, Lease, LeaseToken, Record, RecordState, IN_PROGRESS_GRACE,
+    saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record, RecordState,
+    IN_PROGRESS_GRACE,
 };
 use crate::store::IdempotencyStore;
 
 const DEFAULT_SHARDS: usize = 64;
+
+/// Fences of every `MemoryStore` in the process: strictly increasing, so a
+/// key's next acquisition always has a higher fence, whatever happened to
+/// its record in between.
+static NEXT_FENCE: AtomicU64 = AtomicU64::new(1);
+
+fn next_fence() -> u64 {
+    NEXT_FENCE.fetch_add(1, Ordering::Relaxed)
+}
 
 /// An in-process [`IdempotencyStore`]: a sharded hash map, one mutex per
 /// shard, never held across an await.
@@ -71,6 +81,7 @@ struct Stored {
     state: State,
     fingerprint: Option<Fingerprint>,
     token: u128,
+    fence: u64,
     attempt: u32,
     created_at: Instant,
     expires_at: Instant,
@@ -191,10 +202,13 @@ impl MemoryStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Option<Acquisition>, StoreError> {
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         let inner = &*self.inner;
         let now = Instant::now();
-        let lease_until = now + lease;
-        let acquired = |token: u128, attempt: u32, stored: Option<Fingerprint>| {
+        let lease_until = later(now, lease);
+        let acquired = |token: u128, fence: u64, attempt: u32, stored: Option<Fingerprint>| {
             Acquisition::Acquired(
                 Lease::new(
                     key.clone(),
@@ -202,17 +216,19 @@ impl MemoryStore {
                     attempt,
                     inner.wall(lease_until),
                 )
+                .with_fence(fence)
                 .with_fingerprint(stored),
             )
         };
-        let fresh = |token| {
+        let fresh = |token, fence| {
             Slot::Live(Stored {
                 state: State::InProgress { lease_until },
                 fingerprint: fingerprint.copied(),
                 token,
+                fence,
                 attempt: 1,
                 created_at: now,
-                expires_at: lease_until + IN_PROGRESS_GRACE,
+                expires_at: later(lease_until, IN_PROGRESS_GRACE),
             })
         };
 
@@ -222,15 +238,15 @@ impl MemoryStore {
             Some(Slot::Live(s)) if s.is_live(now) => s,
             Some(slot) => {
                 // Expired: the same as absent; reuse its room.
-                let token = inner.token();
-                *slot = fresh(token);
-                return Ok(Some(acquired(token, 1, fingerprint.copied())));
+                let (token, fence) = (inner.token(), next_fence());
+                *slot = fresh(token, fence);
+                return Ok(Some(acquired(token, fence, 1, fingerprint.copied())));
             }
             None if inner.max_records.is_none() => {
                 inner.reserve_slot()?;
-                let token = inner.token();
-                shard.insert(key.clone(), fresh(token));
-                return Ok(Some(acquired(token, 1, fingerprint.copied())));
+                let (token, fence) = (inner.token(), next_fence());
+                shard.insert(key.clone(), fresh(token, fence));
+                return Ok(Some(acquired(token, fence, 1, fingerprint.copied())));
             }
             None => {
                 // Making room may purge every other shard: release this
@@ -242,9 +258,9 @@ impl MemoryStore {
                     inner.len.fetch_sub(1, Ordering::Relaxed);
                     return Ok(None);
                 }
-                let token = inner.token();
-                shard.insert(key.clone(), fresh(token));
-                return Ok(Some(acquired(token, 1, fingerprint.copied())));
+                let (token, fence) = (inner.token(), next_fence());
+                shard.insert(key.clone(), fresh(token, fence));
+                return Ok(Some(acquired(token, fence, 1, fingerprint.copied())));
             }
         };
 
@@ -255,14 +271,18 @@ impl MemoryStore {
             State::Completed {
                 response,
                 completed_at,
-            } => Acquisition::Completed(CompletedRecord::new(
-                key.clone(),
-                response.clone(),
-                s.fingerprint,
-                s.attempt,
-                inner.wall(*completed_at),
-                inner.wall(s.expires_at),
-            )),
+            } => Acquisition::Completed(
+                CompletedRecord::new(
+                    key.clone(),
+                    response.clone(),
+                    s.fingerprint,
+                    s.attempt,
+                    inner.wall(*completed_at),
+                    inner.wall(s.expires_at),
+                )
+                .with_fence(s.fence)
+                .with_ttl(s.expires_at.saturating_duration_since(now)),
+            ),
             State::InProgress { lease_until: held } if now < *held => Acquisition::InProgress {
                 lease_expires_at: inner.wall(*held),
                 retry_after: *held - now,
@@ -272,13 +292,14 @@ impl MemoryStore {
                 // Takeover: the holder's lease is over. The fingerprint and
                 // the attempt count carry over.
                 s.token = inner.token();
+                s.fence = next_fence();
                 s.attempt = s.attempt.saturating_add(1);
                 s.state = State::InProgress { lease_until };
-                s.expires_at = lease_until + IN_PROGRESS_GRACE;
+                s.expires_at = later(lease_until, IN_PROGRESS_GRACE);
                 if s.fingerprint.is_none() {
                     s.fingerprint = fingerprint.copied();
                 }
-                acquired(s.token, s.attempt, s.fingerprint)
+                acquired(s.token, s.fence, s.attempt, s.fingerprint)
             }
         };
         Ok(Some(outcome))
@@ -325,6 +346,7 @@ impl Inner {
             self.wall(s.created_at),
             self.wall(s.expires_at),
         )
+        .with_fence(s.fence)
     }
 
     /// Makes room for one more record, or says the store is full.
@@ -386,6 +408,15 @@ impl Inner {
     }
 }
 
+/// `t + d` with `d` saturated to [`MAX_DURATION`](crate::MAX_DURATION),
+/// never overflowing.
+fn later(t: Instant, d: Duration) -> Instant {
+    let d = saturate(d);
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(86_400 * 365)))
+        .unwrap_or(t)
+}
+
 fn mismatch(stored: Option<Fingerprint>, given: Option<&Fingerprint>) -> bool {
     matches!((stored, given), (Some(a), Some(b)) if a != *b)
 }
@@ -426,7 +457,7 @@ impl IdempotencyStore for MemoryStore {
                     response: Bytes::copy_from_slice(response),
                     completed_at: now,
                 };
-                s.expires_at = now + retention;
+                s.expires_at = later(now, retention);
                 Ok(())
             }
             // Completed by this very lease: a retry after a lost reply.
@@ -460,6 +491,9 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        if lease_for.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         let now = Instant::now();
         let mut shard = self.inner.shard(&lease.key);
         match shard.get_mut(&lease.key) {
@@ -469,15 +503,16 @@ impl IdempotencyStore for MemoryStore {
                     && s.token == lease.token.as_u128()
                     && matches!(s.state, State::InProgress { .. }) =>
             {
-                let lease_until = now + lease_for;
+                let lease_until = later(now, lease_for);
                 s.state = State::InProgress { lease_until };
-                s.expires_at = lease_until + IN_PROGRESS_GRACE;
+                s.expires_at = later(lease_until, IN_PROGRESS_GRACE);
                 Ok(Lease::new(
                     lease.key.clone(),
                     lease.token,
                     s.attempt,
                     self.inner.wall(lease_until),
                 )
+                .with_fence(s.fence)
                 .with_fingerprint(s.fingerprint))
             }
             _ => Err(StoreError::LeaseLost),

@@ -16,6 +16,34 @@ use crate::key::IdempotencyKey;
 /// Every store uses the same value.
 pub const IN_PROGRESS_GRACE: Duration = Duration::from_secs(24 * 60 * 60);
 
+/// The longest lease or retention any store keeps: about 100 years.
+/// Every store saturates longer durations (`Duration::MAX` included) to
+/// this, so "forever" is accepted everywhere and no deadline overflows.
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// `d`, capped at [`MAX_DURATION`]: what a store does with every lease and
+/// retention it is given before computing a deadline.
+pub fn saturate(d: Duration) -> Duration {
+    d.min(MAX_DURATION)
+}
+
+/// The response that the executor records when the handler succeeded but
+/// its result could not be recorded (it did not encode, the codec refused
+/// it, the store refused its size): the key is completed, so the handler
+/// never runs again for it, and every duplicate gets
+/// [`IdemError::ResultUnavailable`](crate::IdemError::ResultUnavailable).
+/// The bytes start with NUL, which no JSON text does; a reason in UTF-8
+/// follows the marker.
+pub const NOT_REPLAYABLE: &[u8] = b"\0idem:not-replayable\0";
+
+/// The reason recorded after [`NOT_REPLAYABLE`], if `response` is such a
+/// marker.
+pub fn not_replayable_reason(response: &[u8]) -> Option<String> {
+    response
+        .strip_prefix(NOT_REPLAYABLE)
+        .map(|reason| String::from_utf8_lossy(reason).into_owned())
+}
+
 /// A fencing token: unique per acquisition, never reused for a key, even
 /// after its record was released or expired. Every write after `acquire`
 /// compares it with the stored one.
@@ -100,7 +128,13 @@ pub struct Lease {
     pub key: IdempotencyKey,
     /// The fencing token of this acquisition.
     pub token: LeaseToken,
+    /// The fence of this acquisition: strictly greater than that of every
+    /// earlier acquisition of the key, including those before a release, a
+    /// delete or the record's expiry. Pass it to downstream systems that
+    /// keep the highest fence seen per key, so a stale writer is refused.
+    pub fence: u64,
     /// 1 for the first acquisition of the record, 2 after a takeover, ...
+    /// Resets when the record goes away: not a fencing number.
     pub attempt: u32,
     /// When the lease runs out (store clock). Past it another worker may take
     /// the key over; until someone does, this lease still works.
@@ -123,10 +157,17 @@ impl Lease {
         Lease {
             key,
             token,
+            fence: 0,
             attempt,
             expires_at,
             fingerprint: None,
         }
+    }
+
+    /// Sets the acquisition's fence (every store must).
+    pub fn with_fence(mut self, fence: u64) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// Sets the record's stored fingerprint.
@@ -165,6 +206,8 @@ pub struct Record {
     pub fingerprint: Option<Fingerprint>,
     /// The token of the latest acquisition.
     pub token: LeaseToken,
+    /// The fence of the latest acquisition.
+    pub fence: u64,
     /// The latest attempt number.
     pub attempt: u32,
     /// When the record was first acquired (store clock).
@@ -191,10 +234,17 @@ impl Record {
             state,
             fingerprint,
             token,
+            fence: 0,
             attempt,
             created_at,
             expires_at,
         }
+    }
+
+    /// Sets the fence of the latest acquisition.
+    pub fn with_fence(mut self, fence: u64) -> Self {
+        self.fence = fence;
+        self
     }
 
     /// Whether the record is completed.
@@ -215,10 +265,19 @@ pub struct CompletedRecord {
     pub fingerprint: Option<Fingerprint>,
     /// The attempt that completed it.
     pub attempt: u32,
+    /// The fence of the acquisition that completed it. A cache keeps the
+    /// entry with the highest fence, so a newer completion replaces an
+    /// older one.
+    pub fence: u64,
     /// When it was completed (store clock).
     pub completed_at: SystemTime,
     /// When it expires (store clock).
     pub expires_at: SystemTime,
+    /// The time the record had left when the store answered, computed on
+    /// the store's own clock: a cache keeps the entry no longer than this,
+    /// whatever the application's clock says. Zero when the store does not
+    /// say, and then nothing caches it.
+    pub ttl: Duration,
 }
 
 impl CompletedRecord {
@@ -236,9 +295,29 @@ impl CompletedRecord {
             response,
             fingerprint,
             attempt,
+            fence: 0,
             completed_at,
             expires_at,
+            ttl: Duration::ZERO,
         }
+    }
+
+    /// Sets the fence of the acquisition that completed it.
+    pub fn with_fence(mut self, fence: u64) -> Self {
+        self.fence = fence;
+        self
+    }
+
+    /// Sets the time left before the record expires, by the store's clock.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// The reason the result was not recorded, if this record is the
+    /// executor's "completed, result not replayable" marker.
+    pub fn not_replayable(&self) -> Option<String> {
+        not_replayable_reason(&self.response)
     }
 }
 

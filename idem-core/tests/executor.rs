@@ -26,17 +26,6 @@ fn key(id: &str) -> IdempotencyKey {
     IdempotencyKey::new("payments.charge", id).unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Waits (yielding, no sleep) until the key has no record.
-async fn until_absent<S: IdempotencyStore>(store: &S, key: &IdempotencyKey) {
-    for _ in 0..1_000 {
-        if matches!(store.get(key).await, Ok(None)) {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("{key} was never released");
-}
-
 #[tokio::test(start_paused = true)]
 async fn executes_once_then_replays_typed() {
     let idem = Idempotency::new(MemoryStore::new());
@@ -116,48 +105,114 @@ async fn handler_panic_releases_the_key_and_does_not_escape() {
     assert_eq!(again.ok(), Some(Processed::Executed(1)));
 }
 
+/// DESIGN 4: a dropped `process` future was cut off after an unknown part
+/// of its effects, so it must not release the key: the key stays in
+/// progress until the lease ends, then the next delivery takes it over with
+/// attempt 2 and a higher fence.
 #[tokio::test(start_paused = true)]
-async fn dropped_future_releases_the_key() {
+async fn dropped_future_does_not_release_the_key() {
     let store = Arc::new(MemoryStore::new());
-    let idem = Idempotency::from_arc(store.clone());
-    let k = key("m-cancel");
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = {
-        let idem = idem.clone();
-        let k = k.clone();
+    let lease = Duration::from_secs(10);
+    let idem = Idempotency::from_arc(store.clone()).lease(lease);
+    for (k, how) in [(key("m-cancel"), "abort"), (key("m-timeout"), "timeout")] {
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<u64>();
+        let slow = {
+            let idem = idem.clone();
+            let k = k.clone();
+            async move {
+                idem.process_with(&k, None, |cx| async move {
+                    let _ = started_tx.send(cx.fence);
+                    std::future::pending::<Result<u32, Declined>>().await
+                })
+                .await
+            }
+        };
+        if how == "abort" {
+            let task = tokio::spawn(slow);
+            let _ = started_rx.await;
+            task.abort();
+            assert!(task.await.is_err_and(|e| e.is_cancelled()));
+        } else {
+            assert!(tokio::time::timeout(Duration::from_secs(1), slow)
+                .await
+                .is_err());
+        }
+        // Let any spawned release run, were there one.
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        let held = store.acquire(&k, None, lease).await;
+        assert!(
+            matches!(held, Ok(Acquisition::InProgress { attempt: 1, .. })),
+            "{how}: a dropped future released the key: {held:?}"
+        );
+        tokio::time::advance(lease + Duration::from_secs(1)).await;
+        let (fences_tx, mut fences_rx) = tokio::sync::mpsc::unbounded_channel();
+        let again = idem
+            .process_with(&k, None, |cx| async move {
+                let _ = fences_tx.send((cx.attempt, cx.fence));
+                Ok::<_, Declined>(2u32)
+            })
+            .await;
+        assert_eq!(again.ok(), Some(Processed::Executed(2)), "{how}");
+        let (attempt, fence) = fences_rx.recv().await.unwrap_or_default();
+        assert_eq!(attempt, 2, "{how}: the takeover is attempt 2");
+        assert!(fence > 0, "{how}: fence {fence}");
+    }
+}
+
+/// Detached mode: the caller goes away mid-handler (an HTTP client that
+/// disconnects), the handler still runs to its end and its result is
+/// recorded; the retry gets "in progress" while it runs, then the replay.
+#[tokio::test(start_paused = true)]
+async fn detached_handler_outlives_its_caller_and_is_recorded() {
+    let store = Arc::new(MemoryStore::new());
+    let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(30));
+    let k = key("m-detached");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    let caller = {
+        let (idem, k, runs) = (idem.clone(), k.clone(), runs.clone());
         tokio::spawn(async move {
-            idem.process(&k, 1u8, |_| async move {
-                let _ = started_tx.send(());
-                std::future::pending::<Result<u32, Declined>>().await
+            idem.process_detached(&k, 5u64, move |amount| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let _ = go_rx.await;
+                Ok::<_, Declined>(amount * 2)
             })
             .await
         })
     };
-    started_rx
-        .await
-        .unwrap_or_else(|_| panic!("handler never started"));
-    assert!(
-        matches!(store.get(&k).await, Ok(Some(_))),
-        "held while running"
-    );
-    task.abort();
-    assert!(task.await.is_err_and(|e| e.is_cancelled()));
-    until_absent(&*store, &k).await;
-    let again = idem
-        .process(&k, 1u8, |_| async { Ok::<_, Declined>(2u32) })
+    while runs.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    caller.abort(); // the client disconnects
+    assert!(caller.await.is_err_and(|e| e.is_cancelled()));
+    let retry = idem
+        .process(&k, 5u64, |_| async { Ok::<_, Declined>(0u64) })
         .await;
-    assert_eq!(again.ok(), Some(Processed::Executed(2)));
-
-    // Dropped by a timeout rather than an abort.
-    let k2 = key("m-timeout");
-    let slow = idem.process(&k2, 1u8, |_| async {
-        tokio::time::sleep(Duration::from_secs(3600)).await;
-        Ok::<_, Declined>(0u32)
-    });
-    assert!(tokio::time::timeout(Duration::from_secs(1), slow)
-        .await
-        .is_err());
-    until_absent(&*store, &k2).await;
+    assert!(
+        matches!(retry, Err(IdemError::InProgress { .. })),
+        "while it still runs: {retry:?}"
+    );
+    let _ = go_tx.send(());
+    let mut replay = None;
+    for _ in 0..1_000 {
+        match store.get(&k).await {
+            Ok(Some(r)) if r.is_completed() => {
+                replay = Some(
+                    idem.process(&k, 5u64, |_| async { Ok::<_, Declined>(0u64) })
+                        .await,
+                );
+                break;
+            }
+            _ => tokio::task::yield_now().await,
+        }
+    }
+    assert!(
+        matches!(replay, Some(Ok(Processed::Replayed(10)))),
+        "{replay:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran once");
 }
 
 #[tokio::test(start_paused = true)]
@@ -373,25 +428,141 @@ async fn payload_mismatch_is_reported_and_changes_nothing() {
     assert_eq!(again.ok(), Some(Processed::Replayed(100)));
 }
 
+/// Panics in `Serialize`, like a response that does not encode.
+struct PanicsOnSerialize;
+
+impl Serialize for PanicsOnSerialize {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("serialize blew up")
+    }
+}
+
+impl<'de> Deserialize<'de> for PanicsOnSerialize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        serde::de::IgnoredAny::deserialize(d).map(|_| PanicsOnSerialize)
+    }
+}
+
+/// DESIGN 4: a result that cannot be recorded after the handler returned
+/// `Ok` (it does not encode, it holds a NaN, its `Serialize` panics) is not
+/// released: the key completes as "not replayable", the caller gets its
+/// value and the reason, and every duplicate gets `ResultUnavailable`
+/// without running the handler.
 #[tokio::test(start_paused = true)]
-async fn response_that_does_not_serialize_releases_the_key() {
+async fn result_that_cannot_be_recorded_completes_the_key_as_not_replayable() {
     let store = Arc::new(MemoryStore::new());
     let idem = Idempotency::from_arc(store.clone());
-    let k = key("m-codec");
+    let runs = AtomicUsize::new(0);
+
     // JSON object keys must be strings: a map keyed by tuples fails.
+    let k = key("m-codec");
     let out = idem
         .process(&k, 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
             Ok::<_, Declined>(HashMap::from([((1u8, 2u8), 3u8)]))
         })
         .await;
     assert!(
-        matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))),
+        matches!(&out, Ok(Processed::ExecutedNotReplayable { value, .. }) if value.len() == 1),
         "{out:?}"
     );
+    // NaN: serde_json would record `null`, which then fails every replay.
+    let k_nan = key("m-nan");
+    let out = idem
+        .process(&k_nan, 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Declined>(vec![1.0, f64::NAN])
+        })
+        .await;
     assert!(
-        matches!(store.get(&k).await, Ok(None)),
-        "key must be released"
+        matches!(&out, Ok(Processed::ExecutedNotReplayable { reason, .. }) if reason.contains("non-finite")),
+        "{out:?}"
     );
+    // A panic in Serialize neither escapes nor leaves the key in progress.
+    let k_panic = key("m-ser-panic");
+    let out = idem
+        .process(&k_panic, 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Declined>(PanicsOnSerialize)
+        })
+        .await;
+    assert!(
+        matches!(&out, Ok(Processed::ExecutedNotReplayable { reason, .. }) if reason.contains("blew up")),
+        "{:?}",
+        out.as_ref().err()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+
+    for k in [&k, &k_nan, &k_panic] {
+        let record = store.get(k).await;
+        assert!(
+            matches!(&record, Ok(Some(r)) if r.is_completed()),
+            "{k}: not completed: {record:?}"
+        );
+        let dup = idem
+            .process(k, 1u8, |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Declined>(0u8)
+            })
+            .await;
+        assert!(
+            matches!(&dup, Err(e @ IdemError::ResultUnavailable { .. }) if !e.is_retryable()),
+            "{k}: {dup:?}"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "no duplicate ran the handler"
+    );
+}
+
+/// DESIGN 4: the heartbeat runs on its own task, so a handler that blocks
+/// its thread (a synchronous client, a long computation) keeps its lease
+/// on a multi-thread runtime and is not taken over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blocking_handler_does_not_starve_the_heartbeat() {
+    let store = Arc::new(MemoryStore::new());
+    let lease = Duration::from_millis(300);
+    let idem = Idempotency::from_arc(store.clone()).lease(lease);
+    let k = key("m-blocking");
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let worker = {
+        let (idem, k) = (idem.clone(), k.clone());
+        tokio::spawn(async move {
+            idem.process(&k, 1u8, |_| async move {
+                let _ = started_tx.send(());
+                // Blocks this worker thread for more than 5 leases.
+                std::thread::sleep(Duration::from_millis(1_600));
+                Ok::<_, Declined>(1u8)
+            })
+            .await
+        })
+    };
+    let _ = started_rx.await;
+    let mut takeovers = 0;
+    let deadline = std::time::Instant::now() + Duration::from_millis(1_400);
+    while std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        match store
+            .acquire(
+                &k,
+                Some(&Fingerprint::of(&1u8).unwrap_or_else(|e| panic!("{e}"))),
+                lease,
+            )
+            .await
+        {
+            Ok(Acquisition::InProgress { .. }) => {}
+            Ok(Acquisition::Acquired(stolen)) => {
+                takeovers += 1;
+                let _ = store.release(&stolen).await;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(takeovers, 0, "the blocked handler's lease ran out");
+    let out = worker.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out.ok(), Some(Processed::Executed(1)));
 }
 
 #[tokio::test(start_paused = true)]
@@ -616,4 +787,97 @@ async fn completion_is_retried_while_the_store_is_unavailable() {
         "{:?}",
         started.elapsed()
     );
+}
+
+/// DESIGN 4: the completion retry never outlives the lease. With the
+/// heartbeat off and a retry budget longer than the lease, the executor
+/// gives up before the lease ends instead of retrying while another worker
+/// takes the key over and runs the handler again.
+#[tokio::test(start_paused = true)]
+async fn completion_retry_never_outlives_the_lease() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    store.fail_completes(usize::MAX);
+    let lease = Duration::from_secs(3);
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(lease)
+        .heartbeat(false)
+        .complete_retry(Duration::from_secs(60));
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .process(&key("m-retry-lease"), 1u8, |_| async {
+            Ok::<_, Declined>(7u8)
+        })
+        .await;
+    assert!(
+        matches!(out, Err(IdemError::Store(StoreError::Unavailable(_)))),
+        "{out:?}"
+    );
+    assert!(
+        started.elapsed() < lease,
+        "retried for {:?}, past the lease of {lease:?}",
+        started.elapsed()
+    );
+}
+
+/// DESIGN 4: while the completion is retried, the heartbeat keeps the lease,
+/// so a store that comes back after longer than the lease still gets the
+/// one result, and no other worker took the key over meanwhile.
+#[tokio::test(start_paused = true)]
+async fn heartbeat_keeps_running_during_the_completion_retry() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let lease = Duration::from_secs(3);
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(lease)
+        .complete_retry(Duration::from_secs(60));
+    let k = key("m-retry-heartbeat");
+    // About 20 s of failures with backoff capped at 1 s.
+    store.fail_completes(25);
+    let worker = {
+        let (idem, k) = (idem.clone(), k.clone());
+        tokio::spawn(async move {
+            idem.process(&k, 1u8, |_| async { Ok::<_, Declined>(7u8) })
+                .await
+        })
+    };
+    let mut takeovers = 0;
+    while !worker.is_finished() {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if let Ok(Acquisition::Acquired(_)) = store
+            .inner()
+            .acquire(
+                &k,
+                Some(&Fingerprint::of(&1u8).unwrap_or_else(|e| panic!("{e}"))),
+                lease,
+            )
+            .await
+        {
+            takeovers += 1;
+        }
+    }
+    assert_eq!(takeovers, 0, "the key was taken over during the retry");
+    let out = worker.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out.ok(), Some(Processed::Executed(7)));
+    assert!(
+        store.extends() > 5,
+        "the heartbeat ran: {} extends",
+        store.extends()
+    );
+}
+
+/// DESIGN 4: configuration never panics: a zero lease is refused before
+/// anything is stored; `Duration::MAX` everywhere works (saturated).
+#[tokio::test(start_paused = true)]
+async fn zero_lease_is_refused_and_max_durations_work() {
+    let store = Arc::new(MemoryStore::new());
+    let k = key("m-zero");
+    let out = Idempotency::from_arc(store.clone())
+        .lease(Duration::ZERO)
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(1u8) })
+        .await;
+    assert!(
+        matches!(&out, Err(e @ IdemError::InvalidConfig { .. }) if !e.is_retryable()),
+        "{out:?}"
+    );
+    assert!(matches!(store.get(&k).await, Ok(None)));
+    idem_core::testkit::durations_at_the_extremes(&idem_core::testkit::MemoryHarness).await;
 }

@@ -451,6 +451,7 @@ where
 
     Ok(match outcome {
         Ok(Processed::Executed(recorded)) => replay(recorded, false),
+        Ok(Processed::ExecutedNotReplayable { value, .. }) => replay(value, false),
         Ok(Processed::Replayed(recorded)) => replay(recorded, true),
         Err(IdemError::Handler(NotRecorded::Response(response))) => response,
         Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),

@@ -411,7 +411,17 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
             .await;
         let counter = match outcome {
             Ok(Processed::Executed(_)) => &self.counters.executed,
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::warn!(stream = %self.stream, entry = %id, %reason, "the handler ran but its result was not recorded");
+                &self.counters.executed
+            }
             Ok(Processed::Replayed(_)) => &self.counters.replayed,
+            // The key completed (its result was not recordable): acked,
+            // never run again.
+            Err(IdemError::ResultUnavailable { reason }) => {
+                tracing::warn!(stream = %self.stream, entry = %id, %reason, "duplicate of an entry whose result was not recorded: acknowledged");
+                &self.counters.replayed
+            }
             Err(e) => {
                 if !matches!(e, IdemError::InProgress { .. }) {
                     tracing::warn!(stream = %self.stream, entry = %id, error = %e, "entry left pending; it will be delivered again");

@@ -131,6 +131,9 @@ where
                     );
                 }
                 Processed::Replayed(v) => replays.push((i, v)),
+                Processed::ExecutedNotReplayable { reason, .. } => {
+                    panic!("key {i}: not recordable: {reason}")
+                }
             }
         }
     }

@@ -49,8 +49,8 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use crate::{
-    Acquisition, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
-    KeyError, Lease, MemoryStore, Processed, RecordState, StoreError,
+    saturate, Acquisition, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, KeyError, Lease, MemoryStore, Processed, RecordState, StoreError,
 };
 
 /// Makes stores for the suite and reaches into them where the trait cannot.
@@ -162,6 +162,10 @@ macro_rules! __idem_conformance_cases {
             corrupt_record,
             key_limits,
             large_response,
+            fence_strictly_increases,
+            completed_record_carries_fence_and_store_ttl,
+            zero_lease_refused,
+            durations_at_the_extremes,
             concurrent_storm
         }
     };
@@ -957,6 +961,9 @@ pub async fn storm<S: IdempotencyStore + ?Sized>(
                     executed[i] = Some(v);
                 }
                 Processed::Replayed(v) => replays.push((i, v)),
+                Processed::ExecutedNotReplayable { reason, .. } => {
+                    panic!("key {i}: a string result was not recordable: {reason}")
+                }
             }
         }
     }
@@ -979,4 +986,179 @@ pub async fn storm<S: IdempotencyStore + ?Sized>(
         );
     }
     tasks * key_count
+}
+
+/// The fence of a key's acquisitions strictly increases across everything
+/// that can happen to its record: a release, a takeover, a delete, the
+/// record's expiry; `extend` and `get` keep it.
+pub async fn fence_strictly_increases<H: Harness>(h: &H) {
+    let store = h.store().await;
+    let short = h.settings().lease;
+    let key = unique_key("fence");
+    let mut seen: Vec<(&str, u64)> = Vec::new();
+    let mut check = |what: &'static str, fence: u64| {
+        if let Some((before, last)) = seen.last() {
+            assert!(
+                fence > *last,
+                "fence after {what} ({fence}) is not above the one after {before} ({last})"
+            );
+        }
+        seen.push((what, fence));
+    };
+
+    let first = acquired(store.acquire(&key, None, LONG).await, "first acquire");
+    check("first acquire", first.fence);
+    let record = ok(store.get(&key).await, "get").unwrap_or_else(|| panic!("no record"));
+    assert_eq!(record.fence, first.fence, "get returns the holder's fence");
+    let extended = ok(store.extend(&first, LONG).await, "extend");
+    assert_eq!(extended.fence, first.fence, "extend keeps the fence");
+    ok(store.release(&first).await, "release");
+
+    let after_release = acquired(store.acquire(&key, None, short).await, "after release");
+    check("release", after_release.fence);
+    outlive(short).await;
+    let takeover = acquired(store.acquire(&key, None, LONG).await, "takeover");
+    assert_eq!(takeover.attempt, 2, "a takeover is attempt 2");
+    check("takeover", takeover.fence);
+    lease_lost(
+        store.complete(&after_release, b"stale", DAY).await,
+        "stale complete",
+    );
+    ok(store.complete(&takeover, b"done", DAY).await, "complete");
+    match store.acquire(&key, None, LONG).await {
+        Ok(Acquisition::Completed(record)) => assert_eq!(
+            record.fence, takeover.fence,
+            "a completed record carries the fence of the acquisition that completed it"
+        ),
+        other => panic!("expected Completed, got {other:?}"),
+    }
+    assert!(
+        ok(store.delete(&key).await, "delete"),
+        "delete found the record"
+    );
+
+    let after_delete = acquired(store.acquire(&key, None, short).await, "after delete");
+    assert_eq!(after_delete.attempt, 1, "attempt resets after a delete");
+    check("delete", after_delete.fence);
+    ok(
+        store.complete(&after_delete, b"done", short).await,
+        "complete",
+    );
+    outlive(short).await;
+    let after_expiry = acquired(store.acquire(&key, None, LONG).await, "after expiry");
+    assert_eq!(after_expiry.attempt, 1, "attempt resets after expiry");
+    check("retention expiry", after_expiry.fence);
+}
+
+/// A completed record handed out by `acquire` carries its fence and the
+/// time it has left by the store's clock, no more than its retention.
+pub async fn completed_record_carries_fence_and_store_ttl<H: Harness>(h: &H) {
+    let store = h.store().await;
+    let key = unique_key("ttl");
+    let retention = Duration::from_secs(3_600);
+    let lease = acquired(store.acquire(&key, None, LONG).await, "acquire");
+    ok(store.complete(&lease, b"r", retention).await, "complete");
+    match store.acquire(&key, None, LONG).await {
+        Ok(Acquisition::Completed(record)) => {
+            assert_eq!(record.fence, lease.fence);
+            assert!(
+                record.ttl <= retention && record.ttl + Duration::from_secs(5) >= retention,
+                "ttl {:?} for a retention of {retention:?}",
+                record.ttl
+            );
+        }
+        other => panic!("expected Completed, got {other:?}"),
+    }
+}
+
+/// A zero lease is refused with `InvalidArgument` and writes nothing;
+/// extending by zero is refused too and leaves the lease as it was.
+pub async fn zero_lease_refused<H: Harness>(h: &H) {
+    let store = h.store().await;
+    let key = unique_key("zero");
+    let refused = store.acquire(&key, None, Duration::ZERO).await;
+    assert!(
+        matches!(refused, Err(StoreError::InvalidArgument { .. })),
+        "zero lease: {refused:?}"
+    );
+    assert!(
+        ok(store.get(&key).await, "get").is_none(),
+        "a refused acquire wrote a record"
+    );
+    let lease = acquired(store.acquire(&key, None, LONG).await, "acquire");
+    let refused = store.extend(&lease, Duration::ZERO).await;
+    assert!(
+        matches!(refused, Err(StoreError::InvalidArgument { .. })),
+        "zero extend: {refused:?}"
+    );
+    assert!(
+        matches!(
+            store.acquire(&key, None, LONG).await,
+            Ok(Acquisition::InProgress { .. })
+        ),
+        "the lease still holds after a refused extend"
+    );
+}
+
+/// `Duration::MAX` as a lease, an extension or a retention is accepted
+/// (saturated to `MAX_DURATION`), never an error, a panic or a half-written
+/// record: the key is held, then completed and replayed.
+pub async fn durations_at_the_extremes<H: Harness>(h: &H) {
+    let store = h.store().await;
+    let key = unique_key("max");
+    let lease = acquired(
+        store.acquire(&key, Some(&fp("m")), Duration::MAX).await,
+        "acquire with Duration::MAX",
+    );
+    let far = SystemTime::now() + saturate(Duration::MAX) - DAY;
+    assert!(
+        lease.expires_at > far,
+        "lease of Duration::MAX ends {:?}",
+        lease.expires_at
+    );
+    assert!(
+        matches!(
+            store.acquire(&key, Some(&fp("m")), LONG).await,
+            Ok(Acquisition::InProgress { .. })
+        ),
+        "a Duration::MAX lease holds the key"
+    );
+    let lease = ok(
+        store.extend(&lease, Duration::MAX).await,
+        "extend Duration::MAX",
+    );
+    ok(
+        store.complete(&lease, b"forever", Duration::MAX).await,
+        "complete with Duration::MAX",
+    );
+    let record = ok(store.get(&key).await, "get").unwrap_or_else(|| panic!("no record"));
+    assert!(record.is_completed(), "{record:?}");
+    assert!(
+        record.expires_at > far,
+        "retention of Duration::MAX ends {:?}",
+        record.expires_at
+    );
+    assert_eq!(
+        completed_response(store.acquire(&key, Some(&fp("m")), LONG).await, "replay"),
+        b"forever"
+    );
+    // Executor-level: the same extremes through `process`.
+    let idem = Idempotency::from_arc(Arc::new(store))
+        .lease(Duration::MAX)
+        .retention(Duration::MAX)
+        .complete_retry(Duration::MAX)
+        .heartbeat_interval(Duration::MAX)
+        .on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::MAX,
+            poll: Duration::MAX,
+        });
+    let key = unique_key("max-process");
+    let first = idem
+        .process(&key, 1u8, |_| async { Ok::<_, Infallible>(7u8) })
+        .await;
+    assert!(matches!(first, Ok(Processed::Executed(7))), "{first:?}");
+    let again = idem
+        .process(&key, 1u8, |_| async { Ok::<_, Infallible>(8u8) })
+        .await;
+    assert!(matches!(again, Ok(Processed::Replayed(7))), "{again:?}");
 }
