@@ -10,10 +10,12 @@ use std::time::Duration;
 
 use idem::postgres::PgStore;
 use idem::testkit::{self, Harness, Settings, Tap};
-use idem::tiered::{CacheError, MokaCache, RecordCache, RedisCache, TieredStore};
+use idem::tiered::{
+    CacheError, MokaCache, RecordCache, RedisCache, RedisInvalidation, TieredStore,
+};
 use idem::{
-    async_trait, Acquisition, CompletedRecord, Idempotency, IdempotencyKey, IdempotencyStore,
-    InProgressPolicy, Processed,
+    async_trait, Acquisition, CompletedRecord, Fingerprint, Idempotency, IdempotencyKey,
+    IdempotencyStore, InProgressPolicy, MemoryStore, Processed,
 };
 use support::{pg, redis_server};
 
@@ -39,7 +41,10 @@ fn moka() -> MokaCache {
 async fn corrupt_source(store: &TieredStore<PgStore>, key: &IdempotencyKey) {
     // A cache only ever holds what the source completed; corrupting the
     // record means the source's row, with the cached copies dropped.
-    store.invalidate_caches(key).await;
+    store
+        .invalidate_caches(key)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let sql = format!(
         "UPDATE {} SET status = 9 WHERE scope = $1 AND key = $2",
         store.source().qualified_table()
@@ -134,6 +139,14 @@ impl<C: RecordCache + Clone> RecordCache for Counted<C> {
     async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError> {
         self.inner.put(record, ttl).await
     }
+    async fn tombstone(
+        &self,
+        key: &IdempotencyKey,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<(), CacheError> {
+        self.inner.tombstone(key, fence, ttl).await
+    }
     async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError> {
         self.inner.invalidate(key).await
     }
@@ -214,7 +227,8 @@ async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
         "redis should be filled from postgres"
     );
 
-    // A different payload is refused on a cache hit too.
+    // A different payload is refused; the mismatch seen in a cache is
+    // confirmed at the source (the entry could be stale).
     let other = idem
         .process(&key, "another payload", |_| async {
             Ok::<_, std::io::Error>(String::new())
@@ -224,7 +238,11 @@ async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
         matches!(other, Err(idem::IdemError::PayloadMismatch)),
         "{other:?}"
     );
-    assert_eq!(source(), s0 + 1, "the mismatch was found in a cache");
+    assert_eq!(
+        source(),
+        s0 + 2,
+        "a cached mismatch is confirmed at the source"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -357,7 +375,10 @@ fn a_frozen_cache_tier_times_out_is_skipped_and_counted() {
                 .complete(&l, b"from postgres", Duration::from_secs(600))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
-            store.invalidate_caches(&key).await;
+            store
+                .invalidate_caches(&key)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
             redis.signal("STOP");
             let answer = tokio::time::timeout(
                 Duration::from_secs(5),
@@ -429,4 +450,304 @@ async fn purge_periodically_deletes_expired_rows() {
     }
     purger.abort();
     assert_eq!(rows, 0, "the expired row was never purged");
+}
+
+// ---------------------------------------------------------------------------
+// DESIGN 5 cache rules: a cache may speed up an answer, never change it.
+
+fn fp(text: &str) -> Fingerprint {
+    Fingerprint::of_bytes(text.as_bytes())
+}
+
+async fn acquire_lease(
+    store: &impl IdempotencyStore,
+    key: &IdempotencyKey,
+    f: &str,
+) -> idem::Lease {
+    match store
+        .acquire(key, Some(&fp(f)), Duration::from_secs(30))
+        .await
+    {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
+}
+
+/// 9(a): with the store's clock an hour ahead of the application's, a fill
+/// still lives no longer than the record's retention: its TTL is what the
+/// store computed on its own clock, not `expires_at` minus the app's clock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fill_ttl_comes_from_the_store_clock_not_the_app_clock() {
+    let source = Arc::new(Tap::new(MemoryStore::new()));
+    source.clock_ahead(Duration::from_secs(3_600));
+    let writer = TieredStore::new(source.clone());
+    let key = testkit::unique_key("skew");
+    let lease = acquire_lease(&writer, &key, "p").await;
+    writer
+        .complete(&lease, b"done", Duration::from_millis(800))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Another instance misses its moka, reads the source and fills.
+    let moka = moka();
+    let reader = TieredStore::new(source.clone()).with_cache(moka.clone());
+    let first = reader
+        .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+        .await;
+    assert!(matches!(first, Ok(Acquisition::Completed(_))), "{first:?}");
+    let cached = moka.get(&key).await.ok().flatten().map(|r| r.ttl);
+    assert!(
+        cached.is_some_and(|t| t <= Duration::from_millis(800)),
+        "filled for {cached:?}, past the retention of 800 ms"
+    );
+    // Past the retention the source has forgotten the key: so must the cache.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    let after = reader
+        .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+        .await;
+    assert!(
+        matches!(after, Ok(Acquisition::Acquired(_))),
+        "replayed past the retention: {after:?}"
+    );
+}
+
+/// 9(b): a newer completion corrects an older cache entry (put replaces a
+/// lower fence), in moka and in Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_completion_corrects_an_older_cache_entry() {
+    let source = Arc::new(MemoryStore::new());
+    let moka = moka();
+    let redis = redis_cache(redis_server::shared_url()).await;
+    let store = TieredStore::new(source.clone())
+        .with_cache(moka.clone())
+        .with_cache(redis.clone());
+    let key = testkit::unique_key("newer");
+    let old = acquire_lease(&store, &key, "p").await;
+    store
+        .complete(&old, b"old", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Deleted behind the tiered store's back (another tool, another
+    // instance without a channel), then run and completed again.
+    assert!(source.delete(&key).await.unwrap_or(false));
+    let new = match source
+        .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+        .await
+    {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    assert!(new.fence > old.fence);
+    store
+        .complete(&new, b"new", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (tier, got) in [
+        ("moka", moka.get(&key).await.ok().flatten()),
+        ("redis", redis.get(&key).await.ok().flatten()),
+    ] {
+        let got = got.unwrap_or_else(|| panic!("{tier}: no entry"));
+        assert_eq!(&got.response[..], b"new", "{tier} kept the older entry");
+        assert_eq!(got.fence, new.fence, "{tier}");
+    }
+    // And an older record never overwrites a newer entry.
+    let stale = CompletedRecord::new(
+        key.clone(),
+        b"old".to_vec().into(),
+        None,
+        1,
+        std::time::SystemTime::now(),
+        std::time::SystemTime::now(),
+    )
+    .with_fence(old.fence);
+    for cache in [&moka as &dyn RecordCache, &redis] {
+        cache
+            .put(&stale, Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let got = cache.get(&key).await.ok().flatten().map(|r| r.response);
+        assert_eq!(got.as_deref(), Some(&b"new"[..]), "{}", cache.name());
+    }
+}
+
+/// 9(c): a fill racing a delete (the record read from the source before the
+/// delete, written to the caches after it) does not resurrect the entry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fill_racing_a_delete_does_not_resurrect_the_entry() {
+    let source = Arc::new(Tap::new(MemoryStore::new()));
+    let key = testkit::unique_key("race");
+    let lease = acquire_lease(&*source, &key, "p").await;
+    source
+        .complete(&lease, b"deleted", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let redis = RedisCache::connect(redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .prefix(format!("idem-race-{}:", fastrand::u64(..)));
+    let store = TieredStore::new(source.clone())
+        .with_cache(moka())
+        .with_cache(redis);
+    let (reached, resume) = source.hold_next_acquire();
+    let reader = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move {
+            store
+                .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+                .await
+        })
+    };
+    reached.await.unwrap_or_else(|e| panic!("{e}"));
+    // The source answered "completed"; the operator deletes before the fill.
+    assert!(store.delete(&key).await.unwrap_or_else(|e| panic!("{e}")));
+    let _ = resume.send(());
+    let stale = reader.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(stale, Ok(Acquisition::Completed(_))), "{stale:?}");
+    let next = store
+        .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+        .await;
+    assert!(
+        matches!(next, Ok(Acquisition::Acquired(_))),
+        "the deleted record was resurrected by the racing fill: {next:?}"
+    );
+}
+
+/// 9(d): `delete` returns an error when a tier could not be invalidated (the
+/// caller must know the key may still replay), and still deletes the source.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_fails_when_a_tier_could_not_be_invalidated() {
+    let redis = redis_server::RedisServer::start(&[]);
+    let source = Arc::new(MemoryStore::new());
+    let store = TieredStore::new(source.clone())
+        .with_cache(moka())
+        .with_cache(redis_cache(&redis.url).await)
+        .cache_timeout(Duration::from_millis(200));
+    let key = testkit::unique_key("delete-down");
+    let lease = acquire_lease(&store, &key, "p").await;
+    store
+        .complete(&lease, b"r", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    redis.kill();
+    let deleted = store.delete(&key).await;
+    assert!(
+        matches!(&deleted, Err(e) if e.is_retryable()),
+        "a tier kept the entry, yet: {deleted:?}"
+    );
+    assert!(
+        matches!(source.get(&key).await, Ok(None)),
+        "the source still holds it"
+    );
+}
+
+async fn numsub(channel: &str) -> i64 {
+    use idem::redis::redis;
+    let client = redis::Client::open(redis_server::shared_url()).unwrap_or_else(|e| panic!("{e}"));
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let reply: (String, i64) = redis::cmd("PUBSUB")
+        .arg("NUMSUB")
+        .arg(channel)
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    reply.1
+}
+
+/// 9(e): two application instances share Redis and PostgreSQL, each with
+/// its own moka. A delete in one reaches the other's moka over Redis
+/// pub/sub within milliseconds; and a stale cached fingerprint never
+/// refuses a valid new request (a mismatch seen in a cache is confirmed at
+/// the source).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deletes_reach_every_instance_and_cached_mismatches_are_confirmed() {
+    let channel = format!("idem-test-invalidate-{}", fastrand::u64(..));
+    let url = redis_server::shared_url();
+    let instance = |moka: MokaCache| {
+        let channel = channel.clone();
+        async move {
+            TieredStore::new(postgres().await)
+                .with_cache(moka)
+                .with_cache(redis_cache(url).await)
+                .with_invalidation(
+                    RedisInvalidation::connect(url)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"))
+                        .channel(channel),
+                )
+        }
+    };
+    let (moka_a, moka_b) = (moka(), moka());
+    let a = instance(moka_a.clone()).await;
+    let b = instance(moka_b.clone()).await;
+    let subscribed = tokio::time::Instant::now();
+    while numsub(&channel).await < 2 {
+        assert!(
+            subscribed.elapsed() < Duration::from_secs(10),
+            "subscribers never came up"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let key = testkit::unique_key("instances");
+    let lease = acquire_lease(&a, &key, "p1").await;
+    a.complete(&lease, b"r1", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let on_b = b
+        .acquire(&key, Some(&fp("p1")), Duration::from_secs(30))
+        .await;
+    assert!(matches!(on_b, Ok(Acquisition::Completed(_))), "{on_b:?}");
+    assert!(
+        moka_b.get(&key).await.ok().flatten().is_some(),
+        "b's moka was filled"
+    );
+
+    let deleted_at = tokio::time::Instant::now();
+    assert!(a.delete(&key).await.unwrap_or_else(|e| panic!("{e}")));
+    while moka_b.get(&key).await.ok().flatten().is_some() {
+        assert!(
+            deleted_at.elapsed() < Duration::from_secs(2),
+            "b's moka still replays a key deleted in a"
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    eprintln!(
+        "delete reached the other instance in {:?}",
+        deleted_at.elapsed()
+    );
+    let fresh = b
+        .acquire(&key, Some(&fp("p2")), Duration::from_secs(30))
+        .await;
+    assert!(matches!(fresh, Ok(Acquisition::Acquired(_))), "{fresh:?}");
+
+    // Without a channel: b's moka holds p1's record, the key is deleted at
+    // the source and reused with p2. b confirms the mismatch at the source.
+    let key = testkit::unique_key("stale-fp");
+    let c_moka = moka();
+    let c = TieredStore::new(postgres().await).with_cache(c_moka.clone());
+    let lease = acquire_lease(&c, &key, "p1").await;
+    c.complete(&lease, b"r1", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(c.source().delete(&key).await.unwrap_or(false));
+    let reused = c
+        .acquire(&key, Some(&fp("p2")), Duration::from_secs(30))
+        .await;
+    assert!(
+        matches!(reused, Ok(Acquisition::Acquired(_))),
+        "a stale cached fingerprint refused a valid request: {reused:?}"
+    );
+    // A real mismatch is still one.
+    let other = c
+        .acquire(&key, Some(&fp("p3")), Duration::from_secs(30))
+        .await;
+    assert!(
+        matches!(
+            other,
+            Ok(Acquisition::Mismatch) | Ok(Acquisition::InProgress { .. })
+        ),
+        "{other:?}"
+    );
 }

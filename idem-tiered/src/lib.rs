@@ -28,14 +28,35 @@
 //! Correctness comes from the source of truth alone: `acquire`, `complete`,
 //! `release` and `extend` go to it, and only **completed** records are ever
 //! cached (an in-progress record in a cache could let a duplicate through).
-//! A cache can only answer "this key completed with this response", which
-//! stays true until the record's retention ends, so a stale cache entry is
-//! impossible short of an operator's `delete` racing a completion. A cache
-//! tier that fails or is slower than `cache_timeout` is logged, counted
-//! (`idem_tier_errors_total`) and skipped; an entry that does not decode is
-//! invalidated and treated as a miss. Fingerprints travel with cache
-//! entries, so a key reused with another payload is refused on a cache hit
-//! too.
+//! A cache may *speed up* an answer, never *change* it:
+//!
+//! - A fill's time to live is the record's remaining retention **as the
+//!   store computed it on its own clock** ([`CompletedRecord::ttl`]); the
+//!   application's clock never enters, so a database clock ahead of the
+//!   application cannot make a cache replay past the retention.
+//! - Every entry carries the record's fence, and [`RecordCache::put`]
+//!   replaces an entry with a lower fence: a newer completion corrects an
+//!   older entry, an older one never overwrites a newer.
+//! - A cache may answer "replay"; a "mismatch" seen in a cache is confirmed
+//!   at the source before it is returned (the entry may be stale).
+//! - [`delete`](IdempotencyStore::delete) leaves a tombstone carrying the
+//!   deleted record's fence in every tier (for
+//!   [`tombstone_ttl`](TieredStore::tombstone_ttl)), so a fill racing the
+//!   delete (read from the source before it, written after) is refused
+//!   instead of resurrecting the entry. If a tier cannot be reached, the
+//!   source is still deleted and `delete` returns an error: the key may
+//!   still replay from that tier.
+//! - Other application instances' in-process tiers are reached through an
+//!   invalidation channel ([`RedisInvalidation`], Redis pub/sub): a delete
+//!   in one instance tombstones the key in every instance's moka within
+//!   milliseconds. A message is lost if an instance is disconnected from
+//!   Redis at that moment; bound the staleness that could leave with
+//!   [`MokaCache::max_ttl`].
+//!
+//! A cache tier that fails or is slower than `cache_timeout` is logged,
+//! counted (`idem_tier_errors_total`) and skipped; an entry that does not
+//! decode is invalidated and treated as a miss. Fingerprints travel with
+//! cache entries.
 //!
 //! Concurrent misses for the same key and payload are merged: one caller
 //! looks through the slower tiers and the source, the others wait for its
@@ -43,13 +64,15 @@
 //! are told it is in progress, which it is).
 #![deny(missing_docs)]
 
+#[cfg(feature = "redis")]
+mod invalidation;
 #[cfg(feature = "moka")]
 mod moka_cache;
 #[cfg(feature = "redis")]
 mod redis_cache;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -61,6 +84,8 @@ use idem_core::{
 use tokio::sync::watch;
 
 pub use idem_core;
+#[cfg(feature = "redis")]
+pub use invalidation::RedisInvalidation;
 #[cfg(feature = "moka")]
 pub use moka_cache::MokaCache;
 #[cfg(feature = "redis")]
@@ -79,27 +104,50 @@ pub enum CacheError {
     Undecodable(String),
 }
 
-/// A cache tier: holds completed records, nothing else.
+/// A cache tier: holds completed records (and tombstones), nothing else.
+///
+/// Entries are ordered by the record's fence ([`CompletedRecord::fence`]):
+/// an entry is only ever replaced by one with a higher fence, and a
+/// tombstone refuses every record with a fence up to its own.
 #[async_trait]
 pub trait RecordCache: Send + Sync + 'static {
     /// A short name for logs and metrics (`moka`, `redis`).
     fn name(&self) -> &str;
 
-    /// The completed record of `key`, if cached.
+    /// The completed record of `key`, if cached (a tombstone is a miss),
+    /// with [`ttl`](CompletedRecord::ttl) set to the time the entry has
+    /// left by this tier's own clock.
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError>;
 
-    /// Caches a completed record for `ttl`, unless the key already has an
-    /// entry: a completed record never changes while it lives, so an
-    /// existing entry is right and must stay (a repeated completion is a
-    /// no-op at the source, and must be one here too).
+    /// Caches a completed record for `ttl`, unless the key's entry (a
+    /// record or a tombstone) has a fence at least as high: a repeated
+    /// completion changes nothing, a newer one replaces an older entry, and
+    /// a record read before a delete never replaces the delete's tombstone.
     async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError>;
 
-    /// Drops the entry of `key`.
+    /// Replaces the key's entry with a tombstone for `ttl` that refuses
+    /// every record with a fence up to `fence`, unless the entry has a
+    /// higher fence (a completion that came after the delete).
+    async fn tombstone(
+        &self,
+        key: &IdempotencyKey,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<(), CacheError>;
+
+    /// Drops the entry of `key` (an entry that does not decode).
     async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError>;
+
+    /// Drops every entry, for an in-process tier that may have missed
+    /// invalidations. Default: nothing (a shared tier misses none).
+    async fn clear(&self) -> Result<(), CacheError> {
+        Ok(())
+    }
 
     /// Whether the tier lives in this process and never waits on I/O (moka).
     /// Calls to such a tier are not wrapped in the `cache_timeout` timer,
-    /// which would cost more than the lookup itself. Default `false`.
+    /// which would cost more than the lookup itself, and such tiers are the
+    /// ones an invalidation channel reaches. Default `false`.
     fn in_process(&self) -> bool {
         false
     }
@@ -117,7 +165,11 @@ enum Flight {
 pub struct TieredStore<S> {
     source: Arc<S>,
     caches: Vec<Arc<dyn RecordCache>>,
+    /// The in-process tiers, which an invalidation channel updates.
+    local: Arc<RwLock<Vec<Arc<dyn RecordCache>>>>,
+    channel: Option<Arc<dyn InvalidationChannel>>,
     cache_timeout: Duration,
+    tombstone_ttl: Duration,
     inflight: Arc<Mutex<HashMap<FlightKey, watch::Receiver<Option<Flight>>>>>,
 }
 
@@ -126,10 +178,43 @@ impl<S> Clone for TieredStore<S> {
         TieredStore {
             source: self.source.clone(),
             caches: self.caches.clone(),
+            local: self.local.clone(),
+            channel: self.channel.clone(),
             cache_timeout: self.cache_timeout,
+            tombstone_ttl: self.tombstone_ttl,
             inflight: self.inflight.clone(),
         }
     }
+}
+
+/// Carries deletes to the other instances of the application, whose
+/// in-process tiers then tombstone the key; see [`RedisInvalidation`].
+#[async_trait]
+pub trait InvalidationChannel: Send + Sync + 'static {
+    /// Tells every instance (this one included) that `key` was deleted
+    /// with the record of fence `fence`.
+    async fn publish(&self, key: &IdempotencyKey, fence: u64) -> Result<(), CacheError>;
+
+    /// Starts delivering the deletes published by any instance to
+    /// `deliver`, until `deliver` returns `false` (the store is gone).
+    /// After every (re)subscription it delivers [`Invalidation::All`]:
+    /// messages published while unsubscribed are lost.
+    fn subscribe(&self, deliver: Box<dyn Fn(Invalidation) -> bool + Send + Sync>);
+}
+
+/// What an [`InvalidationChannel`] delivers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Invalidation {
+    /// `key` was deleted with the record of fence `fence`: tombstone it.
+    Key {
+        /// The deleted key.
+        key: IdempotencyKey,
+        /// The deleted record's fence.
+        fence: u64,
+    },
+    /// Deletes may have been missed: drop every in-process entry.
+    All,
 }
 
 impl<S> std::fmt::Debug for TieredStore<S> {
@@ -166,13 +251,24 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+fn read<T>(m: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    m.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write<T>(m: &RwLock<T>) -> std::sync::RwLockWriteGuard<'_, T> {
+    m.write().unwrap_or_else(|p| p.into_inner())
+}
+
 impl<S: IdempotencyStore> TieredStore<S> {
     /// A tiered store with `source` as the source of truth and no cache yet.
     pub fn new(source: S) -> Self {
         TieredStore {
             source: Arc::new(source),
             caches: Vec::new(),
+            local: Arc::new(RwLock::new(Vec::new())),
+            channel: None,
             cache_timeout: Duration::from_millis(50),
+            tombstone_ttl: Duration::from_secs(600),
             inflight: Arc::new(Mutex::new(HashMap::new())),
         }
     }
@@ -180,7 +276,53 @@ impl<S: IdempotencyStore> TieredStore<S> {
     /// Adds a cache tier behind the ones already added (add the fastest
     /// first).
     pub fn with_cache(mut self, cache: impl RecordCache) -> Self {
-        self.caches.push(Arc::new(cache));
+        let cache: Arc<dyn RecordCache> = Arc::new(cache);
+        if cache.in_process() {
+            write(&self.local).push(cache.clone());
+        }
+        self.caches.push(cache);
+        self
+    }
+
+    /// Carries deletes to the other instances of the application over
+    /// `channel` (say [`RedisInvalidation`] on the Redis they share): their
+    /// in-process tiers tombstone the key within milliseconds. Needs a
+    /// tokio runtime (it spawns the subscriber).
+    pub fn with_invalidation(mut self, channel: impl InvalidationChannel) -> Self {
+        let channel: Arc<dyn InvalidationChannel> = Arc::new(channel);
+        let local = Arc::downgrade(&self.local);
+        let ttl = self.tombstone_ttl;
+        channel.subscribe(Box::new(move |message| {
+            let Some(local) = local.upgrade() else {
+                return false;
+            };
+            let caches: Vec<_> = read(&local).clone();
+            if caches.is_empty() {
+                return true;
+            }
+            tokio::spawn(async move {
+                for cache in caches {
+                    let applied = match &message {
+                        Invalidation::Key { key, fence } => cache.tombstone(key, *fence, ttl).await,
+                        Invalidation::All => cache.clear().await,
+                    };
+                    if let Err(e) = applied {
+                        tier_counter("idem_tier_errors_total", cache.name());
+                        tracing::warn!(tier = cache.name(), error = %e, ?message, "could not apply a delete from another instance");
+                    }
+                }
+            });
+            true
+        }));
+        self.channel = Some(channel);
+        self
+    }
+
+    /// How long a delete's tombstone refuses stale fills (default 10
+    /// minutes): longer than any source call can take, so a record read
+    /// before a delete cannot be cached after it.
+    pub fn tombstone_ttl(mut self, ttl: Duration) -> Self {
+        self.tombstone_ttl = ttl.max(Duration::from_millis(1));
         self
     }
 
@@ -196,21 +338,65 @@ impl<S: IdempotencyStore> TieredStore<S> {
         &self.source
     }
 
-    /// Drops `key` from every cache tier (not from the source). Failures
-    /// are logged and counted.
-    pub async fn invalidate_caches(&self, key: &IdempotencyKey) {
+    /// Drops `key` from every cache tier of this instance (not from the
+    /// source, nor from other instances' in-process tiers). An error names
+    /// the tiers that could not be reached.
+    pub async fn invalidate_caches(&self, key: &IdempotencyKey) -> Result<(), StoreError> {
+        let mut failed = Vec::new();
         for cache in &self.caches {
-            match self.bounded(cache, cache.invalidate(key)).await {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    tier_counter("idem_tier_errors_total", cache.name());
-                    tracing::warn!(tier = cache.name(), error = %e, key = %key, "could not invalidate a cache entry");
-                }
-                Err(_) => {
-                    tier_counter("idem_tier_errors_total", cache.name());
-                    tracing::warn!(tier = cache.name(), key = %key, "cache invalidation timed out");
-                }
+            let error = match self.bounded(cache, cache.invalidate(key)).await {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("timed out after {:?}", self.cache_timeout),
+            };
+            tier_counter("idem_tier_errors_total", cache.name());
+            tracing::warn!(tier = cache.name(), error = %error, key = %key, "could not invalidate a cache entry");
+            failed.push(format!("{}: {error}", cache.name()));
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(StoreError::unavailable(format!(
+                "{key} may still replay from a cache: {}",
+                failed.join("; ")
+            )))
+        }
+    }
+
+    /// Tombstones `key` up to `fence` in every tier of this instance and,
+    /// through the channel, in every other instance's in-process tiers.
+    async fn tombstone_everywhere(
+        &self,
+        key: &IdempotencyKey,
+        fence: u64,
+    ) -> Result<(), StoreError> {
+        let mut failed = Vec::new();
+        for cache in &self.caches {
+            let outcome = self
+                .bounded(cache, cache.tombstone(key, fence, self.tombstone_ttl))
+                .await;
+            let error = match outcome {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => e.to_string(),
+                Err(_) => format!("timed out after {:?}", self.cache_timeout),
+            };
+            tier_counter("idem_tier_errors_total", cache.name());
+            tracing::warn!(tier = cache.name(), error = %error, key = %key, "could not invalidate a cache entry");
+            failed.push(format!("{}: {error}", cache.name()));
+        }
+        if let Some(channel) = &self.channel {
+            if let Err(e) = channel.publish(key, fence).await {
+                tracing::warn!(error = %e, key = %key, "could not publish a delete to the other instances");
+                failed.push(format!("invalidation channel: {e}"));
             }
+        }
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(StoreError::unavailable(format!(
+                "{key} may still replay from a cache: {}",
+                failed.join("; ")
+            )))
         }
     }
 
@@ -232,7 +418,8 @@ impl<S: IdempotencyStore> TieredStore<S> {
     async fn lookup(&self, i: usize, key: &IdempotencyKey) -> Option<CompletedRecord> {
         let cache = &self.caches[i];
         match self.bounded(cache, cache.get(key)).await {
-            Ok(Ok(Some(record))) if record.expires_at > SystemTime::now() => {
+            // The tier expires its entries itself, on its own clock.
+            Ok(Ok(Some(record))) if !record.ttl.is_zero() => {
                 tier_counter("idem_tier_hits_total", cache.name());
                 Some(record)
             }
@@ -256,12 +443,10 @@ impl<S: IdempotencyStore> TieredStore<S> {
         }
     }
 
-    /// Writes `record` into tiers `0..end` for its remaining retention.
+    /// Writes `record` into tiers `0..end` for its remaining retention as
+    /// the tier or store that answered computed it on its own clock.
     async fn fill(&self, end: usize, record: &CompletedRecord) {
-        let Ok(ttl) = record.expires_at.duration_since(SystemTime::now()) else {
-            return;
-        };
-        self.put_all(end, record, ttl).await;
+        self.put_all(end, record, record.ttl).await;
     }
 
     async fn put_all(&self, end: usize, record: &CompletedRecord, ttl: Duration) {
@@ -292,10 +477,24 @@ impl<S: IdempotencyStore> TieredStore<S> {
     ) -> Result<Acquisition, StoreError> {
         for i in 1..self.caches.len() {
             if let Some(record) = self.lookup(i, key).await {
-                self.fill(i, &record).await;
-                return Ok(answer(record, fingerprint));
+                if let Some(replay) = answer(&record, fingerprint) {
+                    self.fill(i, &record).await;
+                    return Ok(replay);
+                }
+                // A mismatch is confirmed at the source.
+                break;
             }
         }
+        self.from_source(key, fingerprint, lease).await
+    }
+
+    /// Asks the source, filling every tier with a completed record.
+    async fn from_source(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
         let outcome = self.source.acquire(key, fingerprint, lease).await?;
         if let Acquisition::Completed(record) = &outcome {
             tier_counter("idem_tier_hits_total", "source");
@@ -335,7 +534,10 @@ impl<S: IdempotencyStore> TieredStore<S> {
                 // look again, the fill happened before the leader left.
                 let result = match self.caches.is_empty() {
                     false => match self.lookup(0, key).await {
-                        Some(record) => Ok(answer(record, fingerprint)),
+                        Some(record) => match answer(&record, fingerprint) {
+                            Some(replay) => Ok(replay),
+                            None => self.from_source(key, fingerprint, lease).await,
+                        },
                         None => self.slow_path(key, fingerprint, lease).await,
                     },
                     true => self.slow_path(key, fingerprint, lease).await,
@@ -370,11 +572,13 @@ impl<S: IdempotencyStore> TieredStore<S> {
     }
 }
 
-/// A cached completed record as the answer to an acquire with `fingerprint`.
-fn answer(record: CompletedRecord, fingerprint: Option<&Fingerprint>) -> Acquisition {
+/// A cached completed record as the answer to an acquire with
+/// `fingerprint`: the replay, or `None` for a mismatch, which only the
+/// source may confirm (the entry may be stale: deleted, then reused).
+fn answer(record: &CompletedRecord, fingerprint: Option<&Fingerprint>) -> Option<Acquisition> {
     match (record.fingerprint, fingerprint) {
-        (Some(stored), Some(given)) if stored != *given => Acquisition::Mismatch,
-        _ => Acquisition::Completed(record),
+        (Some(stored), Some(given)) if stored != *given => None,
+        _ => Some(Acquisition::Completed(record.clone())),
     }
 }
 
@@ -392,7 +596,10 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
     ) -> Result<Acquisition, StoreError> {
         if !self.caches.is_empty() {
             if let Some(record) = self.lookup(0, key).await {
-                return Ok(answer(record, fingerprint));
+                if let Some(replay) = answer(&record, fingerprint) {
+                    return Ok(replay);
+                }
+                return self.from_source(key, fingerprint, lease).await;
             }
         }
         self.merged_slow_path(key, fingerprint, lease).await
@@ -405,19 +612,24 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
         retention: Duration,
     ) -> Result<(), StoreError> {
         let started = tokio::time::Instant::now();
-        let now = SystemTime::now();
+        let retention = idem_core::saturate(retention);
         self.source.complete(lease, response, retention).await?;
-        // The source's retention started after `started`: a TTL counted from
-        // `started` ends no later than the source's record.
+        // The source's retention started after `started` (by the source's
+        // clock, it started when the call arrived): a TTL counted from
+        // `started` on this process's monotonic clock ends no later than
+        // the source's record, whatever the wall clocks say.
         let ttl = retention.saturating_sub(started.elapsed());
+        let now = SystemTime::now();
         let record = CompletedRecord::new(
             lease.key.clone(),
             Bytes::copy_from_slice(response),
             lease.fingerprint,
             lease.attempt,
             now,
-            now + retention,
-        );
+            now.checked_add(ttl).unwrap_or(now),
+        )
+        .with_fence(lease.fence)
+        .with_ttl(ttl);
         self.put_all(self.caches.len(), &record, ttl).await;
         Ok(())
     }
@@ -435,11 +647,24 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
         self.source.get(key).await
     }
 
-    /// Invalidates every cache tier it can reach, then deletes from the
-    /// source.
+    /// Tombstones the key in every cache tier (and, through the
+    /// invalidation channel, in every instance's in-process tiers) with the
+    /// fence of the record it deletes, then deletes it from the source.
+    /// If a tier could not be reached, the source is deleted all the same
+    /// and the error says the key may still replay from that tier.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.invalidate_caches(key).await;
-        self.source.delete(key).await
+        // The fence of the record being deleted: fills of it (or anything
+        // older) are refused from now on. A corrupt record's fence is not
+        // known: refuse every fill until the tombstone expires.
+        let fence = match self.source.get(key).await {
+            Ok(Some(record)) => record.fence,
+            Ok(None) => 0,
+            Err(StoreError::Corrupt { .. }) => u64::MAX,
+            Err(e) => return Err(e),
+        };
+        let cached = self.tombstone_everywhere(key, fence).await;
+        let deleted = self.source.delete(key).await?;
+        cached.map(|()| deleted)
     }
 
     async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {

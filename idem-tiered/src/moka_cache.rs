@@ -6,14 +6,39 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use idem_core::{CompletedRecord, IdempotencyKey};
 use moka::future::Cache;
+use moka::ops::compute::Op;
 use moka::Expiry;
 
 use crate::{CacheError, RecordCache};
 
+/// A cached record, or a delete's tombstone; either lives for `ttl` from
+/// `stored`.
 #[derive(Clone)]
-struct Entry {
-    record: CompletedRecord,
-    ttl: Duration,
+enum Entry {
+    Record {
+        record: CompletedRecord,
+        ttl: Duration,
+        stored: Instant,
+    },
+    Tombstone {
+        fence: u64,
+        ttl: Duration,
+    },
+}
+
+impl Entry {
+    fn fence(&self) -> u64 {
+        match self {
+            Entry::Record { record, .. } => record.fence,
+            Entry::Tombstone { fence, .. } => *fence,
+        }
+    }
+
+    fn ttl(&self) -> Duration {
+        match self {
+            Entry::Record { ttl, .. } | Entry::Tombstone { ttl, .. } => *ttl,
+        }
+    }
 }
 
 /// Each entry lives for the time to live it was put with.
@@ -26,7 +51,7 @@ impl Expiry<IdempotencyKey, Arc<Entry>> for PerEntryTtl {
         entry: &Arc<Entry>,
         _: Instant,
     ) -> Option<Duration> {
-        Some(entry.ttl)
+        Some(entry.ttl())
     }
 
     fn expire_after_update(
@@ -36,23 +61,28 @@ impl Expiry<IdempotencyKey, Arc<Entry>> for PerEntryTtl {
         _: Instant,
         _: Option<Duration>,
     ) -> Option<Duration> {
-        Some(entry.ttl)
+        Some(entry.ttl())
     }
 }
 
 /// An in-process cache tier on a moka `future::Cache`, bounded by both a
 /// number of entries and a total weight in bytes, each entry expiring with
-/// its record's remaining retention. Like every moka cache it may refuse or
-/// evict entries (TinyLFU): a cache miss only costs a slower tier.
+/// its record's remaining retention (as the store computed it), or sooner
+/// with [`max_ttl`](Self::max_ttl). Entries are ordered by fence: a put
+/// never replaces an entry with a higher or equal fence, and a delete's
+/// tombstone refuses records up to its fence. Like every moka cache it may
+/// refuse or evict entries (TinyLFU): a cache miss only costs a slower tier.
 #[derive(Clone)]
 pub struct MokaCache {
     cache: Cache<IdempotencyKey, Arc<Entry>>,
+    max_ttl: Duration,
 }
 
 impl std::fmt::Debug for MokaCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MokaCache")
             .field("entries", &self.cache.entry_count())
+            .field("max_ttl", &self.max_ttl)
             .finish()
     }
 }
@@ -68,18 +98,54 @@ impl MokaCache {
         let cache = Cache::builder()
             .max_capacity(max_bytes)
             .weigher(move |key: &IdempotencyKey, entry: &Arc<Entry>| {
-                let bytes =
-                    (entry.record.response.len() + key.scope().len() + key.id().len() + 96) as u64;
+                let body = match &**entry {
+                    Entry::Record { record, .. } => record.response.len(),
+                    Entry::Tombstone { .. } => 0,
+                };
+                let bytes = (body + key.scope().len() + key.id().len() + 96) as u64;
                 bytes.max(floor).min(u64::from(u32::MAX)) as u32
             })
             .expire_after(PerEntryTtl)
             .build();
-        MokaCache { cache }
+        MokaCache {
+            cache,
+            max_ttl: idem_core::MAX_DURATION,
+        }
+    }
+
+    /// Keeps no entry longer than `max_ttl`, whatever the record's
+    /// retention: bounds how long an entry can outlive a delete whose
+    /// invalidation message this instance missed (default: no bound).
+    pub fn max_ttl(mut self, max_ttl: Duration) -> Self {
+        self.max_ttl = max_ttl.max(Duration::from_millis(1));
+        self
     }
 
     /// Entries held now (moka updates the count lazily).
     pub fn entry_count(&self) -> u64 {
         self.cache.entry_count()
+    }
+
+    /// Writes `entry` unless the key's entry has a higher fence, or an
+    /// equal one and `keep_equal`.
+    async fn put_ordered(&self, key: IdempotencyKey, entry: Entry, keep_equal: bool) {
+        let fence = entry.fence();
+        let entry = Arc::new(entry);
+        self.cache
+            .entry(key)
+            .and_compute_with(|existing| {
+                let op = match existing {
+                    Some(old)
+                        if old.value().fence() > fence
+                            || (keep_equal && old.value().fence() == fence) =>
+                    {
+                        Op::Nop
+                    }
+                    _ => Op::Put(entry),
+                };
+                std::future::ready(op)
+            })
+            .await;
     }
 }
 
@@ -94,20 +160,134 @@ impl RecordCache for MokaCache {
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError> {
-        Ok(self.cache.get(key).await.map(|e| e.record.clone()))
+        Ok(match self.cache.get(key).await.as_deref() {
+            Some(Entry::Record {
+                record,
+                ttl,
+                stored,
+            }) => {
+                let left = ttl.saturating_sub(stored.elapsed());
+                (!left.is_zero()).then(|| record.clone().with_ttl(left))
+            }
+            Some(Entry::Tombstone { .. }) | None => None,
+        })
     }
 
     async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError> {
-        let entry = Arc::new(Entry {
+        let ttl = ttl.min(self.max_ttl);
+        if ttl.is_zero() {
+            return Ok(());
+        }
+        let entry = Entry::Record {
             record: record.clone(),
             ttl,
-        });
-        self.cache.entry(record.key.clone()).or_insert(entry).await;
+            stored: Instant::now(),
+        };
+        self.put_ordered(record.key.clone(), entry, true).await;
+        Ok(())
+    }
+
+    async fn tombstone(
+        &self,
+        key: &IdempotencyKey,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<(), CacheError> {
+        let ttl = ttl.max(Duration::from_millis(1));
+        self.put_ordered(key.clone(), Entry::Tombstone { fence, ttl }, false)
+            .await;
         Ok(())
     }
 
     async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError> {
         self.cache.invalidate(key).await;
         Ok(())
+    }
+
+    async fn clear(&self) -> Result<(), CacheError> {
+        self.cache.invalidate_all();
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use std::time::SystemTime;
+
+    fn record(fence: u64, body: &'static str) -> CompletedRecord {
+        let key = IdempotencyKey::new("moka.test", "k").unwrap_or_else(|e| panic!("{e}"));
+        let now = SystemTime::now();
+        CompletedRecord::new(key, Bytes::from_static(body.as_bytes()), None, 1, now, now)
+            .with_fence(fence)
+    }
+
+    async fn body(cache: &MokaCache) -> Option<Bytes> {
+        let key = IdempotencyKey::new("moka.test", "k").unwrap_or_else(|e| panic!("{e}"));
+        cache.get(&key).await.ok().flatten().map(|r| r.response)
+    }
+
+    /// DESIGN 5 cache rules: `put` replaces an entry with a lower fence and
+    /// never one with a higher; a tombstone refuses records up to its
+    /// fence and yields to a later completion.
+    #[tokio::test]
+    async fn entries_are_ordered_by_fence_and_tombstones_refuse_stale_fills() {
+        let cache = MokaCache::new(100, 1 << 20);
+        let ttl = Duration::from_secs(60);
+        let k = record(0, "").key;
+        let put = |r: CompletedRecord| {
+            let cache = cache.clone();
+            async move { cache.put(&r, ttl).await.ok() }
+        };
+        put(record(5, "five")).await;
+        put(record(7, "seven")).await;
+        assert_eq!(
+            body(&cache).await.as_deref(),
+            Some(&b"seven"[..]),
+            "a newer completion replaces"
+        );
+        put(record(6, "six")).await;
+        put(record(7, "other")).await;
+        assert_eq!(
+            body(&cache).await.as_deref(),
+            Some(&b"seven"[..]),
+            "older or equal never replaces"
+        );
+        assert!(cache.tombstone(&k, 7, ttl).await.is_ok());
+        assert_eq!(body(&cache).await, None, "a tombstone is a miss");
+        put(record(7, "seven")).await;
+        assert_eq!(
+            body(&cache).await,
+            None,
+            "a stale fill after the delete is refused"
+        );
+        put(record(8, "eight")).await;
+        assert_eq!(
+            body(&cache).await.as_deref(),
+            Some(&b"eight"[..]),
+            "a completion after the delete is cached"
+        );
+        assert!(cache.tombstone(&k, 7, ttl).await.is_ok());
+        assert_eq!(
+            body(&cache).await.as_deref(),
+            Some(&b"eight"[..]),
+            "an older tombstone never hides a newer record"
+        );
+    }
+
+    #[tokio::test]
+    async fn ttl_is_what_is_left_and_capped_by_max_ttl() {
+        let cache = MokaCache::new(100, 1 << 20).max_ttl(Duration::from_secs(5));
+        assert!(cache
+            .put(&record(1, "x"), Duration::from_secs(3_600))
+            .await
+            .is_ok());
+        let key = record(1, "x").key;
+        let got = cache.get(&key).await.ok().flatten().map(|r| r.ttl);
+        assert!(
+            got.is_some_and(|t| t <= Duration::from_secs(5) && t > Duration::from_secs(4)),
+            "{got:?}"
+        );
     }
 }

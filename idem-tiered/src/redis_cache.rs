@@ -9,13 +9,21 @@ use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 
 use crate::{CacheError, RecordCache};
 
-const MAGIC: &[u8; 2] = b"I1";
-const HEADER: usize = 2 + 4 + 8 + 8 + 1;
+const MAGIC: &[u8; 2] = b"I2";
+const TOMBSTONE: &[u8; 2] = b"T2";
+/// Magic, fence (20 decimal digits), attempt, completed ms, expires ms,
+/// fingerprint flag.
+const HEADER: usize = 2 + 20 + 4 + 8 + 8 + 1;
+
+/// Fence-ordered put and tombstone.
+static PUT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(include_str!("../scripts/cache_put.lua")));
 
 /// A Redis cache tier: one string per completed record under its own
 /// prefix (default `idem-cache:`, apart from a `RedisStore`'s records),
-/// `SET ... PX ttl NX`. Works on any shared connection of the `redis` crate,
-/// cluster included (one key per call).
+/// written by a script that keeps the entry with the highest fence (a delete
+/// leaves a tombstone that refuses stale fills). Works on any shared
+/// connection of the `redis` crate, cluster included (one key per call).
 #[derive(Clone)]
 pub struct RedisCache<C = ConnectionManager> {
     conn: C,
@@ -76,11 +84,19 @@ fn ms(t: SystemTime) -> u64 {
         .unwrap_or(0)
 }
 
-/// `I1`, attempt, completed ms, expires ms, fingerprint flag (+32 bytes),
-/// then the response.
+fn fence_digits(fence: u64) -> [u8; 20] {
+    let mut out = [b'0'; 20];
+    let text = fence.to_string();
+    out[20 - text.len()..].copy_from_slice(text.as_bytes());
+    out
+}
+
+/// `I2`, fence (20 digits), attempt, completed ms, expires ms, fingerprint
+/// flag (+32 bytes), then the response.
 fn encode(record: &CompletedRecord) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + 32 + record.response.len());
     out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&fence_digits(record.fence));
     out.extend_from_slice(&record.attempt.to_be_bytes());
     out.extend_from_slice(&ms(record.completed_at).to_be_bytes());
     out.extend_from_slice(&ms(record.expires_at).to_be_bytes());
@@ -95,11 +111,27 @@ fn encode(record: &CompletedRecord) -> Vec<u8> {
     out
 }
 
-fn decode(key: &IdempotencyKey, bytes: Vec<u8>) -> Result<CompletedRecord, CacheError> {
+/// A tombstone: `T2` and the fence it refuses records up to.
+fn encode_tombstone(fence: u64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(22);
+    out.extend_from_slice(TOMBSTONE);
+    out.extend_from_slice(&fence_digits(fence));
+    out
+}
+
+/// The record of an entry; `None` for a tombstone.
+fn decode(key: &IdempotencyKey, bytes: Vec<u8>) -> Result<Option<CompletedRecord>, CacheError> {
     let bad = |what: &str| CacheError::Undecodable(format!("{key}: {what}"));
+    if bytes.len() == 22 && &bytes[..2] == TOMBSTONE {
+        return Ok(None);
+    }
     if bytes.len() < HEADER || &bytes[..2] != MAGIC {
         return Err(bad("not an idem cache entry"));
     }
+    let fence = std::str::from_utf8(&bytes[2..22])
+        .ok()
+        .and_then(|d| d.parse::<u64>().ok())
+        .ok_or_else(|| bad("bad fence"))?;
     let u32_at =
         |i: usize| u32::from_be_bytes([bytes[i], bytes[i + 1], bytes[i + 2], bytes[i + 3]]);
     let u64_at = |i: usize| {
@@ -107,10 +139,10 @@ fn decode(key: &IdempotencyKey, bytes: Vec<u8>) -> Result<CompletedRecord, Cache
         b.copy_from_slice(&bytes[i..i + 8]);
         u64::from_be_bytes(b)
     };
-    let attempt = u32_at(2);
-    let completed = UNIX_EPOCH + Duration::from_millis(u64_at(6));
-    let expires = UNIX_EPOCH + Duration::from_millis(u64_at(14));
-    let (fingerprint, body) = match bytes[22] {
+    let attempt = u32_at(22);
+    let completed = UNIX_EPOCH + Duration::from_millis(u64_at(26));
+    let expires = UNIX_EPOCH + Duration::from_millis(u64_at(34));
+    let (fingerprint, body) = match bytes[42] {
         0 => (None, HEADER),
         1 if bytes.len() >= HEADER + 32 => (
             Fingerprint::from_slice(&bytes[HEADER..HEADER + 32]),
@@ -123,13 +155,16 @@ fn decode(key: &IdempotencyKey, bytes: Vec<u8>) -> Result<CompletedRecord, Cache
     }
     let mut bytes = bytes;
     let response = Bytes::from(bytes.split_off(body));
-    Ok(CompletedRecord::new(
-        key.clone(),
-        response,
-        fingerprint,
-        attempt,
-        completed,
-        expires,
+    Ok(Some(
+        CompletedRecord::new(
+            key.clone(),
+            response,
+            fingerprint,
+            attempt,
+            completed,
+            expires,
+        )
+        .with_fence(fence),
     ))
 }
 
@@ -146,15 +181,32 @@ where
         "redis"
     }
 
+    /// `GET` and `PTTL` in one pipelined round trip: the time left comes
+    /// from Redis's own clock.
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<CompletedRecord>, CacheError> {
         let mut conn = self.conn.clone();
-        let reply: Result<Option<Vec<u8>>, _> = redis::cmd("GET")
-            .arg(self.redis_key(key))
+        let redis_key = self.redis_key(key);
+        let reply: Result<(Option<Vec<u8>>, i64), _> = redis::pipe()
+            .cmd("GET")
+            .arg(&redis_key)
+            .cmd("PTTL")
+            .arg(&redis_key)
             .query_async(&mut conn)
             .await;
         match reply {
-            Ok(Some(bytes)) => decode(key, bytes).map(Some),
-            Ok(None) => Ok(None),
+            Ok((Some(bytes), pttl)) => {
+                let Some(record) = decode(key, bytes)? else {
+                    return Ok(None);
+                };
+                // -1: no expiry (written by something else): not ours to trust.
+                if pttl <= 0 {
+                    return Err(CacheError::Undecodable(format!(
+                        "{key}: entry without a TTL"
+                    )));
+                }
+                Ok(Some(record.with_ttl(Duration::from_millis(pttl as u64))))
+            }
+            Ok((None, _)) => Ok(None),
             Err(e) if e.code() == Some("WRONGTYPE") => {
                 Err(CacheError::Undecodable(format!("{key}: not a string")))
             }
@@ -163,17 +215,23 @@ where
     }
 
     async fn put(&self, record: &CompletedRecord, ttl: Duration) -> Result<(), CacheError> {
-        let ttl_ms = (ttl.as_millis() as u64).max(1);
-        let mut conn = self.conn.clone();
-        redis::cmd("SET")
-            .arg(self.redis_key(&record.key))
-            .arg(encode(record))
-            .arg("PX")
-            .arg(ttl_ms)
-            .arg("NX")
-            .query_async::<()>(&mut conn)
+        let ttl = idem_core::saturate(ttl);
+        if ttl.is_zero() {
+            return Ok(());
+        }
+        self.write_ordered(&record.key, encode(record), ttl, "keep-equal")
             .await
-            .map_err(unavailable)
+    }
+
+    async fn tombstone(
+        &self,
+        key: &IdempotencyKey,
+        fence: u64,
+        ttl: Duration,
+    ) -> Result<(), CacheError> {
+        let ttl = idem_core::saturate(ttl).max(Duration::from_millis(1));
+        self.write_ordered(key, encode_tombstone(fence), ttl, "replace-equal")
+            .await
     }
 
     async fn invalidate(&self, key: &IdempotencyKey) -> Result<(), CacheError> {
@@ -183,6 +241,38 @@ where
             .query_async::<()>(&mut conn)
             .await
             .map_err(unavailable)
+    }
+}
+
+impl<C> RedisCache<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn write_ordered(
+        &self,
+        key: &IdempotencyKey,
+        value: Vec<u8>,
+        ttl: Duration,
+        equal: &str,
+    ) -> Result<(), CacheError> {
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let mut conn = self.conn.clone();
+        let written: Result<i64, _> = PUT
+            .key(self.redis_key(key))
+            .arg(value)
+            .arg(ttl_ms)
+            .arg(equal)
+            .invoke_async(&mut conn)
+            .await;
+        match written {
+            Ok(_) => Ok(()),
+            // A key of another type under our prefix: replace it.
+            Err(e) if e.code() == Some("WRONGTYPE") => {
+                self.invalidate(key).await?;
+                Err(CacheError::Undecodable(format!("{key}: not a string")))
+            }
+            Err(e) => Err(unavailable(e)),
+        }
     }
 }
 
@@ -202,15 +292,20 @@ mod tests {
                 3,
                 now,
                 now + Duration::from_secs(60),
-            );
+            )
+            .with_fence(u64::MAX);
             let back = decode(&key, encode(&record));
-            assert_eq!(back.ok(), Some(record));
+            assert_eq!(back.ok(), Some(Some(record)));
         }
+        assert!(matches!(decode(&key, encode_tombstone(42)), Ok(None)));
+        assert_eq!(&fence_digits(42)[..], b"00000000000000000042");
+        assert_eq!(&fence_digits(u64::MAX)[..], b"18446744073709551615");
         for garbage in [
             &b""[..],
-            b"I1",
+            b"I2",
             b"XX0000000000000000000000",
-            b"I1\x00\x00\x00\x01aaaaaaaabbbbbbbb\x07",
+            b"I2000000000000000000x1\x00\x00\x00\x01aaaaaaaabbbbbbbb\x00",
+            b"I200000000000000000001\x00\x00\x00\x01aaaaaaaabbbbbbbb\x07",
         ] {
             assert!(matches!(
                 decode(&key, garbage.to_vec()),

@@ -1,7 +1,10 @@
 //! [`Tap`]: a store wrapper for tests that counts calls and injects faults.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Mutex;
 use std::time::Duration;
+
+use tokio::sync::oneshot;
 
 use async_trait::async_trait;
 
@@ -10,12 +13,16 @@ use crate::{
 };
 
 /// Wraps a real store for a test: every call goes to it, the calls that
-/// matter to the executor are counted, and two faults can be injected, the
-/// ones that make duplicates happen: completions failing as if the store
-/// were restarting, and releases that never arrive, as from a process that
-/// died. Not a mock: the wrapped store does all the work.
+/// matter to the executor are counted, and faults can be injected, the ones
+/// that make duplicates happen: completions failing as if the store were
+/// restarting, releases that never arrive, as from a process that died, an
+/// answer held back after the store gave it (a slow reply racing another
+/// call), and a store clock ahead of the application's. Not a mock: the
+/// wrapped store does all the work.
 #[derive(Debug, Default)]
 pub struct Tap<S> {
+    held_acquire: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+    clock_ahead_ms: AtomicU64,
     inner: S,
     acquires: AtomicUsize,
     completes: AtomicUsize,
@@ -29,6 +36,8 @@ impl<S> Tap<S> {
     /// Wraps `inner`, counting from zero, with no fault.
     pub fn new(inner: S) -> Self {
         Tap {
+            held_acquire: Mutex::new(None),
+            clock_ahead_ms: AtomicU64::new(0),
             inner,
             acquires: AtomicUsize::new(0),
             completes: AtomicUsize::new(0),
@@ -80,6 +89,56 @@ impl<S> Tap<S> {
     pub fn drop_releases(&self, on: bool) {
         self.drop_releases.store(on, Ordering::SeqCst);
     }
+
+    /// The next `acquire` reaches the store, then holds its answer: the
+    /// first receiver fires once the store has answered, and the answer is
+    /// returned when the sender is sent to (or dropped). Lets a test run
+    /// another call between a store's answer and its use.
+    pub fn hold_next_acquire(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (reached_tx, reached_rx) = oneshot::channel();
+        let (resume_tx, resume_rx) = oneshot::channel();
+        *self.held_acquire.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some((reached_tx, resume_rx));
+        (reached_rx, resume_tx)
+    }
+
+    /// Every time the store reports (lease and record deadlines, completion
+    /// and expiry times) is moved `ahead`, as from a store whose clock runs
+    /// ahead of the application's. Durations the store computed on its own
+    /// clock (`retry_after`, a completed record's `ttl`) do not change.
+    pub fn clock_ahead(&self, ahead: Duration) {
+        let ms = u64::try_from(ahead.as_millis()).unwrap_or(u64::MAX);
+        self.clock_ahead_ms.store(ms, Ordering::SeqCst);
+    }
+
+    fn skew(&self, outcome: Acquisition) -> Acquisition {
+        let ahead = Duration::from_millis(self.clock_ahead_ms.load(Ordering::SeqCst));
+        if ahead.is_zero() {
+            return outcome;
+        }
+        let shift = |t: std::time::SystemTime| t.checked_add(ahead).unwrap_or(t);
+        match outcome {
+            Acquisition::Acquired(mut lease) => {
+                lease.expires_at = shift(lease.expires_at);
+                Acquisition::Acquired(lease)
+            }
+            Acquisition::Completed(mut record) => {
+                record.completed_at = shift(record.completed_at);
+                record.expires_at = shift(record.expires_at);
+                Acquisition::Completed(record)
+            }
+            Acquisition::InProgress {
+                lease_expires_at,
+                retry_after,
+                attempt,
+            } => Acquisition::InProgress {
+                lease_expires_at: shift(lease_expires_at),
+                retry_after,
+                attempt,
+            },
+            other => other,
+        }
+    }
 }
 
 #[async_trait]
@@ -91,7 +150,17 @@ impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
         lease: Duration,
     ) -> Result<Acquisition, StoreError> {
         self.acquires.fetch_add(1, Ordering::SeqCst);
-        self.inner.acquire(key, fingerprint, lease).await
+        let outcome = self.inner.acquire(key, fingerprint, lease).await;
+        let held = self
+            .held_acquire
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((reached, resume)) = held {
+            let _ = reached.send(());
+            let _ = resume.await;
+        }
+        outcome.map(|o| self.skew(o))
     }
 
     async fn complete(
