@@ -156,26 +156,28 @@ impl Broker {
     }
 }
 
-/// The payment provider. It takes the attempt number as a fencing number:
-/// a charge for a message with a lower attempt than one it already applied
-/// is refused. That is the only defence against a stalled worker that
+/// The payment provider. It takes the acquisition's fence (`Context::fence`,
+/// strictly increasing per key across takeovers, releases and expiry) and
+/// refuses a charge whose fence is not above the highest it applied for
+/// the account. That is the only defence against a stalled worker that
 /// wakes up after its lease was taken over (see the README's guarantee).
+/// `attempt` would not do: it resets when a record goes away.
 #[derive(Default)]
 struct Ledger {
-    charges: Mutex<HashMap<String, (u32, u32)>>, // account -> (charges, highest attempt)
+    charges: Mutex<HashMap<String, (u32, u64)>>, // account -> (charges, highest fence)
     next_charge_id: AtomicU64,
     stale_refused: AtomicUsize,
 }
 
 impl Ledger {
-    async fn charge(&self, payment: &Payment, attempt: u32) -> Receipt {
+    async fn charge(&self, payment: &Payment, fence: u64) -> Receipt {
         tokio::time::sleep(Duration::from_millis(fastrand::u64(1..=3))).await;
         let mut charges = self.charges.lock().unwrap_or_else(|p| p.into_inner());
         let entry = charges.entry(payment.account.clone()).or_insert((0, 0));
-        let applied = attempt >= entry.1;
+        let applied = fence > entry.1;
         if applied {
             entry.0 += 1;
-            entry.1 = attempt;
+            entry.1 = fence;
         } else {
             self.stale_refused.fetch_add(1, Ordering::SeqCst);
         }
@@ -312,7 +314,7 @@ async fn run(
                                 )
                                 .await;
                                 Ok::<_, std::convert::Infallible>(
-                                    ledger.charge(&payment, ctx.attempt).await,
+                                    ledger.charge(&payment, ctx.fence).await,
                                 )
                             })
                             .await
@@ -320,7 +322,7 @@ async fn run(
                     None => {
                         let (ledger, tally) = (ledger.clone(), tally.clone());
                         idem.process_with(&key, fingerprint, |ctx| async move {
-                            let receipt = ledger.charge(&payment, ctx.attempt).await;
+                            let receipt = ledger.charge(&payment, ctx.fence).await;
                             if ctx.attempt > 1 {
                                 tally.takeovers.fetch_add(1, Ordering::SeqCst);
                                 tally.takeover_seen.notify_one();

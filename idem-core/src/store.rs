@@ -121,7 +121,8 @@ macro_rules! forward_store {
 forward_store!(Arc<S>);
 forward_store!(Box<S>);
 
-/// Runs `store.purge_expired(batch)` every `every` on a tokio task, until
+/// Runs `store.purge_expired(batch)` every `every` (at least 1 ms; at most
+/// [`MAX_DURATION`](crate::MAX_DURATION)) on a tokio task, until
 /// the returned handle is aborted or dropped with the runtime. Each tick
 /// purges batches until one comes back short, so a backlog drains without
 /// one long delete. Errors are logged and the next tick tries again.
@@ -146,6 +147,8 @@ where
     S: IdempotencyStore + ?Sized,
 {
     let batch = batch.max(1);
+    // `interval` panics on a zero period; `Duration::MAX` would overflow.
+    let every = crate::saturate(every).max(Duration::from_millis(1));
     tokio::spawn(async move {
         let mut ticks = tokio::time::interval(every);
         ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

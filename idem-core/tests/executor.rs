@@ -881,3 +881,58 @@ async fn zero_lease_is_refused_and_max_durations_work() {
     assert!(matches!(store.get(&k).await, Ok(None)));
     idem_core::testkit::durations_at_the_extremes(&idem_core::testkit::MemoryHarness).await;
 }
+
+/// Issue 12 item 7: NaN, +inf and -inf are refused by fingerprints, content
+/// keys and the executor's payload check, instead of all becoming `null`
+/// (one fingerprint for different payloads, one key for different
+/// messages).
+#[tokio::test(start_paused = true)]
+async fn non_finite_floats_are_refused_never_collide() {
+    for v in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        assert!(Fingerprint::of(&serde_json::json!({"amount": 1})).is_ok());
+        assert!(Fingerprint::of(&(1u8, v)).is_err(), "fingerprint of {v}");
+        assert!(
+            matches!(
+                IdempotencyKey::from_content("emails.send", &vec![v]),
+                Err(idem_core::KeyError::Content(_))
+            ),
+            "content key of {v}"
+        );
+        let store = Arc::new(MemoryStore::new());
+        let idem = Idempotency::from_arc(store.clone());
+        let k = key("m-nan-payload");
+        let out = idem
+            .process(&k, v, |_| async { Ok::<_, Declined>(1u8) })
+            .await;
+        assert!(
+            matches!(out, Err(IdemError::Codec(CodecError::Encode(_)))),
+            "{v}: {out:?}"
+        );
+        assert!(
+            matches!(store.get(&k).await, Ok(None)),
+            "nothing stored for {v}"
+        );
+    }
+    // `None` still serializes as null, and differs from any number.
+    assert_ne!(
+        Fingerprint::of(&Option::<f64>::None).ok(),
+        Fingerprint::of(&0.0f64).ok()
+    );
+}
+
+/// `purge_periodically` with a zero or `Duration::MAX` period neither
+/// panics nor spins.
+#[tokio::test(start_paused = true)]
+async fn purge_periodically_accepts_zero_and_max_periods() {
+    let store = Arc::new(MemoryStore::new());
+    for every in [Duration::ZERO, Duration::MAX] {
+        let purger = idem_core::purge_periodically(store.clone(), every, 0);
+        tokio::time::advance(Duration::from_millis(5)).await;
+        tokio::task::yield_now().await;
+        assert!(
+            !purger.is_finished(),
+            "the purger died with a period of {every:?}"
+        );
+        purger.abort();
+    }
+}
