@@ -1206,8 +1206,9 @@ impl serde::Serialize for Unserializable {
 
 /// On one backend: the longest key works; a 4 MB payload and a 4 MB
 /// response are recorded and replayed; a response that fails to serialize
-/// is a codec error that releases the key; and a neighbouring key is never
-/// affected by any of it.
+/// completes the key as not replayable (the handler ran: it never runs
+/// again, duplicates get `ResultUnavailable`); and a neighbouring key is
+/// never affected by any of it.
 async fn bad_input_scenario(backend: Backend) {
     let started = Instant::now();
     let idem =
@@ -1266,17 +1267,19 @@ async fn bad_input_scenario(backend: Backend) {
         })
         .await;
     match out {
-        Err(e @ IdemError::Codec(_)) => assert!(!e.is_retryable(), "{e}"),
-        other => panic!("an unserializable response: {other:?}"),
+        Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+            assert!(reason.contains("refuses to serialize"), "{reason}")
+        }
+        other => panic!("an unserializable response: {:?}", other.err()),
     }
     let retry = idem
         .process(&unserializable, 2u64, |_| async {
-            Ok::<_, std::convert::Infallible>(13u64)
+            never::<u64>("a key whose result was not recordable never runs again")
         })
         .await;
     assert!(
-        matches!(retry, Ok(Processed::Executed(13))),
-        "the key was released: {retry:?}"
+        matches!(&retry, Err(e @ IdemError::ResultUnavailable { .. }) if !e.is_retryable()),
+        "{retry:?}"
     );
 
     let again = idem
@@ -1305,8 +1308,9 @@ mod bad_input {
     on_backends!(bad_input_scenario; memory => Backend::Memory, postgres => Backend::Postgres,
         redis => Backend::Redis, redis_cluster => Backend::RedisCluster, tiered => Backend::Tiered);
 
-    /// A response over PgStore's limit is refused before anything is sent:
-    /// a typed, non-retryable error; the key is released.
+    /// A response over PgStore's limit is refused before anything is sent;
+    /// the handler ran, so the key completes as not replayable (never
+    /// released): the caller gets its value, duplicates `ResultUnavailable`.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn postgres_response_over_the_limit() {
         let store = PgStore::builder(support::pg::pool(support::pg::shared_url(), 4).await)
@@ -1322,17 +1326,21 @@ mod bad_input {
             })
             .await;
         match out {
-            Err(e @ IdemError::Store(StoreError::ResponseTooLarge { .. })) => {
-                assert!(!e.is_retryable(), "{e}")
+            Ok(Processed::ExecutedNotReplayable { value, reason }) => {
+                assert_eq!(value.len(), 2 << 20, "the caller gets its value");
+                assert!(reason.contains("limit"), "{reason}");
             }
-            other => panic!("a 2 MB response over a 1 MB limit: {other:?}"),
+            other => panic!("a 2 MB response over a 1 MB limit: {:?}", other.err()),
         }
         let retry = idem
             .process(&k, 0u64, |_| async {
-                Ok::<_, std::convert::Infallible>("small".to_string())
+                never::<String>("a completed key never runs again")
             })
             .await;
-        assert!(matches!(retry, Ok(Processed::Executed(_))), "{retry:?}");
+        assert!(
+            matches!(retry, Err(IdemError::ResultUnavailable { .. })),
+            "{retry:?}"
+        );
     }
 
     /// Records damaged directly in the server give `Corrupt` for their key
