@@ -85,7 +85,8 @@ async fn serve() -> Server {
     let store = PgStore::new(pool);
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     let layer = IdempotencyLayer::new(Idempotency::new(store))
-        .scope(format!("http.{:08x}", fastrand::u32(..)))
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
         .max_body_bytes(1024)
         .tenant(|req| {
             req.headers
@@ -363,4 +364,186 @@ async fn store_down_is_503_with_retry_after() {
     let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
     assert_eq!(r.status, 201, "after the outage the request runs");
     assert_eq!(effects.load(Ordering::SeqCst), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Issue findings: each test below goes through a real axum server and
+// reqwest, on PostgreSQL.
+
+fn scope() -> String {
+    format!("http.{:08x}", fastrand::u32(..))
+}
+
+async fn pg_store() -> PgStore {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+fn api_key(req: &axum::http::request::Parts) -> Option<String> {
+    req.headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A layer on `idem` with a fresh scope and the `x-api-key` tenant.
+fn layer_on<S: idem::IdempotencyStore>(idem: Idempotency<S>) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(idem)
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key)
+}
+
+async fn spawn_server(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
+struct RawReply {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl RawReply {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+async fn post_raw(
+    url: &str,
+    key: &str,
+    tenant: Option<&str>,
+    content_type: &str,
+    body: impl Into<reqwest::Body>,
+) -> RawReply {
+    let mut request = reqwest::Client::new()
+        .post(url)
+        .header("idempotency-key", key)
+        .header("content-type", content_type)
+        .body(body);
+    if let Some(tenant) = tenant {
+        request = request.header("x-api-key", tenant);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("{e}"));
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .bytes()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_vec();
+    RawReply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// Retries while the answer is 409 "in progress" (as a client honouring
+/// Retry-After would), at most for 20 s.
+async fn post_until_done(url: &str, key: &str, tenant: &str, body: &Value) -> Reply {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let r = post_json(url, Some(key), tenant, body).await;
+        if r.status != 409 || r.headers.get("retry-after").is_none() {
+            return r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still in progress after 20 s: {:?}",
+            r.body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+fn assert_not_replayable(r: &RawReply) {
+    assert_eq!(
+        r.status,
+        409,
+        "a duplicate of a not replayable key: {}",
+        String::from_utf8_lossy(&r.body[..r.body.len().min(300)])
+    );
+    assert_eq!(
+        r.headers.get("content-type").map(|v| v.as_bytes()),
+        Some(&b"application/problem+json"[..])
+    );
+    assert!(
+        r.headers.get("retry-after").is_none(),
+        "retrying will not help: no Retry-After"
+    );
+    let title = r.json()["title"].as_str().unwrap_or("").to_owned();
+    assert!(title.contains("not recorded"), "title: {title}");
+}
+
+/// 7. A builder method called on a clone of a layer does not panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_methods_work_on_a_clone() {
+    let base = layer_on(Idempotency::new(pg_store().await));
+    let strict = base.clone().record_status(|s| s.is_success());
+    let handler = || async { (StatusCode::NOT_FOUND, "nothing here") };
+    let url = spawn_server(
+        Router::new()
+            .route("/base", post(handler).layer(base))
+            .route("/strict", post(handler).layer(strict)),
+    )
+    .await;
+    let at = |p: &str| format!("{url}{p}");
+    let _ = post_raw(&at("/base"), "c", Some("t1"), "text/plain", "").await;
+    let r = post_raw(&at("/base"), "c", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (404, true),
+        "the original records 404"
+    );
+    let _ = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
+    let r = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
+    assert_eq!((r.status, r.replayed()), (404, false), "the clone does not");
+}
+
+/// 8. An invalid scope is an error of the layer's construction, never a
+/// 400 that blames the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_scope_is_refused_when_the_layer_is_built() {
+    let layer = IdempotencyLayer::new(Idempotency::new(pg_store().await));
+    for bad in ["not a valid scope!", "", &"s".repeat(65), "é"] {
+        let refused = layer.clone().scope(bad);
+        assert!(
+            matches!(
+                refused,
+                Err(idem::KeyError::InvalidScopeChar { .. }
+                    | idem::KeyError::EmptyScope
+                    | idem::KeyError::ScopeTooLong { .. })
+            ),
+            "{bad:?}: {refused:?}"
+        );
+    }
+    let layer = layer
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key);
+    let url = spawn_server(
+        Router::new()
+            .route("/x", post(|| async { "ran" }))
+            .layer(layer),
+    )
+    .await;
+    let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"ran"[..]));
 }

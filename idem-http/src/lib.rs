@@ -68,7 +68,7 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use idem_core::{
     Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
-    Processed,
+    KeyError, Processed,
 };
 use serde::{Deserialize, Serialize};
 
@@ -104,6 +104,21 @@ struct Config<S: ?Sized, C> {
     tenant: Option<Arc<TenantFn>>,
     record: Arc<StatusFn>,
     skip_headers: Vec<HeaderName>,
+}
+
+impl<S: ?Sized, C> Clone for Config<S, C> {
+    fn clone(&self) -> Self {
+        Config {
+            idem: self.idem.clone(),
+            scope: self.scope.clone(),
+            required: self.required,
+            methods: self.methods.clone(),
+            max_body_bytes: self.max_body_bytes,
+            tenant: self.tenant.clone(),
+            record: self.record.clone(),
+            skip_headers: self.skip_headers.clone(),
+        }
+    }
 }
 
 impl<S: ?Sized, C> Clone for IdempotencyLayer<S, C> {
@@ -156,19 +171,42 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         }
     }
 
+    /// Applies `f` to this layer's configuration; a layer that shares it
+    /// with clones gets its own copy first, so the clones are unchanged.
     fn edit(mut self, f: impl FnOnce(&mut Config<S, C>)) -> Self {
-        match Arc::get_mut(&mut self.config) {
-            Some(config) => f(config),
-            None => unreachable!("a layer is configured before it is cloned"),
-        }
+        f(Arc::make_mut(&mut self.config));
         self
     }
 
     /// The scope of the idempotency keys (default `http`): give each API
     /// its own when several share a store.
-    pub fn scope(self, scope: impl Into<String>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// A scope that is not 1 to 64 bytes of `[A-Za-z0-9._:-]` is refused
+    /// here, when the layer is built, with the [`KeyError`] that says why;
+    /// the layer is not changed. (A layer cannot fail once it serves, and a
+    /// per-request error would blame the client for the server's
+    /// configuration.)
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, KeyError, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()));
+    /// assert!(matches!(
+    ///     layer.clone().scope("payments api"),
+    ///     Err(KeyError::InvalidScopeChar { .. })
+    /// ));
+    /// let layer = layer.scope("payments.api")?;
+    /// # let _ = layer;
+    /// # Ok::<(), KeyError>(())
+    /// ```
+    pub fn scope(self, scope: impl Into<String>) -> Result<Self, KeyError> {
         let scope = scope.into();
-        self.edit(|c| c.scope = scope)
+        // The scope is validated with the key type's own rules.
+        IdempotencyKey::new(scope.clone(), "-")?;
+        Ok(self.edit(|c| c.scope = scope))
     }
 
     /// Whether a request without the header is refused with 400 (default
