@@ -137,8 +137,16 @@ impl Reply {
     }
 }
 
+/// A client that shows redirects instead of following them.
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 async fn post_json(url: &str, key: Option<&str>, tenant: &str, body: &Value) -> Reply {
-    let mut request = reqwest::Client::new()
+    let mut request = client()
         .post(url)
         .header("x-api-key", tenant)
         .json(body);
@@ -432,7 +440,7 @@ async fn post_raw(
     content_type: &str,
     body: impl Into<reqwest::Body>,
 ) -> RawReply {
-    let mut request = reqwest::Client::new()
+    let mut request = client()
         .post(url)
         .header("idempotency-key", key)
         .header("content-type", content_type)
@@ -490,6 +498,64 @@ fn assert_not_replayable(r: &RawReply) {
     );
     let title = r.json()["title"].as_str().unwrap_or("").to_owned();
     assert!(title.contains("not recorded"), "title: {title}");
+}
+
+/// 2. The default recording policy: everything but 401, 408, 425, 429,
+/// 502, 503, 504 is recorded; a 500 and a 303 are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_policy_records_500_and_303_and_releases_429() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |axum::extract::Path(code): axum::extract::Path<u16>| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                "location",
+                axum::http::HeaderValue::from_static("/elsewhere"),
+            );
+            (status, headers, Json(json!({ "execution": n })))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/status/{code}", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let runs = || executions.load(Ordering::SeqCst);
+    let body = json!({});
+    for (code, recorded) in [
+        (500, true),
+        (303, true),
+        (201, true),
+        (404, true),
+        (409, true),
+        (401, false),
+        (408, false),
+        (425, false),
+        (429, false),
+        (502, false),
+        (503, false),
+        (504, false),
+    ] {
+        let at = format!("{url}/status/{code}");
+        let key = format!("policy-{code}");
+        let before = runs();
+        let first = post_json(&at, Some(&key), "t1", &body).await;
+        assert_eq!((first.status, first.replayed()), (code, false));
+        let second = post_json(&at, Some(&key), "t1", &body).await;
+        assert_eq!(second.status, code);
+        if recorded {
+            assert!(second.replayed(), "{code} is recorded and replayed");
+            assert_eq!(second.body, first.body);
+            assert_eq!(runs(), before + 1, "{code}: one execution");
+        } else {
+            assert!(!second.replayed(), "{code} releases the key");
+            assert_eq!(runs(), before + 2, "{code}: the retry runs again");
+        }
+    }
 }
 
 /// 7. A builder method called on a clone of a layer does not panic.

@@ -34,7 +34,7 @@
 //!
 //! | request | response |
 //! |---|---|
-//! | first with a key | the handler runs; its response is recorded if its status is recorded (default: 2xx and 4xx) |
+//! | first with a key | the handler runs; its response is recorded if its status is recorded (default: all but 401, 408, 425, 429, 502, 503, 504) |
 //! | same key, same method, path and body, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
 //! | same key while the first still runs | `409 Conflict`, `Retry-After` |
 //! | same key, different body (or method, path) | `422 Unprocessable Content` |
@@ -42,7 +42,8 @@
 //! | a malformed key | `400 Bad Request` |
 //! | a body over the limit | `413 Content Too Large`, before anything is stored |
 //! | the store unreachable | `503 Service Unavailable`, `Retry-After` |
-//! | the handler answers 5xx (not recorded by default) | passed through; the key is released, a retry runs again |
+//! | the handler answers 401, 408, 425, 429, 502, 503 or 504 (not recorded by default, `.record_status(...)`) | passed through; the key is released, a retry runs again |
+//! | the handler answers 500 | recorded and replayed like any other status: the handler may have done part of its work |
 //!
 //! Errors are `application/problem+json` (RFC 9457).
 //!
@@ -149,7 +150,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     ///
     /// Defaults: scope `http`; the key is required on `POST` and `PATCH`
     /// (other methods pass through untouched); bodies up to 1 MiB; no
-    /// tenant; 2xx and 4xx responses are recorded, others release the key.
+    /// tenant; every status is recorded but 401, 408, 425, 429, 502, 503
+    /// and 504 ([`default_record_status`]).
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -159,7 +161,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
                 tenant: None,
-                record: Arc::new(|s: StatusCode| s.is_success() || s.is_client_error()),
+                record: Arc::new(default_record_status),
                 skip_headers: vec![
                     http::header::DATE,
                     CONTENT_LENGTH,
@@ -239,9 +241,16 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         self.edit(|c| c.tenant = Some(Arc::new(tenant)))
     }
 
-    /// Which response statuses are recorded and replayed (default: 2xx and
-    /// 4xx). A response that is not recorded is passed through and releases
-    /// the key, so a retry runs the handler again (default for 5xx).
+    /// Which response statuses are recorded and replayed. A response that
+    /// is not recorded is passed through and releases the key, so a retry
+    /// runs the handler again.
+    ///
+    /// Default ([`default_record_status`]): every status is recorded but
+    /// those that say "nothing happened, try again": 401, 408, 425, 429,
+    /// 502, 503 and 504. A 500 is recorded: the handler may have done part
+    /// of its work before it failed, and running it again could do it twice
+    /// (Stripe's API does the same). Release a status only if your handler
+    /// guarantees it had no effect when it answers it.
     pub fn record_status(
         self,
         record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -531,6 +540,13 @@ where
             )
         }
     })
+}
+
+/// The default of [`IdempotencyLayer::record_status`]: `true` (record)
+/// for every status but those that say "nothing happened, try again":
+/// 401, 408, 425, 429, 502, 503, 504.
+pub fn default_record_status(status: StatusCode) -> bool {
+    !matches!(status.as_u16(), 401 | 408 | 425 | 429 | 502 | 503 | 504)
 }
 
 /// The key from the header: a token, or a quoted string (the draft's
