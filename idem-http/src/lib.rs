@@ -38,6 +38,7 @@
 //! | same key, same method, path and body, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
 //! | same key while the first still runs | `409 Conflict`, `Retry-After` |
 //! | same key, different body (or method, path) | `422 Unprocessable Content` |
+//! | a caller the tenant function does not know (it returns `None`, or there is none) | `401 Unauthorized`, unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
 //! | a malformed key | `400 Bad Request` |
 //! | a body over the limit | `413 Content Too Large`, before anything is stored |
@@ -103,6 +104,7 @@ struct Config<S: ?Sized, C> {
     methods: Vec<Method>,
     max_body_bytes: usize,
     tenant: Option<Arc<TenantFn>>,
+    allow_anonymous: bool,
     record: Arc<StatusFn>,
     skip_headers: Vec<HeaderName>,
 }
@@ -116,6 +118,7 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             methods: self.methods.clone(),
             max_body_bytes: self.max_body_bytes,
             tenant: self.tenant.clone(),
+            allow_anonymous: self.allow_anonymous,
             record: self.record.clone(),
             skip_headers: self.skip_headers.clone(),
         }
@@ -138,6 +141,7 @@ impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
             .field("methods", &self.config.methods)
             .field("max_body_bytes", &self.config.max_body_bytes)
             .field("tenant", &self.config.tenant.is_some())
+            .field("allow_anonymous", &self.config.allow_anonymous)
             .finish()
     }
 }
@@ -150,7 +154,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     ///
     /// Defaults: scope `http`; the key is required on `POST` and `PATCH`
     /// (other methods pass through untouched); bodies up to 1 MiB; no
-    /// tenant; every status is recorded but 401, 408, 425, 429, 502, 503
+    /// tenant function and anonymous requests refused, so set
+    /// [`tenant`](Self::tenant) or [`allow_anonymous`](Self::allow_anonymous); every status is recorded but 401, 408, 425, 429, 502, 503
     /// and 504 ([`default_record_status`]).
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
@@ -161,6 +166,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
                 tenant: None,
+                allow_anonymous: false,
                 record: Arc::new(default_record_status),
                 skip_headers: vec![
                     http::header::DATE,
@@ -232,13 +238,27 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// Who is calling, from the request head (an API key, the subject of a
     /// verified token put in the extensions by an auth layer...). Keys are
     /// scoped by it, so two callers sending the same key never collide and
-    /// never read each other's responses. Without it, all callers share
-    /// one key space.
+    /// never read each other's responses.
+    ///
+    /// A request whose tenant is not known (no tenant function, or it
+    /// returns `None` or an empty string) is refused with `401
+    /// Unauthorized` before anything runs or is stored, unless
+    /// [`allow_anonymous`](Self::allow_anonymous) is on.
     pub fn tenant(
         self,
         tenant: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
         self.edit(|c| c.tenant = Some(Arc::new(tenant)))
+    }
+
+    /// Whether requests whose tenant is not known are served (default
+    /// `false`: they get `401 Unauthorized`). On, **all anonymous callers
+    /// share one key space**: two of them sending the same key get one
+    /// execution, and the second one gets the first one's response. Turn it
+    /// on only for an API without callers to tell apart, or whose keys are
+    /// unguessable and never shared (random UUIDs from trusted clients).
+    pub fn allow_anonymous(self, allow: bool) -> Self {
+        self.edit(|c| c.allow_anonymous = allow)
     }
 
     /// Which response statuses are recorded and replayed. A response that
@@ -367,16 +387,33 @@ where
     if !config.methods.contains(request.method()) {
         return inner.call(request).await.map(box_response);
     }
-    let header = match request.headers().get(&IDEMPOTENCY_KEY) {
-        Some(value) => value.clone(),
-        None if config.required => {
+    let header = request.headers().get(&IDEMPOTENCY_KEY).cloned();
+    if header.is_none() && !config.required {
+        return inner.call(request).await.map(box_response);
+    }
+    let (parts, body) = request.into_parts();
+    let tenant = match config.tenant.as_ref().and_then(|f| f(&parts)) {
+        Some(tenant) if !tenant.is_empty() => tenant,
+        _ if config.allow_anonymous => String::new(),
+        _ => {
+            return Ok(problem(
+                StatusCode::UNAUTHORIZED,
+                "Caller unknown",
+                "Idempotent requests are scoped by caller; this request does not say who is \
+                 calling.",
+            ))
+        }
+    };
+    let request = Request::from_parts(parts, body);
+    let header = match header {
+        Some(value) => value,
+        None => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "Idempotency-Key is missing",
                 "This operation requires an Idempotency-Key header.",
             ))
         }
-        None => return inner.call(request).await.map(box_response),
     };
     let Some(client_key) = parse_key(&header) else {
         return Ok(problem(
@@ -416,11 +453,6 @@ where
         }
     };
 
-    let tenant = config
-        .tenant
-        .as_ref()
-        .and_then(|f| f(&parts))
-        .unwrap_or_default();
     let path = parts.uri.path().to_owned();
     let key = match IdempotencyKey::composite(
         config.scope.clone(),
