@@ -680,3 +680,74 @@ async fn an_invalid_scope_is_refused_when_the_layer_is_built() {
     let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
     assert_eq!((r.status, r.body.as_slice()), (200, &b"ran"[..]));
 }
+
+/// 9. A valid key on a long path (or for a long tenant) is never refused,
+/// and two long paths (tenants) that differ only at the end never share a
+/// key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_paths_and_tenants_never_refuse_a_valid_key_nor_collide() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |uri: axum::http::Uri| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            Json(json!({ "execution": n, "path": uri.path() }))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/long/{*rest}", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let path_a = format!("/long/{}a", "p".repeat(173));
+    let path_b = format!("/long/{}b", "p".repeat(173));
+    assert_eq!(path_a.len(), 180);
+    for key in ["k".repeat(255), "/%".repeat(127) + "/"] {
+        let a = post_raw(
+            &format!("{url}{path_a}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+        assert_eq!(a.json()["path"], path_a.as_str());
+        let b = post_raw(
+            &format!("{url}{path_b}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!(
+            (b.status, b.replayed()),
+            (200, false),
+            "another path, its own key"
+        );
+        assert_eq!(b.json()["path"], path_b.as_str());
+        let a2 = post_raw(
+            &format!("{url}{path_a}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!((a2.status, a2.replayed()), (200, true));
+        assert_eq!(a2.body, a.body);
+    }
+    let tenant_a = format!("{}a", "t".repeat(299));
+    let tenant_b = format!("{}b", "t".repeat(299));
+    let at = format!("{url}{path_a}");
+    let a = post_raw(&at, "tenant-key", Some(&tenant_a), "text/plain", "").await;
+    let b = post_raw(&at, "tenant-key", Some(&tenant_b), "text/plain", "").await;
+    assert_eq!(
+        (a.status, a.replayed(), b.status, b.replayed()),
+        (200, false, 200, false)
+    );
+    assert_ne!(a.body, b.body, "each tenant ran its own");
+    assert_eq!(executions.load(Ordering::SeqCst), 6);
+}

@@ -453,23 +453,19 @@ where
         }
     };
 
-    let path = parts.uri.path().to_owned();
-    let key = match IdempotencyKey::composite(
-        config.scope.clone(),
-        [
-            tenant.as_str(),
-            parts.method.as_str(),
-            path.as_str(),
-            client_key,
-        ],
-    ) {
+    let id = key_id(&tenant, parts.method.as_str(), parts.uri.path(), client_key);
+    let key = match IdempotencyKey::new(config.scope.clone(), id) {
         Ok(key) => key,
+        // Cannot happen: the scope was validated when the layer was built,
+        // and key_id's result is at most 471 bytes without control
+        // characters. Not the client's fault if it does.
         Err(e) => {
+            tracing::error!(error = %e, "idempotency layer: the key id was refused");
             return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key is not usable",
-                &e.to_string(),
-            ))
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotent processing failed",
+                "The request could not be processed. It did not run.",
+            ));
         }
     };
     let fingerprint = {
@@ -574,6 +570,41 @@ where
     })
 }
 
+/// The longest tenant, method or path (once `%` and `/` are escaped) kept
+/// as it is in a key id.
+const MAX_RAW_PART: usize = 64;
+
+/// The id of a request's key: tenant, method and path, each escaped (`%`
+/// and `/` percent-encoded) or, when longer than [`MAX_RAW_PART`] or
+/// holding a control character, replaced by `sha256:` and its hex SHA-256
+/// (71 bytes, so never equal to a part kept as it is); then the header
+/// value as it is. The parts hold no `/`, so the id splits back into them
+/// at its first three `/`: two different requests never share an id (short
+/// of a SHA-256 collision). At most 3 × 71 + 3 + 255 = 471 bytes, under the
+/// key's 512, whatever the lengths of the path and tenant.
+fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
+    let mut id = String::with_capacity(3 * 72 + client_key.len());
+    for part in [tenant, method, path] {
+        let mut escaped = String::with_capacity(part.len());
+        for ch in part.chars() {
+            match ch {
+                '%' => escaped.push_str("%25"),
+                '/' => escaped.push_str("%2F"),
+                c => escaped.push(c),
+            }
+        }
+        if escaped.len() <= MAX_RAW_PART && !part.chars().any(char::is_control) {
+            id.push_str(&escaped);
+        } else {
+            id.push_str("sha256:");
+            id.push_str(&Fingerprint::of_bytes(part.as_bytes()).to_hex());
+        }
+        id.push('/');
+    }
+    id.push_str(client_key);
+    id
+}
+
 /// The default of [`IdempotencyLayer::record_status`]: `true` (record)
 /// for every status but those that say "nothing happened, try again":
 /// 401, 408, 425, 429, 502, 503, 504.
@@ -661,6 +692,35 @@ fn with_retry_after(mut response: Response<LayerBody>, after: Duration) -> Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_ids_fit_and_never_collide() {
+        let long = "/".repeat(300);
+        let key = "%/".repeat(127) + "%";
+        let id = key_id(&long, &"M".repeat(100), &long, &key);
+        assert!(id.len() <= idem_core::MAX_ID_LEN, "{}", id.len());
+        assert!(IdempotencyKey::new("s", id).is_ok());
+        // Raw and hashed parts never meet: a raw part is at most 64 bytes.
+        let hashed = key_id(&"t".repeat(65), "POST", "/p", "k");
+        let raw_like = format!("{}/POST/%2Fp/k", &hashed[..71]);
+        assert_eq!(hashed, raw_like, "the hashed form is 71 bytes");
+        assert_ne!(key_id(&hashed[..71], "POST", "/p", "k"), hashed);
+        // Separators inside parts are escaped.
+        assert_ne!(
+            key_id("a/b", "POST", "/p", "k"),
+            key_id("a", "b/POST", "/p", "k")
+        );
+        assert_ne!(
+            key_id("a", "POST", "/p", "k/x"),
+            key_id("a", "POST", "/p/k", "x")
+        );
+        assert_ne!(
+            key_id("t", "POST", &("/".to_owned() + &"p".repeat(99) + "a"), "k"),
+            key_id("t", "POST", &("/".to_owned() + &"p".repeat(99) + "b"), "k")
+        );
+        // A control character in a tenant is hashed, never refused.
+        assert!(IdempotencyKey::new("s", key_id("a\nb", "POST", "/", "k")).is_ok());
+    }
 
     #[test]
     fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
