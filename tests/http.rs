@@ -146,10 +146,7 @@ fn client() -> reqwest::Client {
 }
 
 async fn post_json(url: &str, key: Option<&str>, tenant: &str, body: &Value) -> Reply {
-    let mut request = client()
-        .post(url)
-        .header("x-api-key", tenant)
-        .json(body);
+    let mut request = client().post(url).header("x-api-key", tenant).json(body);
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
@@ -363,6 +360,20 @@ async fn store_down_is_503_with_retry_after() {
         r.body
     );
     assert!(r.headers.get("retry-after").is_some());
+    let detail = r.body["detail"].as_str().unwrap_or("").to_lowercase();
+    for internal in [
+        "unavailable:",
+        "redis",
+        "connection",
+        "timed out",
+        "os error",
+        "refused",
+    ] {
+        assert!(
+            !detail.contains(internal),
+            "the store's error is not echoed: {detail}"
+        );
+    }
     assert_eq!(
         effects.load(Ordering::SeqCst),
         0,
@@ -575,7 +586,14 @@ async fn anonymous_callers_are_refused_unless_allowed() {
             String::from_utf8_lossy(&r.body)
         );
     }
-    let r = post_raw(&payments, "anon", Some(""), "application/json", body.clone()).await;
+    let r = post_raw(
+        &payments,
+        "anon",
+        Some(""),
+        "application/json",
+        body.clone(),
+    )
+    .await;
     assert_eq!(r.status, 401, "an empty tenant is no tenant");
     assert_eq!(server.app.effects.load(Ordering::SeqCst), 0);
 
@@ -600,7 +618,14 @@ async fn anonymous_callers_are_refused_unless_allowed() {
             .route("/mixed", post(handler).layer(mixed)),
     )
     .await;
-    let r = post_raw(&format!("{url}/no-tenant"), "k", Some("t1"), "text/plain", "").await;
+    let r = post_raw(
+        &format!("{url}/no-tenant"),
+        "k",
+        Some("t1"),
+        "text/plain",
+        "",
+    )
+    .await;
     assert_eq!(r.status, 401, "no tenant function: nobody is known");
     assert_eq!(executions.load(Ordering::SeqCst), 0);
 
@@ -750,4 +775,29 @@ async fn long_paths_and_tenants_never_refuse_a_valid_key_nor_collide() {
     );
     assert_ne!(a.body, b.body, "each tenant ran its own");
     assert_eq!(executions.load(Ordering::SeqCst), 6);
+}
+
+/// 10. A 500 from the layer never echoes the store's error text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_errors_are_not_echoed_to_the_client() {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    // A table that was never migrated: every call fails with a database
+    // error naming it.
+    let store = PgStore::builder(pool)
+        .table("idem_secret_missing_table")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = spawn_server(
+        Router::new()
+            .route("/x", post(|| async { "ran" }))
+            .layer(layer_on(Idempotency::new(store))),
+    )
+    .await;
+    let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
+    let text = String::from_utf8_lossy(&r.body);
+    assert!(r.status == 500 || r.status == 503, "{} {text}", r.status);
+    assert!(
+        !text.contains("idem_secret_missing_table") && !text.contains("relation"),
+        "internal text echoed: {text}"
+    );
 }

@@ -445,11 +445,12 @@ where
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large()),
         Err(e) => {
+            tracing::debug!(error = %e, "idempotency layer: the request body could not be read");
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "Request body could not be read",
-                &e.to_string(),
-            ))
+                "The request body could not be read. Nothing ran.",
+            ));
         }
     };
 
@@ -499,10 +500,11 @@ where
                 Ok(collected) => collected.to_bytes(),
                 Err(e) => {
                     let e: BoxError = e.into();
+                    tracing::error!(error = %e, "idempotency layer: the response body could not be read");
                     return Err(NotRecorded::Response(problem(
                         StatusCode::BAD_GATEWAY,
                         "The response body could not be read",
-                        &e.to_string(),
+                        "The response could not be read.",
                     )));
                 }
             };
@@ -551,21 +553,21 @@ where
             "Idempotency-Key reused with a different request",
             "This key was used with another method, path or body. Use a new key for a new request.",
         ),
-        Err(IdemError::Store(e)) if e.is_retryable() => with_retry_after(
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Idempotency store unavailable",
-                &e.to_string(),
-            ),
-            Duration::from_secs(1),
-        ),
-        Err(e) => {
-            tracing::error!(error = %e, "idempotency layer failed");
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "Idempotent processing failed",
-                &e.to_string(),
+        Err(IdemError::Store(e)) if e.is_retryable() => {
+            tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
+            with_retry_after(
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Idempotency store unavailable",
+                    "The request could not be processed now. Retry after the time given in \
+                     Retry-After.",
+                ),
+                Duration::from_secs(1),
             )
+        }
+        Err(e) => {
+            tracing::error!(error = %e, key = %key, "idempotency layer failed");
+            internal_error()
         }
     })
 }
@@ -642,11 +644,8 @@ fn replay(recorded: Recorded, replayed: bool) -> Response<LayerBody> {
     let body = match base64::engine::general_purpose::STANDARD.decode(&recorded.body) {
         Ok(body) => body,
         Err(e) => {
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "The recorded response does not decode",
-                &e.to_string(),
-            )
+            tracing::error!(error = %e, "idempotency layer: the recorded response does not decode");
+            return internal_error();
         }
     };
     let mut response = Response::new(full(body));
@@ -662,6 +661,15 @@ fn replay(recorded: Recorded, replayed: bool) -> Response<LayerBody> {
             .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     }
     response
+}
+
+/// The layer's own 500: a generic detail, the error itself is logged.
+fn internal_error() -> Response<LayerBody> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Idempotent processing failed",
+        "The request could not be processed. The error was logged.",
+    )
 }
 
 /// An `application/problem+json` response (RFC 9457).
