@@ -801,3 +801,79 @@ async fn internal_errors_are_not_echoed_to_the_client() {
         "internal text echoed: {text}"
     );
 }
+
+/// 11. The fingerprint of a JSON body is its canonical JSON: a retry with
+/// reordered fields and other whitespace is a replay; numbers keep their
+/// exact text, so two bodies with different big numbers never share one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_bodies_are_fingerprinted_canonically_with_exact_numbers() {
+    let server = serve().await;
+    let payments = format!("{}/payments", server.url);
+    let json_ct = "application/json";
+    let first = post_raw(
+        &payments,
+        "canon",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":1200,"currency":"EUR"}"#,
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let reordered = post_raw(
+        &payments,
+        "canon",
+        Some("t1"),
+        "application/json; charset=utf-8",
+        "{ \"currency\" : \"EUR\",\n  \"amount\": 1200 }\n",
+    )
+    .await;
+    assert_eq!(
+        (reordered.status, reordered.replayed()),
+        (201, true),
+        "{}",
+        String::from_utf8_lossy(&reordered.body)
+    );
+    assert_eq!(reordered.body, first.body);
+
+    let big = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":12345678901234567890123}"#,
+    )
+    .await;
+    assert_eq!(big.status, 201);
+    let other = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":12345678901234567890124}"#,
+    )
+    .await;
+    assert_eq!(other.status, 422, "another number is another request");
+    let same = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{ "amount" : 12345678901234567890123 }"#,
+    )
+    .await;
+    assert_eq!((same.status, same.replayed()), (201, true));
+
+    // Deeper than any parser should recurse: hashed as bytes, no crash.
+    let deep = format!("{}{}", "[".repeat(500), "]".repeat(500));
+    let d1 = post_raw(&payments, "deep", Some("t1"), json_ct, deep.clone()).await;
+    let d2 = post_raw(&payments, "deep", Some("t1"), json_ct, deep).await;
+    assert_eq!(d1.status, d2.status);
+    assert!(d2.replayed());
+    let bad = post_raw(&payments, "not-json", Some("t1"), json_ct, "{not json").await;
+    let bad2 = post_raw(&payments, "not-json", Some("t1"), json_ct, "{not json").await;
+    assert_eq!(
+        (bad.status, bad2.status, bad2.replayed()),
+        (bad.status, bad.status, true)
+    );
+    assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
+}
