@@ -511,6 +511,150 @@ fn assert_not_replayable(r: &RawReply) {
     assert!(title.contains("not recorded"), "title: {title}");
 }
 
+/// 1. A client that times out while its request runs, then retries with
+/// the same key: the handler runs once, the retry gets 409 while it runs,
+/// then the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_gives_up_and_retries_does_not_run_the_handler_twice() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move |axum::Extension(context): axum::Extension<idem::Context>, Json(body): Json<Value>| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (
+                StatusCode::CREATED,
+                Json(json!({
+                    "execution": n,
+                    "amount": body["amount"],
+                    "attempt": context.attempt,
+                    "fence": context.fence,
+                })),
+            )
+        }
+    };
+    // A short lease: a handler cut off with its client would be taken
+    // over (and run again) 2 s later.
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({ "amount": 42 });
+
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let first = tokio::spawn({
+        let (url, body) = (url.clone(), body.clone());
+        async move {
+            impatient
+                .post(&url)
+                .header("idempotency-key", "gives-up")
+                .header("x-api-key", "t1")
+                .json(&body)
+                .send()
+                .await
+        }
+    });
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        gave_up.as_ref().is_err_and(|e| e.is_timeout()),
+        "the client timed out: {gave_up:?}"
+    );
+
+    let r = post_json(&url, Some("gives-up"), "t1", &body).await;
+    assert_eq!(r.status, 409, "still running: {:?}", r.body);
+    assert!(r.headers.get("retry-after").is_some());
+
+    // Enough permits for a second execution, so that one would show.
+    gate.add_permits(100);
+    let r = post_until_done(&url, "gives-up", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, true),
+        "the retry gets the replay: {:?}",
+        r.body
+    );
+    assert_eq!(r.body["execution"], 1);
+    assert_eq!(r.body["attempt"], 1, "the handler sees the idem Context");
+    // (PgStore on this branch does not set fences yet: 0.)
+    assert!(r.body["fence"].is_u64());
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "one execution");
+}
+
+/// 1b. `.detached(false)`: the handler runs in the request's future, so a
+/// client that gives up cuts it off; its key is not released, but held
+/// until its lease ends, and only then does a retry run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (StatusCode::CREATED, Json(json!({ "execution": n })))
+        }
+    };
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem).detached(false)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({});
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            impatient
+                .post(&url)
+                .header("idempotency-key", "cut-off")
+                .header("x-api-key", "t1")
+                .json(&json!({}))
+                .send()
+                .await
+        }
+    });
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(gave_up.as_ref().is_err_and(|e| e.is_timeout()));
+    let r = post_json(&url, Some("cut-off"), "t1", &body).await;
+    assert_eq!(r.status, 409, "not released: {:?}", r.body);
+    gate.add_permits(100);
+    let r = post_until_done(&url, "cut-off", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, false),
+        "after the lease, a takeover runs it again"
+    );
+    assert_eq!(r.body["execution"], 2);
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
 /// 2. The default recording policy: everything but 401, 408, 425, 429,
 /// 502, 503, 504 is recorded; a 500 and a 303 are.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -567,6 +711,60 @@ async fn the_default_policy_records_500_and_303_and_releases_429() {
             assert_eq!(runs(), before + 2, "{code}: the retry runs again");
         }
     }
+}
+
+/// 3. A response the store refuses (over its size limit) is not released:
+/// the caller gets it, a duplicate gets 409 "not recorded", the handler
+/// runs once. A text body is recorded as text (no base64 inflation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_the_store_refuses_is_not_released_and_text_is_not_inflated() {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    let store = PgStore::builder(pool)
+        .max_response_bytes(4096)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |axum::extract::Path(size): axum::extract::Path<usize>| async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, "x".repeat(size))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/text/{size}", post(handler))
+            .layer(layer_on(Idempotency::new(store))),
+    )
+    .await;
+
+    // 3,500 bytes of text: 4,668 in base64, over the store's 4,096.
+    let at = format!("{url}/text/3500");
+    let first = post_raw(&at, "fits", Some("t1"), "text/plain", "").await;
+    assert_eq!((first.status, first.body.len()), (201, 3500));
+    let again = post_raw(&at, "fits", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (201, true),
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    assert_eq!(again.body, first.body);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+
+    let at = format!("{url}/text/8000");
+    let first = post_raw(&at, "too-big", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (first.status, first.body.len()),
+        (201, 8000),
+        "the caller gets its response"
+    );
+    for _ in 0..2 {
+        let again = post_raw(&at, "too-big", Some("t1"), "text/plain", "").await;
+        assert_not_replayable(&again);
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 2, "never run twice");
 }
 
 /// 4. A request whose tenant cannot be determined is refused with 401,
@@ -648,6 +846,177 @@ async fn anonymous_callers_are_refused_unless_allowed() {
         "a known tenant never shares keys with anonymous callers"
     );
     assert_eq!(executions.load(Ordering::SeqCst), 3);
+}
+
+/// 5. The caller whose request ran gets the handler's response unchanged;
+/// only the recorded copy drops per-caller headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_caller_gets_every_header_and_the_replay_drops_per_caller_ones() {
+    let handler = || async {
+        let mut headers = HeaderMap::new();
+        let mut add = |name: &'static str, value: &[u8]| {
+            headers.append(
+                name,
+                axum::http::HeaderValue::from_bytes(value).unwrap_or_else(|e| panic!("{e}")),
+            );
+        };
+        add("set-cookie", b"session=abc; HttpOnly");
+        add("set-cookie", b"theme=dark");
+        add("x-multi", b"one");
+        add("x-multi", b"two");
+        add("x-latin1", b"caf\xe9");
+        add("x-utf8", "café ☕".as_bytes());
+        add("cache-control", b"no-store");
+        (StatusCode::CREATED, headers, "created")
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/headers", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/headers");
+    let all = |r: &RawReply, name: &str| -> Vec<Vec<u8>> {
+        r.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.as_bytes().to_vec())
+            .collect()
+    };
+    let first = post_raw(&url, "h", Some("t1"), "text/plain", "").await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!(
+        all(&first, "set-cookie"),
+        vec![b"session=abc; HttpOnly".to_vec(), b"theme=dark".to_vec()]
+    );
+    assert_eq!(
+        all(&first, "x-multi"),
+        vec![b"one".to_vec(), b"two".to_vec()]
+    );
+    assert_eq!(all(&first, "x-latin1"), vec![b"caf\xe9".to_vec()]);
+    assert_eq!(all(&first, "x-utf8"), vec!["café ☕".as_bytes().to_vec()]);
+    assert_eq!(all(&first, "cache-control"), vec![b"no-store".to_vec()]);
+
+    let again = post_raw(&url, "h", Some("t1"), "text/plain", "").await;
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert!(
+        all(&again, "set-cookie").is_empty(),
+        "another caller's cookies are never replayed"
+    );
+    assert_eq!(
+        all(&again, "x-multi"),
+        vec![b"one".to_vec(), b"two".to_vec()]
+    );
+    assert_eq!(all(&again, "x-latin1"), vec![b"caf\xe9".to_vec()]);
+    assert_eq!(all(&again, "x-utf8"), vec!["café ☕".as_bytes().to_vec()]);
+    assert_eq!(again.body, b"created");
+}
+
+/// 6a. A body over the response limit (default 1 MiB) reaches its caller in
+/// full, streamed; the key completes as not replayable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_over_the_limit_reaches_the_caller_in_full_and_is_not_replayable() {
+    const SIZE: usize = 3 << 20;
+    let pattern = |i: usize| (i % 251) as u8;
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            let chunks = (0..SIZE / 65536).map(move |c| {
+                Ok::<_, std::io::Error>(
+                    (c * 65536..(c + 1) * 65536)
+                        .map(pattern)
+                        .collect::<Vec<u8>>(),
+                )
+            });
+            (
+                StatusCode::CREATED,
+                axum::body::Body::from_stream(futures::stream::iter(chunks)),
+            )
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/big", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/big");
+    let first = post_raw(&url, "big", Some("t1"), "text/plain", "").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body.len(), SIZE, "every byte");
+    assert!(first.body.iter().enumerate().all(|(i, &b)| b == pattern(i)));
+    let again = post_raw(&url, "big", Some("t1"), "text/plain", "").await;
+    assert_not_replayable(&again);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// 6b. A `text/event-stream` response is streamed at once, never buffered:
+/// its first event reaches the client while the stream is still open, and
+/// the key is completed as not replayable at once (no lease held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_is_streamed_not_buffered() {
+    use futures::StreamExt;
+    let (rest_tx, rest_rx) = tokio::sync::oneshot::channel::<()>();
+    let rest_rx = Arc::new(std::sync::Mutex::new(Some(rest_rx)));
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            let rest = rest_rx.lock().ok().and_then(|mut r| r.take());
+            let first = futures::stream::once(async { Ok::<_, std::io::Error>("data: first\n\n") });
+            let second = futures::stream::once(async move {
+                if let Some(rest) = rest {
+                    let _ = rest.await;
+                }
+                Ok("data: second\n\n")
+            });
+            (
+                [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                axum::body::Body::from_stream(first.chain(second)),
+            )
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/events", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/events");
+    let wait = std::time::Duration::from_secs(10);
+    let mut stream = tokio::time::timeout(
+        wait,
+        reqwest::Client::new()
+            .post(&url)
+            .header("idempotency-key", "sse")
+            .header("x-api-key", "t1")
+            .header("content-type", "text/plain")
+            .send(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no response head within {wait:?}: the stream was buffered"))
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stream.status(), 200);
+    let chunk = tokio::time::timeout(wait, stream.chunk())
+        .await
+        .unwrap_or_else(|_| panic!("no first event within {wait:?}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(chunk.as_deref(), Some(&b"data: first\n\n"[..]));
+
+    // The stream is still open: its key is already completed.
+    let again = post_raw(&url, "sse", Some("t1"), "text/plain", "").await;
+    assert_not_replayable(&again);
+
+    let _ = rest_tx.send(());
+    let mut rest = Vec::new();
+    while let Some(chunk) = stream.chunk().await.unwrap_or_else(|e| panic!("{e}")) {
+        rest.extend_from_slice(&chunk);
+    }
+    assert_eq!(rest, b"data: second\n\n");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
 }
 
 /// 7. A builder method called on a clone of a layer does not panic.

@@ -34,43 +34,80 @@
 //!
 //! | request | response |
 //! |---|---|
-//! | first with a key | the handler runs; its response is recorded if its status is recorded (default: all but 401, 408, 425, 429, 502, 503, 504) |
-//! | same key, same method, path and body, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
-//! | same key while the first still runs | `409 Conflict`, `Retry-After` |
-//! | same key, different body (or method, path) | `422 Unprocessable Content` |
-//! | a caller the tenant function does not know (it returns `None`, or there is none) | `401 Unauthorized`, unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
+//! | first with a key | the handler runs (detached, see below); its caller gets the handler's response unchanged, and a copy is recorded if its status is recorded |
+//! | same key, same request, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
+//! | same key while the first still runs | `409 Conflict` with `Retry-After` (or, with `InProgressPolicy::Wait` on the executor, the replay once it completes) |
+//! | same key, completed, but its response was not recorded (streamed, over `max_response_bytes`, refused by the store) | `409 Conflict`, no `Retry-After`, title "The original response was not recorded": it ran and will not run again for this key |
+//! | same key, different body (or method, path, media type) | `422 Unprocessable Content` |
+//! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
 //! | a malformed key | `400 Bad Request` |
-//! | a body over the limit | `413 Content Too Large`, before anything is stored |
-//! | the store unreachable | `503 Service Unavailable`, `Retry-After` |
-//! | the handler answers 401, 408, 425, 429, 502, 503 or 504 (not recorded by default, `.record_status(...)`) | passed through; the key is released, a retry runs again |
-//! | the handler answers 500 | recorded and replayed like any other status: the handler may have done part of its work |
+//! | a body over `max_body_bytes` (default 1 MiB) | `413 Content Too Large`, before anything is stored |
+//! | the store unreachable | `503 Service Unavailable` with `Retry-After`; nothing ran |
+//! | the layer fails otherwise | `500 Internal Server Error`, a generic detail (the error is logged with `tracing`, never sent) |
+//! | the handler answers 401, 408, 425, 429, 502, 503 or 504 | passed through; the key is released, a retry runs again |
+//! | the handler answers anything else, 500 included | recorded and replayed: the handler may have done part of its work (`.record_status(...)` changes the policy) |
 //!
-//! Errors are `application/problem+json` (RFC 9457).
+//! The layer's own errors are `application/problem+json` (RFC 9457).
 //!
-//! The key of a request is (tenant, method, path, header value) under the
-//! layer's scope, so two tenants, or two routes, never collide and never
-//! read each other's responses; a tenant or path longer than 64 bytes is
-//! hashed (SHA-256) into the key, so a valid header value is never refused
-//! for the length of the path. The fingerprint covers the method, the path
-//! with its query, the media type and the body: the canonical JSON of a
-//! JSON body (`application/json`, `+json`), so that field order and
-//! whitespace never make a mismatch, with numbers kept as written (two
-//! bodies that differ in a digit never match, however large the number);
-//! the bytes of any other body, or of a body that is not valid JSON.
+//! **The caller whose request ran** gets the handler's response as it is,
+//! every header included (`Set-Cookie`, repeated headers, non-ASCII
+//! values). **The recorded copy**, replayed to duplicates, leaves out the
+//! hop-by-hop headers (`Connection` and the headers it names,
+//! `Keep-Alive`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`,
+//! `Proxy-Authenticate`, `Proxy-Connection`) and the per-caller ones
+//! (`Set-Cookie`, `Date`), and `Content-Length`, which is set again; header
+//! values are kept as bytes. The body is recorded through the executor's
+//! codec: with JSON, a UTF-8 body as a JSON string (escaped, not inflated
+//! by base64), any other body as base64; with a binary codec, as bytes.
+//!
+//! **Detached** (`.detached(true)`, the default): the acquisition, the
+//! handler and the recording run in a spawned task that the request only
+//! awaits ([`Idempotency::process_with_detached`]). A client that
+//! disconnects or times out does not cut the handler off: it runs to its
+//! end and its response is recorded, and the client's retry gets `409`
+//! while it runs, then the replay. The handler finds the acquisition's
+//! [`idem_core::Context`] (attempt, fence) in the request's extensions
+//! (axum: `Extension<idem_core::Context>`), to pass the fence to systems
+//! that can refuse a stale writer.
+//!
+//! **Large and streaming responses** (`.max_response_bytes(n)`, default
+//! 1 MiB): the body is read up to the limit and recorded if it ends within
+//! it. A longer body, and every `text/event-stream` (which is never read
+//! ahead), reaches its caller in full, streamed, and its key is completed
+//! at once as "not replayable": the handler never runs again for it, and
+//! duplicates get the `409` above.
+//!
+//! **Tenants**: set [`IdempotencyLayer::tenant`] to who is calling (an API
+//! key, the subject of a verified token). A request whose tenant is not
+//! known is refused with `401`; [`IdempotencyLayer::allow_anonymous`] lets
+//! such requests in, all in one shared key space.
+//!
+//! **Keys and fingerprints**: the key of a request is (tenant, method,
+//! path, header value) under the layer's scope, so two tenants, or two
+//! routes, never collide and never read each other's responses; a tenant
+//! or path longer than 64 bytes is hashed (SHA-256) into the key, so a
+//! valid header value is never refused for the length of the path. The
+//! scope is checked when the layer is built ([`IdempotencyLayer::scope`]
+//! returns a `Result`). The fingerprint covers the method, the path with
+//! its query, the media type and the body: the canonical JSON of a JSON
+//! body (`application/json`, `+json`), so that field order and whitespace
+//! never make a mismatch, with numbers kept as written (two bodies that
+//! differ in a digit never match, however large the number); the bytes of
+//! any other body, or of a body that is not valid JSON.
 #![deny(missing_docs)]
 
 mod json;
+mod recorded;
 
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use base64::Engine;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode};
@@ -80,7 +117,7 @@ use idem_core::{
     Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
     KeyError, Processed,
 };
-use serde::{Deserialize, Serialize};
+use recorded::{Buffered, Outcome, Prefixed, Recorded};
 
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -95,6 +132,26 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type TenantFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// The response headers that are passed to the caller whose request ran
+/// but left out of the recorded copy: hop-by-hop headers (and any that
+/// `Connection` names) and per-caller ones (`Set-Cookie`, `Date`), plus
+/// the framing (`Content-Length`, set again for the replayed body).
+fn not_recorded_headers() -> Arc<[HeaderName]> {
+    Arc::from([
+        http::header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+        http::header::PROXY_AUTHENTICATE,
+        http::header::TE,
+        http::header::TRAILER,
+        http::header::TRANSFER_ENCODING,
+        http::header::UPGRADE,
+        CONTENT_LENGTH,
+        http::header::DATE,
+        http::header::SET_COOKIE,
+    ])
+}
 
 /// The longest `Idempotency-Key` header value accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
@@ -111,10 +168,12 @@ struct Config<S: ?Sized, C> {
     required: bool,
     methods: Vec<Method>,
     max_body_bytes: usize,
+    max_response_bytes: usize,
+    detached: bool,
     tenant: Option<Arc<TenantFn>>,
     allow_anonymous: bool,
     record: Arc<StatusFn>,
-    skip_headers: Vec<HeaderName>,
+    skip_headers: Arc<[HeaderName]>,
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {
@@ -125,6 +184,8 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             required: self.required,
             methods: self.methods.clone(),
             max_body_bytes: self.max_body_bytes,
+            max_response_bytes: self.max_response_bytes,
+            detached: self.detached,
             tenant: self.tenant.clone(),
             allow_anonymous: self.allow_anonymous,
             record: self.record.clone(),
@@ -148,6 +209,8 @@ impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
             .field("required", &self.config.required)
             .field("methods", &self.config.methods)
             .field("max_body_bytes", &self.config.max_body_bytes)
+            .field("max_response_bytes", &self.config.max_response_bytes)
+            .field("detached", &self.config.detached)
             .field("tenant", &self.config.tenant.is_some())
             .field("allow_anonymous", &self.config.allow_anonymous)
             .finish()
@@ -161,10 +224,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// waits for the recorded response.
     ///
     /// Defaults: scope `http`; the key is required on `POST` and `PATCH`
-    /// (other methods pass through untouched); bodies up to 1 MiB; no
-    /// tenant function and anonymous requests refused, so set
-    /// [`tenant`](Self::tenant) or [`allow_anonymous`](Self::allow_anonymous); every status is recorded but 401, 408, 425, 429, 502, 503
-    /// and 504 ([`default_record_status`]).
+    /// (other methods pass through untouched); request bodies up to 1 MiB;
+    /// no tenant function and anonymous requests refused, so set
+    /// [`tenant`](Self::tenant) or [`allow_anonymous`](Self::allow_anonymous);
+    /// every status is recorded but 401, 408, 425, 429, 502, 503 and 504
+    /// ([`default_record_status`]); response bodies recorded up to 1 MiB
+    /// ([`max_response_bytes`](Self::max_response_bytes)); the handler runs
+    /// [`detached`](Self::detached).
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -173,16 +239,12 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 required: true,
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
+                max_response_bytes: 1 << 20,
+                detached: true,
                 tenant: None,
                 allow_anonymous: false,
                 record: Arc::new(default_record_status),
-                skip_headers: vec![
-                    http::header::DATE,
-                    CONTENT_LENGTH,
-                    http::header::TRANSFER_ENCODING,
-                    http::header::CONNECTION,
-                    http::header::SET_COOKIE,
-                ],
+                skip_headers: not_recorded_headers(),
             }),
         }
     }
@@ -241,6 +303,38 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// 413 before anything is stored.
     pub fn max_body_bytes(self, max: usize) -> Self {
         self.edit(|c| c.max_body_bytes = max)
+    }
+
+    /// The largest response body recorded (default 1 MiB). The body is
+    /// read up to this; if it ends within it, it is recorded and replayed.
+    /// If it goes past, the key is completed as "not replayable" at once
+    /// (the lease is not held while the body streams) and the caller gets
+    /// the whole response, streamed: what was read, then the rest. A
+    /// duplicate of such a key gets `409 Conflict` ("the original response
+    /// was not recorded"), never a second execution. A `text/event-stream`
+    /// response is never read ahead: it is streamed at once and not
+    /// replayable. The store may have its own, lower limit (and the
+    /// recorded copy adds its headers and some escaping): a response the
+    /// store refuses is not replayable the same way.
+    pub fn max_response_bytes(self, max: usize) -> Self {
+        self.edit(|c| c.max_response_bytes = max)
+    }
+
+    /// Whether the handler runs detached (default `true`): acquisition,
+    /// handler and recording run in a spawned task that the request only
+    /// awaits, so a client that disconnects (or times out) does not cut the
+    /// handler off: it runs to its end, its response is recorded, and the
+    /// client's retry gets the replay (`409` while it still runs). The
+    /// inner service, its future and its error must be `Send + 'static`
+    /// (as axum's are).
+    ///
+    /// Off, the handler runs in the request's own future: a client that
+    /// disconnects drops it wherever it is, and its key then stays in
+    /// progress until its lease ends (it is never released, since part of
+    /// the handler's effects may have happened); the retry after that runs
+    /// the handler again.
+    pub fn detached(self, detached: bool) -> Self {
+        self.edit(|c| c.detached = detached)
     }
 
     /// Who is calling, from the request head (an API key, the subject of a
@@ -321,19 +415,10 @@ impl<S: ?Sized, Inner, C> fmt::Debug for IdempotencyService<S, Inner, C> {
     }
 }
 
-/// A response as recorded and replayed.
-#[derive(Debug, Serialize, Deserialize)]
-struct Recorded {
-    status: u16,
-    headers: Vec<(String, String)>,
-    /// base64
-    body: String,
-}
-
-/// Why the handler's outcome is not recorded.
+/// Why the handler's outcome is not recorded, and the key released.
 enum NotRecorded<E> {
-    /// A status the policy does not record: passed through as it is.
-    Response(Response<LayerBody>),
+    /// A status the policy does not record; the response was passed on.
+    Status(StatusCode),
     /// The inner service failed.
     Service(E),
 }
@@ -341,7 +426,7 @@ enum NotRecorded<E> {
 impl<E> fmt::Display for NotRecorded<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            NotRecorded::Response(r) => write!(f, "a {} response, not recorded", r.status()),
+            NotRecorded::Status(status) => write!(f, "a {status} response, not recorded"),
             NotRecorded::Service(_) => f.write_str("the inner service failed"),
         }
     }
@@ -387,6 +472,7 @@ where
     C: Codec,
     Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -480,53 +566,106 @@ where
     let fingerprint = fingerprint(&parts, &body);
 
     let request = Request::from_parts(parts, ReqBody::from(body));
-    let record = config.record.clone();
-    let skip = &config.skip_headers;
-    let outcome = config
-        .idem
-        .process_with(&key, Some(fingerprint), |_| async move {
+    // The response for this caller, put here by the handler (detached, it
+    // runs in another task) and taken once processing ends.
+    let live: Arc<Mutex<Option<Response<LayerBody>>>> = Arc::default();
+    let handler = {
+        let live = live.clone();
+        let record = config.record.clone();
+        let skip = config.skip_headers.clone();
+        let limit = config.max_response_bytes;
+        move |context: idem_core::Context| async move {
+            let mut request = request;
+            request.extensions_mut().insert(context);
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
             let (parts, body) = response.into_parts();
+            let body = body.map_err(Into::into).boxed_unsync();
             if !record(parts.status) {
-                let body = body.map_err(Into::into).boxed_unsync();
-                return Err(NotRecorded::Response(Response::from_parts(parts, body)));
+                let status = parts.status;
+                put(&live, Response::from_parts(parts, body));
+                return Err(NotRecorded::Status(status));
             }
-            let bytes = match body.collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(e) => {
-                    let e: BoxError = e.into();
-                    tracing::error!(error = %e, "idempotency layer: the response body could not be read");
-                    return Err(NotRecorded::Response(problem(
-                        StatusCode::BAD_GATEWAY,
-                        "The response body could not be read",
-                        "The response could not be read.",
-                    )));
+            let (body, outcome) = if is_event_stream(&parts.headers) {
+                let why = "a text/event-stream response is streamed, not recorded";
+                (body, Outcome::NotRecordable(why.to_owned()))
+            } else {
+                match recorded::buffer(body, limit).await {
+                    Buffered::Complete(bytes) => {
+                        let copy = Recorded::of(parts.status, &parts.headers, bytes.clone(), &skip);
+                        (full(bytes), Outcome::Recorded(copy))
+                    }
+                    Buffered::Streamed { read, rest, why } => (
+                        Prefixed::new(read, None, Some(rest)).boxed_unsync(),
+                        Outcome::NotRecordable(why),
+                    ),
+                    Buffered::Failed { read, error } => {
+                        let why = format!("the response body failed: {error}");
+                        (
+                            Prefixed::new(read, Some(error), None).boxed_unsync(),
+                            Outcome::NotRecordable(why),
+                        )
+                    }
                 }
             };
-            Ok(Recorded {
-                status: parts.status.as_u16(),
-                headers: parts
-                    .headers
-                    .iter()
-                    .filter(|(name, _)| !skip.contains(name))
-                    .filter_map(|(name, value)| {
-                        value
-                            .to_str()
-                            .ok()
-                            .map(|v| (name.as_str().to_owned(), v.to_owned()))
-                    })
-                    .collect(),
-                body: base64::engine::general_purpose::STANDARD.encode(&bytes),
-            })
-        })
-        .await;
+            put(&live, Response::from_parts(parts, body));
+            Ok::<_, NotRecorded<Inner::Error>>(outcome)
+        }
+    };
+    let outcome = if config.detached {
+        config
+            .idem
+            .process_with_detached(&key, Some(fingerprint), handler)
+            .await
+    } else {
+        config
+            .idem
+            .process_with(&key, Some(fingerprint), handler)
+            .await
+    };
 
+    // The handler ran in this call: its caller gets its response as it
+    // is, whether it was recorded or not.
+    let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(live) = live {
+        match &outcome {
+            Ok(Processed::Executed(_)) | Err(IdemError::Handler(NotRecorded::Status(_))) => {}
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::debug!(key = %key, %reason, "idempotency layer: the response is not replayable");
+            }
+            Ok(Processed::Replayed(_)) | Err(_) => {
+                // Its recording failed (the lease was taken over, the
+                // store failed): the effects ran, so the caller gets the
+                // response; a duplicate gets 409 until the lease ends.
+                if let Err(e) = &outcome {
+                    tracing::error!(key = %key, error = %e, "idempotency layer: the handler ran but its response was not recorded");
+                }
+            }
+        }
+        return Ok(live);
+    }
     Ok(match outcome {
-        Ok(Processed::Executed(recorded)) => replay(recorded, false),
-        Ok(Processed::ExecutedNotReplayable { value, .. }) => replay(value, false),
-        Ok(Processed::Replayed(recorded)) => replay(recorded, true),
-        Err(IdemError::Handler(NotRecorded::Response(response))) => response,
+        Ok(Processed::Replayed(Outcome::Recorded(recorded))) => replay(recorded),
         Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),
+        Ok(
+            Processed::Executed(_)
+            | Processed::ExecutedNotReplayable { .. }
+            | Processed::Replayed(Outcome::NotRecordable(_)),
+        ) => {
+            // Cannot happen: the handler puts its response before it ends
+            // well, and a not recordable outcome never decodes.
+            tracing::error!(key = %key, "idempotency layer: the handler ran but left no response");
+            internal_error()
+        }
+        Err(IdemError::ResultUnavailable { reason }) => {
+            tracing::debug!(key = %key, %reason, "idempotency layer: a duplicate of a key whose response was not recorded");
+            problem(
+                StatusCode::CONFLICT,
+                "The original response was not recorded",
+                "A request with this Idempotency-Key was processed, but its response could not \
+                 be recorded for replay (it was streamed, too large, or not storable). It will \
+                 not be processed again with this key.",
+            )
+        }
         Err(IdemError::WaitTimeout { .. }) => with_retry_after(
             problem(
                 StatusCode::CONFLICT,
@@ -684,27 +823,37 @@ fn full(bytes: impl Into<Bytes>) -> LayerBody {
         .boxed_unsync()
 }
 
-fn replay(recorded: Recorded, replayed: bool) -> Response<LayerBody> {
-    let body = match base64::engine::general_purpose::STANDARD.decode(&recorded.body) {
-        Ok(body) => body,
-        Err(e) => {
-            tracing::error!(error = %e, "idempotency layer: the recorded response does not decode");
-            return internal_error();
-        }
+/// The replay of a recorded response, marked `Idempotent-Replayed: true`.
+fn replay(recorded: Recorded) -> Response<LayerBody> {
+    let Ok(status) = StatusCode::from_u16(recorded.status) else {
+        tracing::error!(
+            status = recorded.status,
+            "idempotency layer: the recorded status is not valid"
+        );
+        return internal_error();
     };
-    let mut response = Response::new(full(body));
-    *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
-    for (name, value) in recorded.headers {
-        if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
-            response.headers_mut().append(name, value);
-        }
-    }
-    if replayed {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    }
+    let mut response = Response::new(full(recorded.body.0.clone()));
+    *response.status_mut() = status;
+    *response.headers_mut() = recorded.header_map();
     response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+/// Whether a response is a `text/event-stream`.
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    let media = headers
+        .get(CONTENT_TYPE)
+        .map(|v| v.as_bytes().split(|&b| b == b';').next().unwrap_or(b""))
+        .unwrap_or(b"");
+    media
+        .trim_ascii()
+        .eq_ignore_ascii_case(b"text/event-stream")
+}
+
+fn put<T>(slot: &Mutex<Option<T>>, value: T) {
+    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
 }
 
 /// The layer's own 500: a generic detail, the error itself is logged.
