@@ -88,10 +88,14 @@ async fn create_payment(
                 amount_cents: p.amount_cents
             })),
         ),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "error": e.to_string() })),
-        ),
+        Err(e) => {
+            // Logged, not sent: a client never sees internal error text.
+            eprintln!("payment insert failed: {e}");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(serde_json::json!({ "error": "try again later" })),
+            )
+        }
     }
 }
 
