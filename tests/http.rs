@@ -713,6 +713,33 @@ async fn the_default_policy_records_500_and_303_and_releases_429() {
     }
 }
 
+/// 2b. A recording policy that panics once the handler ran records (a
+/// release could run the handler twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_record_policy_records() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, Json(json!({ "execution": n })))
+        }
+    };
+    let layer = layer_on(Idempotency::new(pg_store().await)).record_status(|status| {
+        assert_ne!(status, StatusCode::CREATED, "a policy with a bug");
+        true
+    });
+    let url = spawn_server(Router::new().route("/x", post(handler)).layer(layer)).await;
+    let url = format!("{url}/x");
+    let first = post_json(&url, Some("p"), "t1", &json!({})).await;
+    let again = post_json(&url, Some("p"), "t1", &json!({})).await;
+    assert_eq!(
+        (first.status, again.status, again.replayed()),
+        (201, 201, true)
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
 /// 3. A response the store refuses (over its size limit) is not released:
 /// the caller gets it, a duplicate gets 409 "not recorded", the handler
 /// runs once. A text body is recorded as text (no base64 inflation).

@@ -580,7 +580,12 @@ where
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
             let (parts, body) = response.into_parts();
             let body = body.map_err(Into::into).boxed_unsync();
-            if !record(parts.status) {
+            // The handler ran: if the policy itself panics, record (the
+            // safe side: a release could run the handler twice).
+            let recorded =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record(parts.status)))
+                    .unwrap_or(true);
+            if !recorded {
                 let status = parts.status;
                 put(&live, Response::from_parts(parts, body));
                 return Err(NotRecorded::Status(status));
