@@ -88,10 +88,14 @@ async fn create_payment(
                 amount_cents: p.amount_cents
             })),
         ),
-        Err(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({ "error": e.to_string() })),
-        ),
+        Err(e) => {
+            // Logged, not sent: a client never sees internal error text.
+            eprintln!("payment insert failed: {e}");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(serde_json::json!({ "error": "try again later" })),
+            )
+        }
     }
 }
 
@@ -118,14 +122,14 @@ async fn store(
     })
 }
 
-fn app(pool: PgPool, store: Option<Arc<dyn IdempotencyStore>>) -> Router {
+fn app(pool: PgPool, store: Option<Arc<dyn IdempotencyStore>>) -> Result<Router, idem::KeyError> {
     let router = Router::new().route("/payments", post(create_payment));
     let router = match store {
         Some(store) => router.layer(
             IdempotencyLayer::new(
                 Idempotency::from_arc(store).retention(Duration::from_secs(86_400)),
             )
-            .scope("payments.api")
+            .scope("payments.api")?
             // who is calling: here an API key header; in a real API the
             // principal an auth layer verified
             .tenant(|req| {
@@ -137,7 +141,7 @@ fn app(pool: PgPool, store: Option<Arc<dyn IdempotencyStore>>) -> Router {
         ),
         None => router,
     };
-    router.with_state(pool)
+    Ok(router.with_state(pool))
 }
 
 #[tokio::main]
@@ -163,7 +167,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .unwrap_or_else(|| "127.0.0.1:0".to_owned());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     let url = format!("http://{}/payments", listener.local_addr()?);
-    let server = tokio::spawn(axum::serve(listener, app(pool.clone(), store)).into_future());
+    let server = tokio::spawn(axum::serve(listener, app(pool.clone(), store)?).into_future());
     if args.serve.is_some() {
         println!("serving POST {url}");
         server.await??;

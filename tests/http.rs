@@ -85,7 +85,8 @@ async fn serve() -> Server {
     let store = PgStore::new(pool);
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     let layer = IdempotencyLayer::new(Idempotency::new(store))
-        .scope(format!("http.{:08x}", fastrand::u32(..)))
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
         .max_body_bytes(1024)
         .tenant(|req| {
             req.headers
@@ -136,11 +137,16 @@ impl Reply {
     }
 }
 
+/// A client that shows redirects instead of following them.
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 async fn post_json(url: &str, key: Option<&str>, tenant: &str, body: &Value) -> Reply {
-    let mut request = reqwest::Client::new()
-        .post(url)
-        .header("x-api-key", tenant)
-        .json(body);
+    let mut request = client().post(url).header("x-api-key", tenant).json(body);
     if let Some(key) = key {
         request = request.header("idempotency-key", key);
     }
@@ -336,7 +342,7 @@ async fn store_down_is_503_with_retry_after() {
     };
     let router = Router::new()
         .route("/payments", post(handler))
-        .layer(IdempotencyLayer::new(Idempotency::new(store)));
+        .layer(IdempotencyLayer::new(Idempotency::new(store)).tenant(api_key));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -354,6 +360,20 @@ async fn store_down_is_503_with_retry_after() {
         r.body
     );
     assert!(r.headers.get("retry-after").is_some());
+    let detail = r.body["detail"].as_str().unwrap_or("").to_lowercase();
+    for internal in [
+        "unavailable:",
+        "redis",
+        "connection",
+        "timed out",
+        "os error",
+        "refused",
+    ] {
+        assert!(
+            !detail.contains(internal),
+            "the store's error is not echoed: {detail}"
+        );
+    }
     assert_eq!(
         effects.load(Ordering::SeqCst),
         0,
@@ -363,4 +383,893 @@ async fn store_down_is_503_with_retry_after() {
     let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
     assert_eq!(r.status, 201, "after the outage the request runs");
     assert_eq!(effects.load(Ordering::SeqCst), 1);
+}
+
+// ---------------------------------------------------------------------------
+// Issue findings: each test below goes through a real axum server and
+// reqwest, on PostgreSQL.
+
+fn scope() -> String {
+    format!("http.{:08x}", fastrand::u32(..))
+}
+
+async fn pg_store() -> PgStore {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+fn api_key(req: &axum::http::request::Parts) -> Option<String> {
+    req.headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+/// A layer on `idem` with a fresh scope and the `x-api-key` tenant.
+fn layer_on<S: idem::IdempotencyStore>(idem: Idempotency<S>) -> IdempotencyLayer<S> {
+    IdempotencyLayer::new(idem)
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key)
+}
+
+async fn spawn_server(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    url
+}
+
+struct RawReply {
+    status: u16,
+    headers: reqwest::header::HeaderMap,
+    body: Vec<u8>,
+}
+
+impl RawReply {
+    fn replayed(&self) -> bool {
+        self.headers
+            .get("idempotent-replayed")
+            .is_some_and(|v| v == "true")
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+async fn post_raw(
+    url: &str,
+    key: &str,
+    tenant: Option<&str>,
+    content_type: &str,
+    body: impl Into<reqwest::Body>,
+) -> RawReply {
+    let mut request = client()
+        .post(url)
+        .header("idempotency-key", key)
+        .header("content-type", content_type)
+        .body(body);
+    if let Some(tenant) = tenant {
+        request = request.header("x-api-key", tenant);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("{e}"));
+    let status = response.status().as_u16();
+    let headers = response.headers().clone();
+    let body = response
+        .bytes()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_vec();
+    RawReply {
+        status,
+        headers,
+        body,
+    }
+}
+
+/// Retries while the answer is 409 "in progress" (as a client honouring
+/// Retry-After would), at most for 20 s.
+async fn post_until_done(url: &str, key: &str, tenant: &str, body: &Value) -> Reply {
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let r = post_json(url, Some(key), tenant, body).await;
+        if r.status != 409 || r.headers.get("retry-after").is_none() {
+            return r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still in progress after 20 s: {:?}",
+            r.body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+fn assert_not_replayable(r: &RawReply) {
+    assert_eq!(
+        r.status,
+        409,
+        "a duplicate of a not replayable key: {}",
+        String::from_utf8_lossy(&r.body[..r.body.len().min(300)])
+    );
+    assert_eq!(
+        r.headers.get("content-type").map(|v| v.as_bytes()),
+        Some(&b"application/problem+json"[..])
+    );
+    assert!(
+        r.headers.get("retry-after").is_none(),
+        "retrying will not help: no Retry-After"
+    );
+    let title = r.json()["title"].as_str().unwrap_or("").to_owned();
+    assert!(title.contains("not recorded"), "title: {title}");
+}
+
+/// 1. A client that times out while its request runs, then retries with
+/// the same key: the handler runs once, the retry gets 409 while it runs,
+/// then the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_gives_up_and_retries_does_not_run_the_handler_twice() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move |axum::Extension(context): axum::Extension<idem::Context>, Json(body): Json<Value>| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (
+                StatusCode::CREATED,
+                Json(json!({
+                    "execution": n,
+                    "amount": body["amount"],
+                    "attempt": context.attempt,
+                    "fence": context.fence,
+                })),
+            )
+        }
+    };
+    // A short lease: a handler cut off with its client would be taken
+    // over (and run again) 2 s later.
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({ "amount": 42 });
+
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let first = tokio::spawn({
+        let (url, body) = (url.clone(), body.clone());
+        async move {
+            impatient
+                .post(&url)
+                .header("idempotency-key", "gives-up")
+                .header("x-api-key", "t1")
+                .json(&body)
+                .send()
+                .await
+        }
+    });
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        gave_up.as_ref().is_err_and(|e| e.is_timeout()),
+        "the client timed out: {gave_up:?}"
+    );
+
+    let r = post_json(&url, Some("gives-up"), "t1", &body).await;
+    assert_eq!(r.status, 409, "still running: {:?}", r.body);
+    assert!(r.headers.get("retry-after").is_some());
+
+    // Enough permits for a second execution, so that one would show.
+    gate.add_permits(100);
+    let r = post_until_done(&url, "gives-up", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, true),
+        "the retry gets the replay: {:?}",
+        r.body
+    );
+    assert_eq!(r.body["execution"], 1);
+    assert_eq!(r.body["attempt"], 1, "the handler sees the idem Context");
+    // (PgStore on this branch does not set fences yet: 0.)
+    assert!(r.body["fence"].is_u64());
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "one execution");
+}
+
+/// 1b. `.detached(false)`: the handler runs in the request's future, so a
+/// client that gives up cuts it off; its key is not released, but held
+/// until its lease ends, and only then does a retry run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (StatusCode::CREATED, Json(json!({ "execution": n })))
+        }
+    };
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem).detached(false)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({});
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            impatient
+                .post(&url)
+                .header("idempotency-key", "cut-off")
+                .header("x-api-key", "t1")
+                .json(&json!({}))
+                .send()
+                .await
+        }
+    });
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(gave_up.as_ref().is_err_and(|e| e.is_timeout()));
+    let r = post_json(&url, Some("cut-off"), "t1", &body).await;
+    assert_eq!(r.status, 409, "not released: {:?}", r.body);
+    gate.add_permits(100);
+    let r = post_until_done(&url, "cut-off", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, false),
+        "after the lease, a takeover runs it again"
+    );
+    assert_eq!(r.body["execution"], 2);
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+/// 2. The default recording policy: everything but 401, 408, 425, 429,
+/// 502, 503, 504 is recorded; a 500 and a 303 are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_policy_records_500_and_303_and_releases_429() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |axum::extract::Path(code): axum::extract::Path<u16>| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let status = StatusCode::from_u16(code).unwrap_or(StatusCode::IM_A_TEAPOT);
+            let mut headers = HeaderMap::new();
+            headers.insert(
+                "location",
+                axum::http::HeaderValue::from_static("/elsewhere"),
+            );
+            (status, headers, Json(json!({ "execution": n })))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/status/{code}", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let runs = || executions.load(Ordering::SeqCst);
+    let body = json!({});
+    for (code, recorded) in [
+        (500, true),
+        (303, true),
+        (201, true),
+        (404, true),
+        (409, true),
+        (401, false),
+        (408, false),
+        (425, false),
+        (429, false),
+        (502, false),
+        (503, false),
+        (504, false),
+    ] {
+        let at = format!("{url}/status/{code}");
+        let key = format!("policy-{code}");
+        let before = runs();
+        let first = post_json(&at, Some(&key), "t1", &body).await;
+        assert_eq!((first.status, first.replayed()), (code, false));
+        let second = post_json(&at, Some(&key), "t1", &body).await;
+        assert_eq!(second.status, code);
+        if recorded {
+            assert!(second.replayed(), "{code} is recorded and replayed");
+            assert_eq!(second.body, first.body);
+            assert_eq!(runs(), before + 1, "{code}: one execution");
+        } else {
+            assert!(!second.replayed(), "{code} releases the key");
+            assert_eq!(runs(), before + 2, "{code}: the retry runs again");
+        }
+    }
+}
+
+/// 2b. A recording policy that panics once the handler ran records (a
+/// release could run the handler twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_record_policy_records() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, Json(json!({ "execution": n })))
+        }
+    };
+    let layer = layer_on(Idempotency::new(pg_store().await)).record_status(|status| {
+        assert_ne!(status, StatusCode::CREATED, "a policy with a bug");
+        true
+    });
+    let url = spawn_server(Router::new().route("/x", post(handler)).layer(layer)).await;
+    let url = format!("{url}/x");
+    let first = post_json(&url, Some("p"), "t1", &json!({})).await;
+    let again = post_json(&url, Some("p"), "t1", &json!({})).await;
+    assert_eq!(
+        (first.status, again.status, again.replayed()),
+        (201, 201, true)
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// 3. A response the store refuses (over its size limit) is not released:
+/// the caller gets it, a duplicate gets 409 "not recorded", the handler
+/// runs once. A text body is recorded as text (no base64 inflation).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_the_store_refuses_is_not_released_and_text_is_not_inflated() {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    let store = PgStore::builder(pool)
+        .max_response_bytes(4096)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |axum::extract::Path(size): axum::extract::Path<usize>| async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, "x".repeat(size))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/text/{size}", post(handler))
+            .layer(layer_on(Idempotency::new(store))),
+    )
+    .await;
+
+    // 3,500 bytes of text: 4,668 in base64, over the store's 4,096.
+    let at = format!("{url}/text/3500");
+    let first = post_raw(&at, "fits", Some("t1"), "text/plain", "").await;
+    assert_eq!((first.status, first.body.len()), (201, 3500));
+    let again = post_raw(&at, "fits", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (201, true),
+        "{}",
+        String::from_utf8_lossy(&again.body)
+    );
+    assert_eq!(again.body, first.body);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+
+    let at = format!("{url}/text/8000");
+    let first = post_raw(&at, "too-big", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (first.status, first.body.len()),
+        (201, 8000),
+        "the caller gets its response"
+    );
+    for _ in 0..2 {
+        let again = post_raw(&at, "too-big", Some("t1"), "text/plain", "").await;
+        assert_not_replayable(&again);
+    }
+    assert_eq!(executions.load(Ordering::SeqCst), 2, "never run twice");
+}
+
+/// 4. A request whose tenant cannot be determined is refused with 401,
+/// unless anonymous use is turned on; then all anonymous callers share one
+/// key space.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anonymous_callers_are_refused_unless_allowed() {
+    let server = serve().await;
+    let payments = format!("{}/payments", server.url);
+    let body = br#"{"amount":1}"#.to_vec();
+    for _ in 0..2 {
+        let r = post_raw(&payments, "anon", None, "application/json", body.clone()).await;
+        assert_eq!(
+            (r.status, r.json()["status"].as_u64()),
+            (401, Some(401)),
+            "{}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    let r = post_raw(
+        &payments,
+        "anon",
+        Some(""),
+        "application/json",
+        body.clone(),
+    )
+    .await;
+    assert_eq!(r.status, 401, "an empty tenant is no tenant");
+    assert_eq!(server.app.effects.load(Ordering::SeqCst), 0);
+
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            Json(json!({ "execution": n }))
+        }
+    };
+    let store = pg_store().await;
+    let no_tenant = IdempotencyLayer::new(Idempotency::new(store.clone()))
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let anonymous = no_tenant.clone().allow_anonymous(true);
+    let mixed = layer_on(Idempotency::new(store)).allow_anonymous(true);
+    let url = spawn_server(
+        Router::new()
+            .route("/no-tenant", post(handler.clone()).layer(no_tenant))
+            .route("/anonymous", post(handler.clone()).layer(anonymous))
+            .route("/mixed", post(handler).layer(mixed)),
+    )
+    .await;
+    let r = post_raw(
+        &format!("{url}/no-tenant"),
+        "k",
+        Some("t1"),
+        "text/plain",
+        "",
+    )
+    .await;
+    assert_eq!(r.status, 401, "no tenant function: nobody is known");
+    assert_eq!(executions.load(Ordering::SeqCst), 0);
+
+    let at = format!("{url}/anonymous");
+    let a = post_raw(&at, "shared", None, "text/plain", "").await;
+    let b = post_raw(&at, "shared", Some("t2"), "text/plain", "").await;
+    assert_eq!((a.status, a.replayed()), (200, false));
+    assert_eq!(
+        (b.status, b.replayed(), &b.body),
+        (200, true, &a.body),
+        "allowed anonymous callers share one key space"
+    );
+
+    let at = format!("{url}/mixed");
+    let anon = post_raw(&at, "k", None, "text/plain", "").await;
+    let known = post_raw(&at, "k", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (anon.replayed(), known.replayed()),
+        (false, false),
+        "a known tenant never shares keys with anonymous callers"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 3);
+}
+
+/// 5. The caller whose request ran gets the handler's response unchanged;
+/// only the recorded copy drops per-caller headers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_caller_gets_every_header_and_the_replay_drops_per_caller_ones() {
+    let handler = || async {
+        let mut headers = HeaderMap::new();
+        let mut add = |name: &'static str, value: &[u8]| {
+            headers.append(
+                name,
+                axum::http::HeaderValue::from_bytes(value).unwrap_or_else(|e| panic!("{e}")),
+            );
+        };
+        add("set-cookie", b"session=abc; HttpOnly");
+        add("set-cookie", b"theme=dark");
+        add("x-multi", b"one");
+        add("x-multi", b"two");
+        add("x-latin1", b"caf\xe9");
+        add("x-utf8", "café ☕".as_bytes());
+        add("cache-control", b"no-store");
+        (StatusCode::CREATED, headers, "created")
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/headers", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/headers");
+    let all = |r: &RawReply, name: &str| -> Vec<Vec<u8>> {
+        r.headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.as_bytes().to_vec())
+            .collect()
+    };
+    let first = post_raw(&url, "h", Some("t1"), "text/plain", "").await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!(
+        all(&first, "set-cookie"),
+        vec![b"session=abc; HttpOnly".to_vec(), b"theme=dark".to_vec()]
+    );
+    assert_eq!(
+        all(&first, "x-multi"),
+        vec![b"one".to_vec(), b"two".to_vec()]
+    );
+    assert_eq!(all(&first, "x-latin1"), vec![b"caf\xe9".to_vec()]);
+    assert_eq!(all(&first, "x-utf8"), vec!["café ☕".as_bytes().to_vec()]);
+    assert_eq!(all(&first, "cache-control"), vec![b"no-store".to_vec()]);
+
+    let again = post_raw(&url, "h", Some("t1"), "text/plain", "").await;
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert!(
+        all(&again, "set-cookie").is_empty(),
+        "another caller's cookies are never replayed"
+    );
+    assert_eq!(
+        all(&again, "x-multi"),
+        vec![b"one".to_vec(), b"two".to_vec()]
+    );
+    assert_eq!(all(&again, "x-latin1"), vec![b"caf\xe9".to_vec()]);
+    assert_eq!(all(&again, "x-utf8"), vec!["café ☕".as_bytes().to_vec()]);
+    assert_eq!(again.body, b"created");
+}
+
+/// 6a. A body over the response limit (default 1 MiB) reaches its caller in
+/// full, streamed; the key completes as not replayable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_over_the_limit_reaches_the_caller_in_full_and_is_not_replayable() {
+    const SIZE: usize = 3 << 20;
+    let pattern = |i: usize| (i % 251) as u8;
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            let chunks = (0..SIZE / 65536).map(move |c| {
+                Ok::<_, std::io::Error>(
+                    (c * 65536..(c + 1) * 65536)
+                        .map(pattern)
+                        .collect::<Vec<u8>>(),
+                )
+            });
+            (
+                StatusCode::CREATED,
+                axum::body::Body::from_stream(futures::stream::iter(chunks)),
+            )
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/big", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/big");
+    let first = post_raw(&url, "big", Some("t1"), "text/plain", "").await;
+    assert_eq!(first.status, 201);
+    assert_eq!(first.body.len(), SIZE, "every byte");
+    assert!(first.body.iter().enumerate().all(|(i, &b)| b == pattern(i)));
+    let again = post_raw(&url, "big", Some("t1"), "text/plain", "").await;
+    assert_not_replayable(&again);
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// 6b. A `text/event-stream` response is streamed at once, never buffered:
+/// its first event reaches the client while the stream is still open, and
+/// the key is completed as not replayable at once (no lease held).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_stream_is_streamed_not_buffered() {
+    use futures::StreamExt;
+    let (rest_tx, rest_rx) = tokio::sync::oneshot::channel::<()>();
+    let rest_rx = Arc::new(std::sync::Mutex::new(Some(rest_rx)));
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            let rest = rest_rx.lock().ok().and_then(|mut r| r.take());
+            let first = futures::stream::once(async { Ok::<_, std::io::Error>("data: first\n\n") });
+            let second = futures::stream::once(async move {
+                if let Some(rest) = rest {
+                    let _ = rest.await;
+                }
+                Ok("data: second\n\n")
+            });
+            (
+                [(axum::http::header::CONTENT_TYPE, "text/event-stream")],
+                axum::body::Body::from_stream(first.chain(second)),
+            )
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/events", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/events");
+    let wait = std::time::Duration::from_secs(10);
+    let mut stream = tokio::time::timeout(
+        wait,
+        reqwest::Client::new()
+            .post(&url)
+            .header("idempotency-key", "sse")
+            .header("x-api-key", "t1")
+            .header("content-type", "text/plain")
+            .send(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no response head within {wait:?}: the stream was buffered"))
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stream.status(), 200);
+    let chunk = tokio::time::timeout(wait, stream.chunk())
+        .await
+        .unwrap_or_else(|_| panic!("no first event within {wait:?}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(chunk.as_deref(), Some(&b"data: first\n\n"[..]));
+
+    // The stream is still open: its key is already completed.
+    let again = post_raw(&url, "sse", Some("t1"), "text/plain", "").await;
+    assert_not_replayable(&again);
+
+    let _ = rest_tx.send(());
+    let mut rest = Vec::new();
+    while let Some(chunk) = stream.chunk().await.unwrap_or_else(|e| panic!("{e}")) {
+        rest.extend_from_slice(&chunk);
+    }
+    assert_eq!(rest, b"data: second\n\n");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
+/// 7. A builder method called on a clone of a layer does not panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_methods_work_on_a_clone() {
+    let base = layer_on(Idempotency::new(pg_store().await));
+    let strict = base.clone().record_status(|s| s.is_success());
+    let handler = || async { (StatusCode::NOT_FOUND, "nothing here") };
+    let url = spawn_server(
+        Router::new()
+            .route("/base", post(handler).layer(base))
+            .route("/strict", post(handler).layer(strict)),
+    )
+    .await;
+    let at = |p: &str| format!("{url}{p}");
+    let _ = post_raw(&at("/base"), "c", Some("t1"), "text/plain", "").await;
+    let r = post_raw(&at("/base"), "c", Some("t1"), "text/plain", "").await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (404, true),
+        "the original records 404"
+    );
+    let _ = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
+    let r = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
+    assert_eq!((r.status, r.replayed()), (404, false), "the clone does not");
+}
+
+/// 8. An invalid scope is an error of the layer's construction, never a
+/// 400 that blames the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_scope_is_refused_when_the_layer_is_built() {
+    let layer = IdempotencyLayer::new(Idempotency::new(pg_store().await));
+    for bad in ["not a valid scope!", "", &"s".repeat(65), "é"] {
+        let refused = layer.clone().scope(bad);
+        assert!(
+            matches!(
+                refused,
+                Err(idem::KeyError::InvalidScopeChar { .. }
+                    | idem::KeyError::EmptyScope
+                    | idem::KeyError::ScopeTooLong { .. })
+            ),
+            "{bad:?}: {refused:?}"
+        );
+    }
+    let layer = layer
+        .scope(scope())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key);
+    let url = spawn_server(
+        Router::new()
+            .route("/x", post(|| async { "ran" }))
+            .layer(layer),
+    )
+    .await;
+    let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
+    assert_eq!((r.status, r.body.as_slice()), (200, &b"ran"[..]));
+}
+
+/// 9. A valid key on a long path (or for a long tenant) is never refused,
+/// and two long paths (tenants) that differ only at the end never share a
+/// key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_paths_and_tenants_never_refuse_a_valid_key_nor_collide() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move |uri: axum::http::Uri| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            Json(json!({ "execution": n, "path": uri.path() }))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/long/{*rest}", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let path_a = format!("/long/{}a", "p".repeat(173));
+    let path_b = format!("/long/{}b", "p".repeat(173));
+    assert_eq!(path_a.len(), 180);
+    for key in ["k".repeat(255), "/%".repeat(127) + "/"] {
+        let a = post_raw(
+            &format!("{url}{path_a}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!(a.status, 200, "{}", String::from_utf8_lossy(&a.body));
+        assert_eq!(a.json()["path"], path_a.as_str());
+        let b = post_raw(
+            &format!("{url}{path_b}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!(
+            (b.status, b.replayed()),
+            (200, false),
+            "another path, its own key"
+        );
+        assert_eq!(b.json()["path"], path_b.as_str());
+        let a2 = post_raw(
+            &format!("{url}{path_a}"),
+            &key,
+            Some("t1"),
+            "text/plain",
+            "",
+        )
+        .await;
+        assert_eq!((a2.status, a2.replayed()), (200, true));
+        assert_eq!(a2.body, a.body);
+    }
+    let tenant_a = format!("{}a", "t".repeat(299));
+    let tenant_b = format!("{}b", "t".repeat(299));
+    let at = format!("{url}{path_a}");
+    let a = post_raw(&at, "tenant-key", Some(&tenant_a), "text/plain", "").await;
+    let b = post_raw(&at, "tenant-key", Some(&tenant_b), "text/plain", "").await;
+    assert_eq!(
+        (a.status, a.replayed(), b.status, b.replayed()),
+        (200, false, 200, false)
+    );
+    assert_ne!(a.body, b.body, "each tenant ran its own");
+    assert_eq!(executions.load(Ordering::SeqCst), 6);
+}
+
+/// 10. A 500 from the layer never echoes the store's error text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn internal_errors_are_not_echoed_to_the_client() {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    // A table that was never migrated: every call fails with a database
+    // error naming it.
+    let store = PgStore::builder(pool)
+        .table("idem_secret_missing_table")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = spawn_server(
+        Router::new()
+            .route("/x", post(|| async { "ran" }))
+            .layer(layer_on(Idempotency::new(store))),
+    )
+    .await;
+    let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
+    let text = String::from_utf8_lossy(&r.body);
+    assert!(r.status == 500 || r.status == 503, "{} {text}", r.status);
+    assert!(
+        !text.contains("idem_secret_missing_table") && !text.contains("relation"),
+        "internal text echoed: {text}"
+    );
+}
+
+/// 11. The fingerprint of a JSON body is its canonical JSON: a retry with
+/// reordered fields and other whitespace is a replay; numbers keep their
+/// exact text, so two bodies with different big numbers never share one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_bodies_are_fingerprinted_canonically_with_exact_numbers() {
+    let server = serve().await;
+    let payments = format!("{}/payments", server.url);
+    let json_ct = "application/json";
+    let first = post_raw(
+        &payments,
+        "canon",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":1200,"currency":"EUR"}"#,
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let reordered = post_raw(
+        &payments,
+        "canon",
+        Some("t1"),
+        "application/json; charset=utf-8",
+        "{ \"currency\" : \"EUR\",\n  \"amount\": 1200 }\n",
+    )
+    .await;
+    assert_eq!(
+        (reordered.status, reordered.replayed()),
+        (201, true),
+        "{}",
+        String::from_utf8_lossy(&reordered.body)
+    );
+    assert_eq!(reordered.body, first.body);
+
+    let big = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":12345678901234567890123}"#,
+    )
+    .await;
+    assert_eq!(big.status, 201);
+    let other = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":12345678901234567890124}"#,
+    )
+    .await;
+    assert_eq!(other.status, 422, "another number is another request");
+    let same = post_raw(
+        &payments,
+        "big-number",
+        Some("t1"),
+        json_ct,
+        r#"{ "amount" : 12345678901234567890123 }"#,
+    )
+    .await;
+    assert_eq!((same.status, same.replayed()), (201, true));
+
+    // Deeper than any parser should recurse: hashed as bytes, no crash.
+    let deep = format!("{}{}", "[".repeat(500), "]".repeat(500));
+    let d1 = post_raw(&payments, "deep", Some("t1"), json_ct, deep.clone()).await;
+    let d2 = post_raw(&payments, "deep", Some("t1"), json_ct, deep).await;
+    assert_eq!(d1.status, d2.status);
+    assert!(d2.replayed());
+    let bad = post_raw(&payments, "not-json", Some("t1"), json_ct, "{not json").await;
+    let bad2 = post_raw(&payments, "not-json", Some("t1"), json_ct, "{not json").await;
+    assert_eq!(
+        (bad.status, bad2.status, bad2.replayed()),
+        (bad.status, bad.status, true)
+    );
+    assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
 }

@@ -34,33 +34,80 @@
 //!
 //! | request | response |
 //! |---|---|
-//! | first with a key | the handler runs; its response is recorded if its status is recorded (default: 2xx and 4xx) |
-//! | same key, same method, path and body, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
-//! | same key while the first still runs | `409 Conflict`, `Retry-After` |
-//! | same key, different body (or method, path) | `422 Unprocessable Content` |
+//! | first with a key | the handler runs (detached, see below); its caller gets the handler's response unchanged, and a copy is recorded if its status is recorded |
+//! | same key, same request, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
+//! | same key while the first still runs | `409 Conflict` with `Retry-After` (or, with `InProgressPolicy::Wait` on the executor, the replay once it completes) |
+//! | same key, completed, but its response was not recorded (streamed, over `max_response_bytes`, refused by the store) | `409 Conflict`, no `Retry-After`, title "The original response was not recorded": it ran and will not run again for this key |
+//! | same key, different body (or method, path, media type) | `422 Unprocessable Content` |
+//! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
 //! | a malformed key | `400 Bad Request` |
-//! | a body over the limit | `413 Content Too Large`, before anything is stored |
-//! | the store unreachable | `503 Service Unavailable`, `Retry-After` |
-//! | the handler answers 5xx (not recorded by default) | passed through; the key is released, a retry runs again |
+//! | a body over `max_body_bytes` (default 1 MiB) | `413 Content Too Large`, before anything is stored |
+//! | the store unreachable | `503 Service Unavailable` with `Retry-After`; nothing ran |
+//! | the layer fails otherwise | `500 Internal Server Error`, a generic detail (the error is logged with `tracing`, never sent) |
+//! | the handler answers 401, 408, 425, 429, 502, 503 or 504 | passed through; the key is released, a retry runs again |
+//! | the handler answers anything else, 500 included | recorded and replayed: the handler may have done part of its work (`.record_status(...)` changes the policy) |
 //!
-//! Errors are `application/problem+json` (RFC 9457).
+//! The layer's own errors are `application/problem+json` (RFC 9457).
 //!
-//! The key of a request is the pair (tenant, method, path, header value)
-//! under the layer's scope, so two tenants, or two routes, never collide
-//! and never read each other's responses. The fingerprint covers the
-//! method, the path with its query, and the body.
+//! **The caller whose request ran** gets the handler's response as it is,
+//! every header included (`Set-Cookie`, repeated headers, non-ASCII
+//! values). **The recorded copy**, replayed to duplicates, leaves out the
+//! hop-by-hop headers (`Connection` and the headers it names,
+//! `Keep-Alive`, `Transfer-Encoding`, `TE`, `Trailer`, `Upgrade`,
+//! `Proxy-Authenticate`, `Proxy-Connection`) and the per-caller ones
+//! (`Set-Cookie`, `Date`), and `Content-Length`, which is set again; header
+//! values are kept as bytes. The body is recorded through the executor's
+//! codec: with JSON, a UTF-8 body as a JSON string (escaped, not inflated
+//! by base64), any other body as base64; with a binary codec, as bytes.
+//!
+//! **Detached** (`.detached(true)`, the default): the acquisition, the
+//! handler and the recording run in a spawned task that the request only
+//! awaits ([`Idempotency::process_with_detached`]). A client that
+//! disconnects or times out does not cut the handler off: it runs to its
+//! end and its response is recorded, and the client's retry gets `409`
+//! while it runs, then the replay. The handler finds the acquisition's
+//! [`idem_core::Context`] (attempt, fence) in the request's extensions
+//! (axum: `Extension<idem_core::Context>`), to pass the fence to systems
+//! that can refuse a stale writer.
+//!
+//! **Large and streaming responses** (`.max_response_bytes(n)`, default
+//! 1 MiB): the body is read up to the limit and recorded if it ends within
+//! it. A longer body, and every `text/event-stream` (which is never read
+//! ahead), reaches its caller in full, streamed, and its key is completed
+//! at once as "not replayable": the handler never runs again for it, and
+//! duplicates get the `409` above.
+//!
+//! **Tenants**: set [`IdempotencyLayer::tenant`] to who is calling (an API
+//! key, the subject of a verified token). A request whose tenant is not
+//! known is refused with `401`; [`IdempotencyLayer::allow_anonymous`] lets
+//! such requests in, all in one shared key space.
+//!
+//! **Keys and fingerprints**: the key of a request is (tenant, method,
+//! path, header value) under the layer's scope, so two tenants, or two
+//! routes, never collide and never read each other's responses; a tenant
+//! or path longer than 64 bytes is hashed (SHA-256) into the key, so a
+//! valid header value is never refused for the length of the path. The
+//! scope is checked when the layer is built ([`IdempotencyLayer::scope`]
+//! returns a `Result`). The fingerprint covers the method, the path with
+//! its query, the media type and the body: the canonical JSON of a JSON
+//! body (`application/json`, `+json`), so that field order and whitespace
+//! never make a mismatch, with numbers kept as written (two bodies that
+//! differ in a digit never match, however large the number); the bytes of
+//! any other body, or of a body that is not valid JSON.
 #![deny(missing_docs)]
+
+mod json;
+mod recorded;
 
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use base64::Engine;
 use bytes::Bytes;
 use http::header::{HeaderName, HeaderValue, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER};
 use http::{Method, Request, Response, StatusCode};
@@ -68,9 +115,9 @@ use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
 use idem_core::{
     Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
-    Processed,
+    KeyError, Processed,
 };
-use serde::{Deserialize, Serialize};
+use recorded::{Buffered, Outcome, Prefixed, Recorded};
 
 /// The request header that carries the key.
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
@@ -85,6 +132,26 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type TenantFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// The response headers that are passed to the caller whose request ran
+/// but left out of the recorded copy: hop-by-hop headers (and any that
+/// `Connection` names) and per-caller ones (`Set-Cookie`, `Date`), plus
+/// the framing (`Content-Length`, set again for the replayed body).
+fn not_recorded_headers() -> Arc<[HeaderName]> {
+    Arc::from([
+        http::header::CONNECTION,
+        HeaderName::from_static("keep-alive"),
+        HeaderName::from_static("proxy-connection"),
+        http::header::PROXY_AUTHENTICATE,
+        http::header::TE,
+        http::header::TRAILER,
+        http::header::TRANSFER_ENCODING,
+        http::header::UPGRADE,
+        CONTENT_LENGTH,
+        http::header::DATE,
+        http::header::SET_COOKIE,
+    ])
+}
 
 /// The longest `Idempotency-Key` header value accepted, in bytes.
 pub const MAX_KEY_LEN: usize = 255;
@@ -101,9 +168,30 @@ struct Config<S: ?Sized, C> {
     required: bool,
     methods: Vec<Method>,
     max_body_bytes: usize,
+    max_response_bytes: usize,
+    detached: bool,
     tenant: Option<Arc<TenantFn>>,
+    allow_anonymous: bool,
     record: Arc<StatusFn>,
-    skip_headers: Vec<HeaderName>,
+    skip_headers: Arc<[HeaderName]>,
+}
+
+impl<S: ?Sized, C> Clone for Config<S, C> {
+    fn clone(&self) -> Self {
+        Config {
+            idem: self.idem.clone(),
+            scope: self.scope.clone(),
+            required: self.required,
+            methods: self.methods.clone(),
+            max_body_bytes: self.max_body_bytes,
+            max_response_bytes: self.max_response_bytes,
+            detached: self.detached,
+            tenant: self.tenant.clone(),
+            allow_anonymous: self.allow_anonymous,
+            record: self.record.clone(),
+            skip_headers: self.skip_headers.clone(),
+        }
+    }
 }
 
 impl<S: ?Sized, C> Clone for IdempotencyLayer<S, C> {
@@ -121,7 +209,10 @@ impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
             .field("required", &self.config.required)
             .field("methods", &self.config.methods)
             .field("max_body_bytes", &self.config.max_body_bytes)
+            .field("max_response_bytes", &self.config.max_response_bytes)
+            .field("detached", &self.config.detached)
             .field("tenant", &self.config.tenant.is_some())
+            .field("allow_anonymous", &self.config.allow_anonymous)
             .finish()
     }
 }
@@ -133,8 +224,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// waits for the recorded response.
     ///
     /// Defaults: scope `http`; the key is required on `POST` and `PATCH`
-    /// (other methods pass through untouched); bodies up to 1 MiB; no
-    /// tenant; 2xx and 4xx responses are recorded, others release the key.
+    /// (other methods pass through untouched); request bodies up to 1 MiB;
+    /// no tenant function and anonymous requests refused, so set
+    /// [`tenant`](Self::tenant) or [`allow_anonymous`](Self::allow_anonymous);
+    /// every status is recorded but 401, 408, 425, 429, 502, 503 and 504
+    /// ([`default_record_status`]); response bodies recorded up to 1 MiB
+    /// ([`max_response_bytes`](Self::max_response_bytes)); the handler runs
+    /// [`detached`](Self::detached).
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -143,32 +239,52 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 required: true,
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
+                max_response_bytes: 1 << 20,
+                detached: true,
                 tenant: None,
-                record: Arc::new(|s: StatusCode| s.is_success() || s.is_client_error()),
-                skip_headers: vec![
-                    http::header::DATE,
-                    CONTENT_LENGTH,
-                    http::header::TRANSFER_ENCODING,
-                    http::header::CONNECTION,
-                    http::header::SET_COOKIE,
-                ],
+                allow_anonymous: false,
+                record: Arc::new(default_record_status),
+                skip_headers: not_recorded_headers(),
             }),
         }
     }
 
+    /// Applies `f` to this layer's configuration; a layer that shares it
+    /// with clones gets its own copy first, so the clones are unchanged.
     fn edit(mut self, f: impl FnOnce(&mut Config<S, C>)) -> Self {
-        match Arc::get_mut(&mut self.config) {
-            Some(config) => f(config),
-            None => unreachable!("a layer is configured before it is cloned"),
-        }
+        f(Arc::make_mut(&mut self.config));
         self
     }
 
     /// The scope of the idempotency keys (default `http`): give each API
     /// its own when several share a store.
-    pub fn scope(self, scope: impl Into<String>) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// A scope that is not 1 to 64 bytes of `[A-Za-z0-9._:-]` is refused
+    /// here, when the layer is built, with the [`KeyError`] that says why;
+    /// the layer is not changed. (A layer cannot fail once it serves, and a
+    /// per-request error would blame the client for the server's
+    /// configuration.)
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, KeyError, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()));
+    /// assert!(matches!(
+    ///     layer.clone().scope("payments api"),
+    ///     Err(KeyError::InvalidScopeChar { .. })
+    /// ));
+    /// let layer = layer.scope("payments.api")?;
+    /// # let _ = layer;
+    /// # Ok::<(), KeyError>(())
+    /// ```
+    pub fn scope(self, scope: impl Into<String>) -> Result<Self, KeyError> {
         let scope = scope.into();
-        self.edit(|c| c.scope = scope)
+        // The scope is validated with the key type's own rules.
+        IdempotencyKey::new(scope.clone(), "-")?;
+        Ok(self.edit(|c| c.scope = scope))
     }
 
     /// Whether a request without the header is refused with 400 (default
@@ -189,11 +305,47 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         self.edit(|c| c.max_body_bytes = max)
     }
 
+    /// The largest response body recorded (default 1 MiB). The body is
+    /// read up to this; if it ends within it, it is recorded and replayed.
+    /// If it goes past, the key is completed as "not replayable" at once
+    /// (the lease is not held while the body streams) and the caller gets
+    /// the whole response, streamed: what was read, then the rest. A
+    /// duplicate of such a key gets `409 Conflict` ("the original response
+    /// was not recorded"), never a second execution. A `text/event-stream`
+    /// response is never read ahead: it is streamed at once and not
+    /// replayable. The store may have its own, lower limit (and the
+    /// recorded copy adds its headers and some escaping): a response the
+    /// store refuses is not replayable the same way.
+    pub fn max_response_bytes(self, max: usize) -> Self {
+        self.edit(|c| c.max_response_bytes = max)
+    }
+
+    /// Whether the handler runs detached (default `true`): acquisition,
+    /// handler and recording run in a spawned task that the request only
+    /// awaits, so a client that disconnects (or times out) does not cut the
+    /// handler off: it runs to its end, its response is recorded, and the
+    /// client's retry gets the replay (`409` while it still runs). The
+    /// inner service, its future and its error must be `Send + 'static`
+    /// (as axum's are).
+    ///
+    /// Off, the handler runs in the request's own future: a client that
+    /// disconnects drops it wherever it is, and its key then stays in
+    /// progress until its lease ends (it is never released, since part of
+    /// the handler's effects may have happened); the retry after that runs
+    /// the handler again.
+    pub fn detached(self, detached: bool) -> Self {
+        self.edit(|c| c.detached = detached)
+    }
+
     /// Who is calling, from the request head (an API key, the subject of a
     /// verified token put in the extensions by an auth layer...). Keys are
     /// scoped by it, so two callers sending the same key never collide and
-    /// never read each other's responses. Without it, all callers share
-    /// one key space.
+    /// never read each other's responses.
+    ///
+    /// A request whose tenant is not known (no tenant function, or it
+    /// returns `None` or an empty string) is refused with `401
+    /// Unauthorized` before anything runs or is stored, unless
+    /// [`allow_anonymous`](Self::allow_anonymous) is on.
     pub fn tenant(
         self,
         tenant: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
@@ -201,9 +353,26 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         self.edit(|c| c.tenant = Some(Arc::new(tenant)))
     }
 
-    /// Which response statuses are recorded and replayed (default: 2xx and
-    /// 4xx). A response that is not recorded is passed through and releases
-    /// the key, so a retry runs the handler again (default for 5xx).
+    /// Whether requests whose tenant is not known are served (default
+    /// `false`: they get `401 Unauthorized`). On, **all anonymous callers
+    /// share one key space**: two of them sending the same key get one
+    /// execution, and the second one gets the first one's response. Turn it
+    /// on only for an API without callers to tell apart, or whose keys are
+    /// unguessable and never shared (random UUIDs from trusted clients).
+    pub fn allow_anonymous(self, allow: bool) -> Self {
+        self.edit(|c| c.allow_anonymous = allow)
+    }
+
+    /// Which response statuses are recorded and replayed. A response that
+    /// is not recorded is passed through and releases the key, so a retry
+    /// runs the handler again.
+    ///
+    /// Default ([`default_record_status`]): every status is recorded but
+    /// those that say "nothing happened, try again": 401, 408, 425, 429,
+    /// 502, 503 and 504. A 500 is recorded: the handler may have done part
+    /// of its work before it failed, and running it again could do it twice
+    /// (Stripe's API does the same). Release a status only if your handler
+    /// guarantees it had no effect when it answers it.
     pub fn record_status(
         self,
         record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -246,19 +415,10 @@ impl<S: ?Sized, Inner, C> fmt::Debug for IdempotencyService<S, Inner, C> {
     }
 }
 
-/// A response as recorded and replayed.
-#[derive(Debug, Serialize, Deserialize)]
-struct Recorded {
-    status: u16,
-    headers: Vec<(String, String)>,
-    /// base64
-    body: String,
-}
-
-/// Why the handler's outcome is not recorded.
+/// Why the handler's outcome is not recorded, and the key released.
 enum NotRecorded<E> {
-    /// A status the policy does not record: passed through as it is.
-    Response(Response<LayerBody>),
+    /// A status the policy does not record; the response was passed on.
+    Status(StatusCode),
     /// The inner service failed.
     Service(E),
 }
@@ -266,7 +426,7 @@ enum NotRecorded<E> {
 impl<E> fmt::Display for NotRecorded<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            NotRecorded::Response(r) => write!(f, "a {} response, not recorded", r.status()),
+            NotRecorded::Status(status) => write!(f, "a {status} response, not recorded"),
             NotRecorded::Service(_) => f.write_str("the inner service failed"),
         }
     }
@@ -312,6 +472,7 @@ where
     C: Codec,
     Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
     Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
     ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
     ReqBody::Error: Into<BoxError>,
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -320,16 +481,33 @@ where
     if !config.methods.contains(request.method()) {
         return inner.call(request).await.map(box_response);
     }
-    let header = match request.headers().get(&IDEMPOTENCY_KEY) {
-        Some(value) => value.clone(),
-        None if config.required => {
+    let header = request.headers().get(&IDEMPOTENCY_KEY).cloned();
+    if header.is_none() && !config.required {
+        return inner.call(request).await.map(box_response);
+    }
+    let (parts, body) = request.into_parts();
+    let tenant = match config.tenant.as_ref().and_then(|f| f(&parts)) {
+        Some(tenant) if !tenant.is_empty() => tenant,
+        _ if config.allow_anonymous => String::new(),
+        _ => {
+            return Ok(problem(
+                StatusCode::UNAUTHORIZED,
+                "Caller unknown",
+                "Idempotent requests are scoped by caller; this request does not say who is \
+                 calling.",
+            ))
+        }
+    };
+    let request = Request::from_parts(parts, body);
+    let header = match header {
+        Some(value) => value,
+        None => {
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "Idempotency-Key is missing",
                 "This operation requires an Idempotency-Key header.",
             ))
         }
-        None => return inner.call(request).await.map(box_response),
     };
     let Some(client_key) = parse_key(&header) else {
         return Ok(problem(
@@ -361,100 +539,138 @@ where
         Ok(collected) => collected.to_bytes(),
         Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large()),
         Err(e) => {
+            tracing::debug!(error = %e, "idempotency layer: the request body could not be read");
             return Ok(problem(
                 StatusCode::BAD_REQUEST,
                 "Request body could not be read",
-                &e.to_string(),
-            ))
+                "The request body could not be read. Nothing ran.",
+            ));
         }
     };
 
-    let tenant = config
-        .tenant
-        .as_ref()
-        .and_then(|f| f(&parts))
-        .unwrap_or_default();
-    let path = parts.uri.path().to_owned();
-    let key = match IdempotencyKey::composite(
-        config.scope.clone(),
-        [
-            tenant.as_str(),
-            parts.method.as_str(),
-            path.as_str(),
-            client_key,
-        ],
-    ) {
+    let id = key_id(&tenant, parts.method.as_str(), parts.uri.path(), client_key);
+    let key = match IdempotencyKey::new(config.scope.clone(), id) {
         Ok(key) => key,
+        // Cannot happen: the scope was validated when the layer was built,
+        // and key_id's result is at most 471 bytes without control
+        // characters. Not the client's fault if it does.
         Err(e) => {
+            tracing::error!(error = %e, "idempotency layer: the key id was refused");
             return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key is not usable",
-                &e.to_string(),
-            ))
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotent processing failed",
+                "The request could not be processed. It did not run.",
+            ));
         }
     };
-    let fingerprint = {
-        let target = parts
-            .uri
-            .path_and_query()
-            .map(|p| p.as_str())
-            .unwrap_or("/");
-        let mut bytes = Vec::with_capacity(body.len() + target.len() + 16);
-        bytes.extend_from_slice(parts.method.as_str().as_bytes());
-        bytes.push(b'\n');
-        bytes.extend_from_slice(target.as_bytes());
-        bytes.push(b'\n');
-        bytes.extend_from_slice(&body);
-        Fingerprint::of_bytes(&bytes)
-    };
+    let fingerprint = fingerprint(&parts, &body);
 
     let request = Request::from_parts(parts, ReqBody::from(body));
-    let record = config.record.clone();
-    let skip = &config.skip_headers;
-    let outcome = config
-        .idem
-        .process_with(&key, Some(fingerprint), |_| async move {
+    // The response for this caller, put here by the handler (detached, it
+    // runs in another task) and taken once processing ends.
+    let live: Arc<Mutex<Option<Response<LayerBody>>>> = Arc::default();
+    let handler = {
+        let live = live.clone();
+        let record = config.record.clone();
+        let skip = config.skip_headers.clone();
+        let limit = config.max_response_bytes;
+        move |context: idem_core::Context| async move {
+            let mut request = request;
+            request.extensions_mut().insert(context);
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
             let (parts, body) = response.into_parts();
-            if !record(parts.status) {
-                let body = body.map_err(Into::into).boxed_unsync();
-                return Err(NotRecorded::Response(Response::from_parts(parts, body)));
+            let body = body.map_err(Into::into).boxed_unsync();
+            // The handler ran: if the policy itself panics, record (the
+            // safe side: a release could run the handler twice).
+            let recorded =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record(parts.status)))
+                    .unwrap_or(true);
+            if !recorded {
+                let status = parts.status;
+                put(&live, Response::from_parts(parts, body));
+                return Err(NotRecorded::Status(status));
             }
-            let bytes = match body.collect().await {
-                Ok(collected) => collected.to_bytes(),
-                Err(e) => {
-                    let e: BoxError = e.into();
-                    return Err(NotRecorded::Response(problem(
-                        StatusCode::BAD_GATEWAY,
-                        "The response body could not be read",
-                        &e.to_string(),
-                    )));
+            let (body, outcome) = if is_event_stream(&parts.headers) {
+                let why = "a text/event-stream response is streamed, not recorded";
+                (body, Outcome::NotRecordable(why.to_owned()))
+            } else {
+                match recorded::buffer(body, limit).await {
+                    Buffered::Complete(bytes) => {
+                        let copy = Recorded::of(parts.status, &parts.headers, bytes.clone(), &skip);
+                        (full(bytes), Outcome::Recorded(copy))
+                    }
+                    Buffered::Streamed { read, rest, why } => (
+                        Prefixed::new(read, None, Some(rest)).boxed_unsync(),
+                        Outcome::NotRecordable(why),
+                    ),
+                    Buffered::Failed { read, error } => {
+                        let why = format!("the response body failed: {error}");
+                        (
+                            Prefixed::new(read, Some(error), None).boxed_unsync(),
+                            Outcome::NotRecordable(why),
+                        )
+                    }
                 }
             };
-            Ok(Recorded {
-                status: parts.status.as_u16(),
-                headers: parts
-                    .headers
-                    .iter()
-                    .filter(|(name, _)| !skip.contains(name))
-                    .filter_map(|(name, value)| {
-                        value
-                            .to_str()
-                            .ok()
-                            .map(|v| (name.as_str().to_owned(), v.to_owned()))
-                    })
-                    .collect(),
-                body: base64::engine::general_purpose::STANDARD.encode(&bytes),
-            })
-        })
-        .await;
+            put(&live, Response::from_parts(parts, body));
+            Ok::<_, NotRecorded<Inner::Error>>(outcome)
+        }
+    };
+    let outcome = if config.detached {
+        config
+            .idem
+            .process_with_detached(&key, Some(fingerprint), handler)
+            .await
+    } else {
+        config
+            .idem
+            .process_with(&key, Some(fingerprint), handler)
+            .await
+    };
 
+    // The handler ran in this call: its caller gets its response as it
+    // is, whether it was recorded or not.
+    let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(live) = live {
+        match &outcome {
+            Ok(Processed::Executed(_)) | Err(IdemError::Handler(NotRecorded::Status(_))) => {}
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::debug!(key = %key, %reason, "idempotency layer: the response is not replayable");
+            }
+            Ok(Processed::Replayed(_)) | Err(_) => {
+                // Its recording failed (the lease was taken over, the
+                // store failed): the effects ran, so the caller gets the
+                // response; a duplicate gets 409 until the lease ends.
+                if let Err(e) = &outcome {
+                    tracing::error!(key = %key, error = %e, "idempotency layer: the handler ran but its response was not recorded");
+                }
+            }
+        }
+        return Ok(live);
+    }
     Ok(match outcome {
-        Ok(Processed::Executed(recorded)) => replay(recorded, false),
-        Ok(Processed::ExecutedNotReplayable { value, .. }) => replay(value, false),
-        Ok(Processed::Replayed(recorded)) => replay(recorded, true),
-        Err(IdemError::Handler(NotRecorded::Response(response))) => response,
+        Ok(Processed::Replayed(Outcome::Recorded(recorded))) => replay(recorded),
         Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),
+        Ok(
+            Processed::Executed(_)
+            | Processed::ExecutedNotReplayable { .. }
+            | Processed::Replayed(Outcome::NotRecordable(_)),
+        ) => {
+            // Cannot happen: the handler puts its response before it ends
+            // well, and a not recordable outcome never decodes.
+            tracing::error!(key = %key, "idempotency layer: the handler ran but left no response");
+            internal_error()
+        }
+        Err(IdemError::ResultUnavailable { reason }) => {
+            tracing::debug!(key = %key, %reason, "idempotency layer: a duplicate of a key whose response was not recorded");
+            problem(
+                StatusCode::CONFLICT,
+                "The original response was not recorded",
+                "A request with this Idempotency-Key was processed, but its response could not \
+                 be recorded for replay (it was streamed, too large, or not storable). It will \
+                 not be processed again with this key.",
+            )
+        }
         Err(IdemError::WaitTimeout { .. }) => with_retry_after(
             problem(
                 StatusCode::CONFLICT,
@@ -476,23 +692,114 @@ where
             "Idempotency-Key reused with a different request",
             "This key was used with another method, path or body. Use a new key for a new request.",
         ),
-        Err(IdemError::Store(e)) if e.is_retryable() => with_retry_after(
-            problem(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "Idempotency store unavailable",
-                &e.to_string(),
-            ),
-            Duration::from_secs(1),
-        ),
-        Err(e) => {
-            tracing::error!(error = %e, "idempotency layer failed");
-            problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "Idempotent processing failed",
-                &e.to_string(),
+        Err(IdemError::Store(e)) if e.is_retryable() => {
+            tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
+            with_retry_after(
+                problem(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "Idempotency store unavailable",
+                    "The request could not be processed now. Retry after the time given in \
+                     Retry-After.",
+                ),
+                Duration::from_secs(1),
             )
         }
+        Err(e) => {
+            tracing::error!(error = %e, key = %key, "idempotency layer failed");
+            internal_error()
+        }
     })
+}
+
+/// The fingerprint of a request: SHA-256 over its method, its path and
+/// query, the essence of its media type (`application/json`, without
+/// parameters such as `charset`), and its body: the canonical JSON of a
+/// JSON body (`application/json` or `+json`), so that field order and
+/// whitespace never make a mismatch, or else the body's bytes. A JSON body
+/// keeps its numbers' exact text (see the `json` module): two requests that
+/// differ only in a digit never share a fingerprint.
+fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+    let target = parts
+        .uri
+        .path_and_query()
+        .map(|p| p.as_str())
+        .unwrap_or("/");
+    let media = media_type(&parts.headers);
+    let canonical = is_json(&media).then(|| json::canonical(body)).flatten();
+    let (form, body) = match &canonical {
+        Some(canonical) => (&b"json"[..], canonical.as_slice()),
+        None => (&b"bytes"[..], body),
+    };
+    // Method, target and media type hold no newline (HTTP forbids it).
+    let mut bytes = Vec::with_capacity(body.len() + target.len() + media.len() + 32);
+    for part in [
+        parts.method.as_str().as_bytes(),
+        target.as_bytes(),
+        &media,
+        form,
+    ] {
+        bytes.extend_from_slice(part);
+        bytes.push(b'\n');
+    }
+    bytes.extend_from_slice(body);
+    Fingerprint::of_bytes(&bytes)
+}
+
+/// The media type of `Content-Type` without its parameters, lowercased;
+/// empty without one.
+fn media_type(headers: &http::HeaderMap) -> Vec<u8> {
+    let Some(value) = headers.get(CONTENT_TYPE) else {
+        return Vec::new();
+    };
+    let essence = value.as_bytes().split(|&b| b == b';').next().unwrap_or(b"");
+    essence.trim_ascii().to_ascii_lowercase()
+}
+
+/// `application/json` or a `+json` structured syntax suffix.
+fn is_json(media: &[u8]) -> bool {
+    media == b"application/json" || (media.ends_with(b"+json") && media.contains(&b'/'))
+}
+
+/// The longest tenant, method or path (once `%` and `/` are escaped) kept
+/// as it is in a key id.
+const MAX_RAW_PART: usize = 64;
+
+/// The id of a request's key: tenant, method and path, each escaped (`%`
+/// and `/` percent-encoded) or, when longer than [`MAX_RAW_PART`] or
+/// holding a control character, replaced by `sha256:` and its hex SHA-256
+/// (71 bytes, so never equal to a part kept as it is); then the header
+/// value as it is. The parts hold no `/`, so the id splits back into them
+/// at its first three `/`: two different requests never share an id (short
+/// of a SHA-256 collision). At most 3 × 71 + 3 + 255 = 471 bytes, under the
+/// key's 512, whatever the lengths of the path and tenant.
+fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
+    let mut id = String::with_capacity(3 * 72 + client_key.len());
+    for part in [tenant, method, path] {
+        let mut escaped = String::with_capacity(part.len());
+        for ch in part.chars() {
+            match ch {
+                '%' => escaped.push_str("%25"),
+                '/' => escaped.push_str("%2F"),
+                c => escaped.push(c),
+            }
+        }
+        if escaped.len() <= MAX_RAW_PART && !part.chars().any(char::is_control) {
+            id.push_str(&escaped);
+        } else {
+            id.push_str("sha256:");
+            id.push_str(&Fingerprint::of_bytes(part.as_bytes()).to_hex());
+        }
+        id.push('/');
+    }
+    id.push_str(client_key);
+    id
+}
+
+/// The default of [`IdempotencyLayer::record_status`]: `true` (record)
+/// for every status but those that say "nothing happened, try again":
+/// 401, 408, 425, 429, 502, 503, 504.
+pub fn default_record_status(status: StatusCode) -> bool {
+    !matches!(status.as_u16(), 401 | 408 | 425 | 429 | 502 | 503 | 504)
 }
 
 /// The key from the header: a token, or a quoted string (the draft's
@@ -521,30 +828,46 @@ fn full(bytes: impl Into<Bytes>) -> LayerBody {
         .boxed_unsync()
 }
 
-fn replay(recorded: Recorded, replayed: bool) -> Response<LayerBody> {
-    let body = match base64::engine::general_purpose::STANDARD.decode(&recorded.body) {
-        Ok(body) => body,
-        Err(e) => {
-            return problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "The recorded response does not decode",
-                &e.to_string(),
-            )
-        }
+/// The replay of a recorded response, marked `Idempotent-Replayed: true`.
+fn replay(recorded: Recorded) -> Response<LayerBody> {
+    let Ok(status) = StatusCode::from_u16(recorded.status) else {
+        tracing::error!(
+            status = recorded.status,
+            "idempotency layer: the recorded status is not valid"
+        );
+        return internal_error();
     };
-    let mut response = Response::new(full(body));
-    *response.status_mut() = StatusCode::from_u16(recorded.status).unwrap_or(StatusCode::OK);
-    for (name, value) in recorded.headers {
-        if let (Ok(name), Ok(value)) = (HeaderName::try_from(name), HeaderValue::try_from(value)) {
-            response.headers_mut().append(name, value);
-        }
-    }
-    if replayed {
-        response
-            .headers_mut()
-            .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    }
+    let mut response = Response::new(full(recorded.body.0.clone()));
+    *response.status_mut() = status;
+    *response.headers_mut() = recorded.header_map();
     response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+/// Whether a response is a `text/event-stream`.
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    let media = headers
+        .get(CONTENT_TYPE)
+        .map(|v| v.as_bytes().split(|&b| b == b';').next().unwrap_or(b""))
+        .unwrap_or(b"");
+    media
+        .trim_ascii()
+        .eq_ignore_ascii_case(b"text/event-stream")
+}
+
+fn put<T>(slot: &Mutex<Option<T>>, value: T) {
+    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
+}
+
+/// The layer's own 500: a generic detail, the error itself is logged.
+fn internal_error() -> Response<LayerBody> {
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Idempotent processing failed",
+        "The request could not be processed. The error was logged.",
+    )
 }
 
 /// An `application/problem+json` response (RFC 9457).
@@ -575,6 +898,93 @@ fn with_retry_after(mut response: Response<LayerBody>, after: Duration) -> Respo
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn fp(content_type: &str, body: &str) -> Fingerprint {
+        fp_at("POST", "/p?q=1", content_type, body)
+    }
+
+    fn fp_at(method: &str, target: &str, content_type: &str, body: &str) -> Fingerprint {
+        let mut builder = Request::builder().method(method).uri(target);
+        if !content_type.is_empty() {
+            builder = builder.header(CONTENT_TYPE, content_type);
+        }
+        let (parts, ()) = builder
+            .body(())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into_parts();
+        fingerprint(&parts, body.as_bytes())
+    }
+
+    #[test]
+    fn json_fingerprints_ignore_order_and_whitespace_only() {
+        let json = "application/json";
+        assert_eq!(
+            fp(json, r#"{"a":1,"b":"x"}"#),
+            fp(json, "{ \"b\":\"x\",\n \"a\": 1 }")
+        );
+        assert_eq!(
+            fp(json, r#"{"a":1}"#),
+            fp("Application/JSON; charset=utf-8", r#"{ "a":1 }"#)
+        );
+        assert_eq!(
+            fp("application/merge-patch+json", r#"{"a":1,"b":2}"#),
+            fp("application/merge-patch+json", r#"{"b":2,"a":1}"#)
+        );
+        assert_ne!(
+            fp(json, r#"{"a":12345678901234567890123}"#),
+            fp(json, r#"{"a":12345678901234567890124}"#)
+        );
+        assert_ne!(fp(json, r#"{"a":1}"#), fp(json, r#"{"a":1.0}"#));
+        // Not JSON: the bytes, so whitespace counts.
+        assert_ne!(
+            fp("text/plain", r#"{"a":1}"#),
+            fp("text/plain", r#"{ "a":1}"#)
+        );
+        assert_ne!(fp(json, "{oops"), fp(json, "{oops "));
+        assert_eq!(fp(json, "{oops"), fp(json, "{oops"));
+        // The media type, method and target count.
+        assert_ne!(fp(json, r#"{"a":1}"#), fp("text/plain", r#"{"a":1}"#));
+        assert_ne!(fp("", "x"), fp("text/plain", "x"));
+        assert_ne!(
+            fp_at("POST", "/p", json, "{}"),
+            fp_at("PATCH", "/p", json, "{}")
+        );
+        assert_ne!(
+            fp_at("POST", "/p?a=1", json, "{}"),
+            fp_at("POST", "/p?a=2", json, "{}")
+        );
+        // An invalid JSON body never equals a canonical one.
+        assert_ne!(fp(json, "[1,]"), fp(json, "[1]"));
+    }
+
+    #[test]
+    fn key_ids_fit_and_never_collide() {
+        let long = "/".repeat(300);
+        let key = "%/".repeat(127) + "%";
+        let id = key_id(&long, &"M".repeat(100), &long, &key);
+        assert!(id.len() <= idem_core::MAX_ID_LEN, "{}", id.len());
+        assert!(IdempotencyKey::new("s", id).is_ok());
+        // Raw and hashed parts never meet: a raw part is at most 64 bytes.
+        let hashed = key_id(&"t".repeat(65), "POST", "/p", "k");
+        let raw_like = format!("{}/POST/%2Fp/k", &hashed[..71]);
+        assert_eq!(hashed, raw_like, "the hashed form is 71 bytes");
+        assert_ne!(key_id(&hashed[..71], "POST", "/p", "k"), hashed);
+        // Separators inside parts are escaped.
+        assert_ne!(
+            key_id("a/b", "POST", "/p", "k"),
+            key_id("a", "b/POST", "/p", "k")
+        );
+        assert_ne!(
+            key_id("a", "POST", "/p", "k/x"),
+            key_id("a", "POST", "/p/k", "x")
+        );
+        assert_ne!(
+            key_id("t", "POST", &("/".to_owned() + &"p".repeat(99) + "a"), "k"),
+            key_id("t", "POST", &("/".to_owned() + &"p".repeat(99) + "b"), "k")
+        );
+        // A control character in a tenant is hashed, never refused.
+        assert!(IdempotencyKey::new("s", key_id("a\nb", "POST", "/", "k")).is_ok());
+    }
 
     #[test]
     fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
