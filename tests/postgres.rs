@@ -99,7 +99,7 @@ async fn migrate_is_safe_from_many_processes_at_once() {
     .fetch_all(&pool)
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(versions, vec![1]);
+    assert_eq!(versions, vec![1, 2]);
 
     // The custom table works end to end.
     let store = PgStore::builder(pool)
@@ -700,5 +700,231 @@ async fn in_transaction_mismatch_and_replay_are_typed() {
     assert!(
         matches!(got, Ok(Claim::Replayed(Receipt { payment_id: 9 }))),
         "{got:?}"
+    );
+}
+
+// ------------------------------------------------------------------
+// Fences, store-clock TTL, durations
+// ------------------------------------------------------------------
+
+/// A table at migration 1 (rows without a fence) is brought to 2 by
+/// `migrate`: old rows read fence 0 and keep working, the next acquisition
+/// gets a fence from the sequence; `migrate` again changes nothing, and the
+/// migration SQL run a second time by hand (another tool) does not fail.
+#[tokio::test]
+async fn migration_2_upgrades_a_version_1_table() {
+    let pool = pg::pool(pg::shared_url(), 2).await;
+    let schema = format!("idem_up{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(schema.clone())
+        .table("records")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let migrations = store.migrations();
+    assert_eq!(
+        migrations.iter().map(|(v, _)| *v).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+    // Version 1 only, as an older release left it, with the versions table.
+    exec(&pool, format!("CREATE SCHEMA \"{schema}\"")).await;
+    exec(&pool, migrations[0].1.clone()).await;
+    exec(
+        &pool,
+        format!(
+            "CREATE TABLE \"{schema}\".\"records_migrations\" (version integer PRIMARY KEY, \
+             description text NOT NULL, applied_at timestamptz NOT NULL DEFAULT now()); \
+             INSERT INTO \"{schema}\".\"records_migrations\" (version, description) \
+             VALUES (1, 'create records table')"
+        ),
+    )
+    .await;
+    let (done, held) = (key("old-done"), key("old-held"));
+    exec(
+        &pool,
+        format!(
+            "INSERT INTO \"{schema}\".\"records\" (scope, key, status, token, attempt, lease_until, \
+             response, created_at, completed_at, expires_at) VALUES \
+             ('{s}', '{d}', 2, '\\x000102030405060708090a0b0c0d0e0f', 1, NULL, 'old', now(), now(), \
+              now() + interval '1 hour'), \
+             ('{s}', '{h}', 1, '\\x0f0e0d0c0b0a09080706050403020100', 1, now() - interval '1 second', \
+              NULL, now(), NULL, now() + interval '1 hour')",
+            s = done.scope(),
+            d = done.id(),
+            h = held.id(),
+        ),
+    )
+    .await;
+
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("again: {e}"));
+    exec(&pool, migrations[1].1.clone()).await; // by hand, once more
+    let versions: Vec<i32> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".\"records_migrations\" ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(versions, vec![1, 2]);
+
+    let old = store.get(&done).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        old.map(|r| r.fence),
+        Some(0),
+        "a row from before has fence 0"
+    );
+    match store.acquire(&done, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Completed(r)) => {
+            assert_eq!(&r.response[..], b"old");
+            assert_eq!(r.fence, 0);
+            assert!(r.ttl > Duration::from_secs(3_500) && r.ttl <= Duration::from_secs(3_600));
+        }
+        other => panic!("expected the old completed row, got {other:?}"),
+    }
+    match store.acquire(&held, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Acquired(lease)) => {
+            assert_eq!(lease.attempt, 2, "took the old row over");
+            assert!(lease.fence > 0);
+        }
+        other => panic!("expected a takeover of the old row, got {other:?}"),
+    }
+}
+
+/// In-transaction claims take fences from the same sequence: a claim
+/// after a rolled-back one, after a commit without completion (takeover)
+/// and after a plain acquisition and release, each has a higher fence.
+#[tokio::test]
+async fn in_transaction_claims_carry_increasing_fences() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let k = key("tx-fence");
+    let mut fences = Vec::new();
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("first claim")
+    };
+    fences.push(lease.fence());
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim after rollback")
+    };
+    assert_eq!(lease.attempt(), 1);
+    fences.push(lease.fence());
+    // Committed without completing: the next claim takes it over.
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("takeover claim")
+    };
+    assert_eq!(lease.attempt(), 2);
+    fences.push(lease.fence());
+    lease
+        .release(&mut tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let Ok(Acquisition::Acquired(plain)) = store.acquire(&k, None, Duration::from_secs(5)).await
+    else {
+        panic!("plain acquire")
+    };
+    fences.push(plain.fence);
+    store
+        .release(&plain)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim after release")
+    };
+    fences.push(lease.fence());
+    assert_eq!(lease.fence(), lease.lease().fence);
+    lease
+        .complete(&mut tx, &Receipt { payment_id: 1 })
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let record = store.get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(record.map(|r| r.fence), fences.last().copied());
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences do not strictly increase: {fences:?}"
+    );
+}
+
+/// `Duration::MAX` as the in-transaction retention is saturated, not an
+/// error: the record completes and replays; its expiry is about
+/// MAX_DURATION away. And the plain store's MAX lease + the in-progress
+/// grace fits PostgreSQL's timestamptz.
+#[tokio::test]
+async fn in_transaction_retention_of_duration_max() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let k = key("tx-max");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .retention(Duration::MAX)
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim")
+    };
+    lease
+        .complete(&mut tx, &Receipt { payment_id: 3 })
+        .await
+        .unwrap_or_else(|e| panic!("complete with Duration::MAX: {e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let far = std::time::SystemTime::now() + idem::MAX_DURATION - Duration::from_secs(86_400);
+    match store.acquire(&k, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Completed(r)) => {
+            assert!(r.expires_at > far, "{:?}", r.expires_at);
+            assert!(r.ttl > idem::MAX_DURATION - Duration::from_secs(86_400));
+            assert!(r.ttl <= idem::MAX_DURATION);
+        }
+        other => panic!("expected the replay, got {other:?}"),
+    }
+
+    let k = key("max-lease");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::MAX).await else {
+        panic!("acquire")
+    };
+    let record = store
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("no record"));
+    let grace = record
+        .expires_at
+        .duration_since(lease.expires_at)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(grace, idem::IN_PROGRESS_GRACE, "expiry = MAX lease + grace");
+    let zero = store.acquire(&key("zero"), None, Duration::ZERO).await;
+    assert!(
+        matches!(zero, Err(StoreError::InvalidArgument { .. })),
+        "{zero:?}"
     );
 }

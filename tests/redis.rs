@@ -325,3 +325,326 @@ async fn server_killed_and_restarted_mid_storm_runs_nothing_twice() {
     .await;
     assert!(report.unavailable > 0, "no call saw the outage");
 }
+
+/// Reads what a store left under `key` with a raw connection: whether the
+/// Redis key exists, and its PTTL (-1: no expiry, -2: absent).
+async fn raw_state(store: &RedisStore, key: &IdempotencyKey) -> (bool, i64) {
+    let client = idem::redis::redis::Client::open(redis_server::shared_url())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (exists, pttl): (i64, i64) = idem::redis::redis::pipe()
+        .cmd("EXISTS")
+        .arg(store.redis_key(key))
+        .cmd("PTTL")
+        .arg(store.redis_key(key))
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (exists == 1, pttl)
+}
+
+/// `Duration::MAX` (and other huge durations) as a lease, an extension or
+/// a retention never leaves a half-written record: either the call
+/// succeeds and the record has an expiry, or it fails and nothing changed.
+/// (Before the durations were saturated, acquire HSET the record and then
+/// failed at PEXPIREAT, leaving a hash with no expiry behind an error.)
+#[tokio::test]
+async fn huge_durations_never_half_write_a_record() {
+    let store = standalone().await;
+    let huge = [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX / 1_000),
+        Duration::from_millis(u64::MAX / 4 + 1),
+    ];
+    for (i, d) in huge.into_iter().enumerate() {
+        // acquire
+        let k = testkit::unique_key(&format!("huge-acquire-{i}"));
+        let got = store.acquire(&k, None, d).await;
+        let (exists, pttl) = raw_state(&store, &k).await;
+        match &got {
+            Ok(Acquisition::Acquired(_)) => {
+                assert!(exists && pttl > 0, "acquire({d:?}): pttl {pttl}")
+            }
+            Err(_) => assert!(
+                !exists,
+                "acquire({d:?}) failed ({got:?}) but wrote a record"
+            ),
+            other => panic!("acquire({d:?}): {other:?}"),
+        }
+        assert!(got.is_ok(), "acquire({d:?}): {got:?}");
+
+        // extend
+        let k = testkit::unique_key(&format!("huge-extend-{i}"));
+        let Ok(Acquisition::Acquired(lease)) =
+            store.acquire(&k, None, Duration::from_secs(30)).await
+        else {
+            panic!("acquire")
+        };
+        let (_, pttl_before) = raw_state(&store, &k).await;
+        let got = store.extend(&lease, d).await;
+        let (exists, pttl) = raw_state(&store, &k).await;
+        assert!(exists, "extend({d:?}) removed the record");
+        match &got {
+            Ok(_) => assert!(pttl > pttl_before, "extend({d:?}): pttl {pttl}"),
+            Err(_) => panic!("extend({d:?}): {got:?}"),
+        }
+        let record = store.get(&k).await;
+        assert!(
+            matches!(record, Ok(Some(_))),
+            "get after extend({d:?}): {record:?}"
+        );
+
+        // complete
+        let got = store.complete(&lease, b"done", d).await;
+        let (exists, pttl) = raw_state(&store, &k).await;
+        assert!(got.is_ok(), "complete({d:?}): {got:?}");
+        assert!(exists && pttl > 0, "complete({d:?}): pttl {pttl}");
+        let record = store.get(&k).await;
+        assert!(
+            matches!(&record, Ok(Some(r)) if r.is_completed()),
+            "get after complete({d:?}): {record:?}"
+        );
+        let replay = store.acquire(&k, None, Duration::from_secs(30)).await;
+        assert!(
+            matches!(&replay, Ok(Acquisition::Completed(r)) if &r.response[..] == b"done"),
+            "replay after complete({d:?}): {replay:?}"
+        );
+    }
+}
+
+/// A raw connection to the shared standalone server.
+async fn raw_conn() -> idem::redis::redis::aio::MultiplexedConnection {
+    idem::redis::redis::Client::open(redis_server::shared_url())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Every script checks every argument before its first write: called
+/// directly with a bad one (not a number, a fraction, negative, NaN, inf,
+/// over MAX_DURATION, a wrong-sized token or fingerprint, a missing
+/// argument), it answers an `IDEM_INVALID` error and the record is exactly
+/// as before (absent, or the live record untouched).
+#[tokio::test]
+async fn scripts_refuse_bad_arguments_before_writing() {
+    use idem::redis::redis::{Script, Value};
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let token = [7u8; 16];
+    let over = (idem::MAX_DURATION.as_millis() + 1).to_string();
+    let bad_ms: [&[u8]; 9] = [
+        b"",
+        b"abc",
+        b"1.5",
+        b"-1",
+        b"nan",
+        b"inf",
+        b"1e300",
+        over.as_bytes(),
+        b"18446744073709551615",
+    ];
+    let script = |name: &str| {
+        Script::new(match name {
+            "acquire" => include_str!("../idem-redis/scripts/acquire.lua"),
+            "complete" => include_str!("../idem-redis/scripts/complete.lua"),
+            "extend" => include_str!("../idem-redis/scripts/extend.lua"),
+            _ => include_str!("../idem-redis/scripts/release.lua"),
+        })
+    };
+    async fn run(
+        conn: &mut idem::redis::redis::aio::MultiplexedConnection,
+        script: &Script,
+        key: &str,
+        args: &[&[u8]],
+    ) -> Result<Value, idem::redis::redis::RedisError> {
+        let mut inv = script.prepare_invoke();
+        inv.key(key);
+        for a in args {
+            inv.arg(*a);
+        }
+        inv.invoke_async(conn).await
+    }
+    let refused = |what: String, got: Result<Value, idem::redis::redis::RedisError>| match got {
+        Err(e) if e.code() == Some("IDEM_INVALID") => {}
+        other => panic!("{what}: expected an IDEM_INVALID error, got {other:?}"),
+    };
+
+    // acquire on an absent key: a bad lease, grace, token or fingerprint
+    // writes nothing.
+    let acquire = script("acquire");
+    let k = testkit::unique_key("bad-args");
+    let rk = store.redis_key(&k);
+    let mut cases: Vec<(String, Vec<&[u8]>)> = Vec::new();
+    for bad in bad_ms {
+        let label = String::from_utf8_lossy(bad).into_owned();
+        cases.push((format!("lease {label:?}"), vec![b"", &token, bad, b"1000"]));
+        cases.push((format!("grace {label:?}"), vec![b"", &token, b"1000", bad]));
+    }
+    cases.push(("lease 0".into(), vec![b"", &token, b"0", b"1000"]));
+    cases.push(("short token".into(), vec![b"", b"short", b"1000", b"1000"]));
+    cases.push((
+        "fingerprint of 3 bytes".into(),
+        vec![b"abc", &token, b"1000", b"1000"],
+    ));
+    cases.push(("3 arguments".into(), vec![b"", &token, b"1000"]));
+    for (what, args) in &cases {
+        refused(
+            format!("acquire, {what}"),
+            run(&mut conn, &acquire, &rk, args).await,
+        );
+        let (exists, _) = raw_state(&store, &k).await;
+        assert!(!exists, "acquire with {what} wrote a record");
+    }
+
+    // extend and complete on a live record: nothing changes.
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("acquire")
+    };
+    let lease_token = lease.token.to_bytes();
+    let snapshot = |conn: &mut idem::redis::redis::aio::MultiplexedConnection| {
+        let rk = rk.clone();
+        let mut conn = conn.clone();
+        async move {
+            let fields: Vec<(Vec<u8>, Vec<u8>)> = idem::redis::redis::cmd("HGETALL")
+                .arg(&rk)
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let mut fields = fields;
+            fields.sort();
+            fields
+        }
+    };
+    let before = snapshot(&mut conn).await;
+    let extend = script("extend");
+    let complete = script("complete");
+    for bad in bad_ms {
+        let label = String::from_utf8_lossy(bad).into_owned();
+        refused(
+            format!("extend, lease {label:?}"),
+            run(&mut conn, &extend, &rk, &[&lease_token, bad, b"1000"]).await,
+        );
+        refused(
+            format!("extend, grace {label:?}"),
+            run(&mut conn, &extend, &rk, &[&lease_token, b"1000", bad]).await,
+        );
+        refused(
+            format!("complete, retention {label:?}"),
+            run(&mut conn, &complete, &rk, &[&lease_token, b"r", bad]).await,
+        );
+        assert_eq!(snapshot(&mut conn).await, before, "changed by {label:?}");
+    }
+    refused(
+        "extend, lease 0".into(),
+        run(&mut conn, &extend, &rk, &[&lease_token, b"0", b"1000"]).await,
+    );
+    refused(
+        "complete, short token".into(),
+        run(&mut conn, &complete, &rk, &[b"short", b"r", b"1000"]).await,
+    );
+    refused(
+        "release, short token".into(),
+        run(&mut conn, &script("release"), &rk, &[b"short"]).await,
+    );
+    refused(
+        "release, no token".into(),
+        run(&mut conn, &script("release"), &rk, &[]).await,
+    );
+    assert_eq!(
+        snapshot(&mut conn).await,
+        before,
+        "changed by a refused call"
+    );
+    // The lease is intact.
+    assert!(store
+        .complete(&lease, b"ok", Duration::from_secs(60))
+        .await
+        .is_ok());
+}
+
+/// The same acquire script reaching Redis twice (a client retry after a
+/// lost reply, same token) answers "acquired" both times, with the same
+/// fence and attempt: the second delivery does not lock its own caller out.
+#[tokio::test]
+async fn resent_acquire_is_still_acquired_with_the_same_fence() {
+    use idem::redis::redis::{Script, Value};
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let k = testkit::unique_key("resent");
+    let rk = store.redis_key(&k);
+    let acquire = Script::new(include_str!("../idem-redis/scripts/acquire.lua"));
+    let token = [9u8; 16];
+    let mut replies = Vec::new();
+    for _ in 0..2 {
+        let reply: Value = acquire
+            .key(&rk)
+            .arg(&[] as &[u8])
+            .arg(&token[..])
+            .arg(30_000u64)
+            .arg(1_000u64)
+            .invoke_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        replies.push(reply);
+    }
+    let fence_of = |v: &Value| match v {
+        Value::Array(items) if items.len() == 5 => {
+            assert!(
+                matches!(&items[0], Value::BulkString(b) if b == b"acquired"),
+                "{v:?}"
+            );
+            (items[1].clone(), items[4].clone())
+        }
+        other => panic!("expected acquired, got {other:?}"),
+    };
+    assert_eq!(fence_of(&replies[0]), fence_of(&replies[1]));
+    // A third caller with another token sees it in progress.
+    let other = store.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(other, Ok(Acquisition::InProgress { .. })),
+        "{other:?}"
+    );
+}
+
+/// A stored fence ahead of the server's clock (a record written by a
+/// primary whose clock ran ahead) is still exceeded by the next
+/// acquisition: the stored fence + 1. And `get`/`extend` report it.
+#[tokio::test]
+async fn fence_exceeds_a_stored_fence_ahead_of_the_clock() {
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let k = testkit::unique_key("fence-ahead");
+    let short = Duration::from_millis(50);
+    let Ok(Acquisition::Acquired(first)) = store.acquire(&k, None, short).await else {
+        panic!("acquire")
+    };
+    // A fence an hour ahead of the clock.
+    let ahead = first.fence + 3_600_000_000;
+    let _: i64 = idem::redis::redis::cmd("HSET")
+        .arg(store.redis_key(&k))
+        .arg("n")
+        .arg(ahead)
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let record = store.get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(record.map(|r| r.fence), Some(ahead));
+    let extended = store
+        .extend(&first, short)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(extended.fence, ahead);
+    tokio::time::sleep(Duration::from_millis(120)).await;
+    match store.acquire(&k, None, Duration::from_secs(30)).await {
+        Ok(Acquisition::Acquired(taken)) => {
+            assert_eq!(taken.attempt, 2);
+            assert_eq!(taken.fence, ahead + 1);
+        }
+        other => panic!("expected a takeover, got {other:?}"),
+    }
+}

@@ -7,4 +7,5 @@ UPDATE {{table}} AS r SET
 FROM clock c
 WHERE r.scope = $1 AND r.key = $2 AND r.token = $3
   AND r.status = 1 AND r.expires_at > c.now
-RETURNING r.attempt, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us
+RETURNING r.attempt, (extract(epoch FROM r.lease_until) * 1000000)::int8 AS lease_until_us,
+          r.fence

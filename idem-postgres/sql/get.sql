@@ -6,6 +6,7 @@ SELECT status, fingerprint, token, attempt,
        (extract(epoch FROM created_at) * 1000000)::int8 AS created_us,
        (extract(epoch FROM completed_at) * 1000000)::int8 AS completed_us,
        (extract(epoch FROM expires_at) * 1000000)::int8 AS expires_us,
-       (extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS now_us
+       (extract(epoch FROM clock_timestamp()) * 1000000)::int8 AS now_us,
+       fence
 FROM {{table}}
 WHERE scope = $1 AND key = $2

@@ -102,7 +102,9 @@ impl InTransaction<JsonCodec> {
 }
 
 impl<C: Codec> InTransaction<C> {
-    /// How long completed responses are kept for replay (default 24 h).
+    /// How long completed responses are kept for replay (default 24 h;
+    /// saturated to [`MAX_DURATION`](idem_core::MAX_DURATION), so
+    /// `Duration::MAX` keeps them as long as the store can).
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
@@ -181,6 +183,15 @@ impl<C: Codec> TxLease<C> {
     /// completing it.
     pub fn attempt(&self) -> u32 {
         self.lease.attempt
+    }
+
+    /// The fence of this claim, from the store's sequence: strictly above
+    /// the fence of every earlier acquisition of the key (in a transaction
+    /// or not), including those before a release, a delete or the record's
+    /// expiry. A rolled-back claim's fence is never handed out again. Pass
+    /// it to downstream systems that keep the highest fence per key.
+    pub fn fence(&self) -> u64 {
+        self.lease.fence
     }
 
     /// The underlying lease.

@@ -33,6 +33,21 @@
 //! Expired rows are invisible but stay until deleted: run
 //! [`purge_periodically`](idem_core::purge_periodically) (or call
 //! `purge_expired`) to delete them in bounded batches.
+//!
+//! **Fences** come from a sequence (`<table>_fence_seq`, created by
+//! migration 2 next to the table): every acquisition, in a transaction or
+//! not, takes the next value, so a key's fences strictly increase across
+//! takeovers, releases, deletes and expiries, and do not depend on any
+//! clock. Rows written before migration 2 have fence 0. A completed record
+//! handed out by `acquire` carries its fence and the time it has left,
+//! computed by the server (`expires_at - clock_timestamp()`).
+//!
+//! **Durations**: a zero lease (or extension) is refused with
+//! [`StoreError::InvalidArgument`] before anything is sent; leases,
+//! extensions and retentions are saturated to
+//! [`MAX_DURATION`](idem_core::MAX_DURATION) and rounded up to whole
+//! microseconds, so `Duration::MAX` means "as long as the store can hold"
+//! and no deadline overflows.
 #![deny(missing_docs)]
 
 mod in_tx;
@@ -43,8 +58,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
-    Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+    saturate, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
+    LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
 use sqlx::postgres::{PgConnectOptions, PgPool, PgRow};
 use sqlx::Connection;
@@ -54,13 +69,21 @@ pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
 
 /// The migrations, in order: `(version, description, SQL template)`. The
-/// templates name the table `{{table}}` and its index `{{index}}`;
-/// [`PgStore::migrations`] fills them in for your configuration.
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "create records table",
-    include_str!("../migrations/0001_create_records.sql"),
-)];
+/// templates name the table `{{table}}`, its index `{{index}}` and its
+/// fence sequence `{{sequence}}`; [`PgStore::migrations`] fills them in for
+/// your configuration.
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "create records table",
+        include_str!("../migrations/0001_create_records.sql"),
+    ),
+    (
+        2,
+        "add fence column and sequence",
+        include_str!("../migrations/0002_add_fence.sql"),
+    ),
+];
 
 /// How many times `acquire` re-runs its statement when a concurrent commit
 /// was not visible to it (READ COMMITTED takes a new snapshot each time).
@@ -158,7 +181,14 @@ impl PgStoreBuilder {
         validate_identifier("schema", &self.schema)?;
         validate_identifier("table", &self.table)?;
         let qualified = format!("\"{}\".\"{}\"", self.schema, self.table);
-        let render = |template: &str| Arc::<str>::from(template.replace("{{table}}", &qualified));
+        let sequence = sequence_name(&self.schema, &self.table);
+        let render = |template: &str| {
+            Arc::<str>::from(
+                template
+                    .replace("{{table}}", &qualified)
+                    .replace("{{sequence}}", &sequence),
+            )
+        };
         let sql = Statements {
             acquire: render(include_str!("../sql/acquire.sql")),
             complete: render(include_str!("../sql/complete.sql")),
@@ -188,6 +218,12 @@ impl PgStoreBuilder {
             }),
         })
     }
+}
+
+/// The schema-qualified, quoted name of the fence sequence (the table name
+/// is at most 40 characters, so this fits PostgreSQL's 63).
+fn sequence_name(schema: &str, table: &str) -> String {
+    format!("\"{schema}\".\"{table}_fence_seq\"")
 }
 
 fn validate_identifier(what: &'static str, name: &str) -> Result<(), ConfigError> {
@@ -287,13 +323,15 @@ impl PgStore {
     /// run, for teams that apply migrations with their own tool.
     pub fn migrations(&self) -> Vec<(i32, String)> {
         let index = format!("\"{}_expires_at_idx\"", self.inner.table);
+        let sequence = sequence_name(&self.inner.schema, &self.inner.table);
         MIGRATIONS
             .iter()
             .map(|(version, _, sql)| {
                 (
                     *version,
                     sql.replace("{{table}}", &self.inner.qualified)
-                        .replace("{{index}}", &index),
+                        .replace("{{index}}", &index)
+                        .replace("{{sequence}}", &sequence),
                 )
             })
             .collect()
@@ -491,6 +529,11 @@ impl IdempotencyStore for PgStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Acquisition, StoreError> {
+        // Refused here, before the round trip: nothing is written. (The
+        // in-transaction mode calls `acquire_on` with no lease on purpose.)
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         self.timed(async {
             let mut lent = self.lend().await?;
             let result = self
@@ -530,6 +573,10 @@ impl IdempotencyStore for PgStore {
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        // Refused here, before the round trip: the lease stays as it was.
+        if lease_for.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         self.timed(async {
             let mut lent = self.lend().await?;
             let conn = lent.connection();
@@ -550,7 +597,9 @@ impl IdempotencyStore for PgStore {
                 let key = &lease.key;
                 let attempt = attempt_of(column(&row, 0, key)?, key)?;
                 let until = time_of(column(&row, 1, key)?, key, "lease_until")?;
+                let fence = fence_of(column(&row, 2, key)?, key)?;
                 Ok(Lease::new(key.clone(), lease.token, attempt, until)
+                    .with_fence(fence)
                     .with_fingerprint(lease.fingerprint))
             }
             .await;
@@ -740,8 +789,20 @@ fn map_error(e: sqlx::Error, table: &str) -> StoreError {
     }
 }
 
+/// `d` in whole microseconds for a statement: saturated to
+/// [`MAX_DURATION`](idem_core::MAX_DURATION), so every deadline
+/// (`now + lease + IN_PROGRESS_GRACE`) stays far inside timestamptz's
+/// range, and rounded up, so a lease under a microsecond is not a zero
+/// lease.
 fn micros(d: Duration) -> i64 {
-    i64::try_from(d.as_micros()).unwrap_or(i64::MAX / 2)
+    let d = saturate(d);
+    let us = d.as_micros() + u128::from(d.subsec_nanos() % 1_000 != 0);
+    // MAX_DURATION is about 3.2e15 µs: always fits.
+    i64::try_from(us).unwrap_or(i64::MAX)
+}
+
+fn fence_of(fence: i64, key: &IdempotencyKey) -> Result<u64, StoreError> {
+    u64::try_from(fence).map_err(|_| corrupt(key, format!("fence {fence} is negative")))
 }
 
 fn corrupt(key: &IdempotencyKey, detail: impl Into<String>) -> StoreError {
@@ -805,11 +866,14 @@ fn decode_acquire(
     let acquired: bool = column(row, 0, key)?;
     let attempt = attempt_of(column(row, 3, key)?, key)?;
     let lease_until: Option<i64> = column(row, 4, key)?;
+    let fence = fence_of(column(row, 9, key)?, key)?;
     if acquired {
         let until = time_of(lease_until, key, "lease_until")?;
         let stored = fingerprint_of(column(row, 2, key)?, key)?;
         return Ok(Some(Acquisition::Acquired(
-            Lease::new(key.clone(), token, attempt, until).with_fingerprint(stored),
+            Lease::new(key.clone(), token, attempt, until)
+                .with_fence(fence)
+                .with_fingerprint(stored),
         )));
     }
     let status = status_of(column(row, 1, key)?, key)?;
@@ -828,14 +892,21 @@ fn decode_acquire(
         let response: Option<Vec<u8>> = column(row, 5, key)?;
         let response = response.ok_or_else(|| corrupt(key, "completed without a response"))?;
         let completed = time_of(column(row, 6, key)?, key, "completed_at")?;
-        return Ok(Some(Acquisition::Completed(CompletedRecord::new(
-            key.clone(),
-            Bytes::from(response),
-            stored,
-            attempt,
-            completed,
-            expires,
-        ))));
+        // expires_at minus the server's clock, computed by the server.
+        let ttl_us: Option<i64> = column(row, 10, key)?;
+        let ttl = Duration::from_micros(ttl_us.and_then(|us| u64::try_from(us).ok()).unwrap_or(0));
+        return Ok(Some(Acquisition::Completed(
+            CompletedRecord::new(
+                key.clone(),
+                Bytes::from(response),
+                stored,
+                attempt,
+                completed,
+                expires,
+            )
+            .with_fence(fence)
+            .with_ttl(ttl),
+        )));
     }
     let until = time_of(lease_until, key, "lease_until")?;
     match until.duration_since(now) {
@@ -876,20 +947,69 @@ fn decode_record(row: &PgRow, key: &IdempotencyKey) -> Result<Option<Record>, St
             lease_expires_at: time_of(column(row, 4, key)?, key, "lease_until")?,
         }
     };
-    Ok(Some(Record::new(
-        key.clone(),
-        state,
-        fingerprint,
-        token,
-        attempt,
-        created,
-        expires,
-    )))
+    let fence = fence_of(column(row, 10, key)?, key)?;
+    Ok(Some(
+        Record::new(
+            key.clone(),
+            state,
+            fingerprint,
+            token,
+            attempt,
+            created,
+            expires,
+        )
+        .with_fence(fence),
+    ))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_are_saturated_and_rounded_up() {
+        assert_eq!(micros(Duration::ZERO), 0);
+        assert_eq!(micros(Duration::from_nanos(1)), 1);
+        assert_eq!(micros(Duration::from_nanos(1_500)), 2);
+        assert_eq!(micros(Duration::from_millis(7)), 7_000);
+        let max = idem_core::MAX_DURATION.as_micros() as i64;
+        for huge in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX),
+            idem_core::MAX_DURATION + Duration::from_nanos(1),
+        ] {
+            assert_eq!(micros(huge), max, "{huge:?}");
+        }
+        // The longest deadline offset a statement computes, lease + grace,
+        // is exact in the float8 that `int8 * interval` goes through.
+        let longest = max + micros(IN_PROGRESS_GRACE);
+        assert_eq!(longest as f64 as i64, longest);
+    }
+
+    #[test]
+    fn migrations_and_statements_name_the_sequence() {
+        let longest = "a".repeat(40);
+        let seq = sequence_name(&longest, &longest);
+        let table_part = seq.rsplit('.').next().unwrap_or_default().trim_matches('"');
+        assert!(table_part.len() <= 63, "{table_part}");
+        // Every placeholder a template uses is one that gets filled in.
+        let known = ["{{table}}", "{{index}}", "{{sequence}}"];
+        let statements = [
+            include_str!("../sql/acquire.sql"),
+            include_str!("../sql/extend.sql"),
+            include_str!("../sql/get.sql"),
+        ];
+        for sql in MIGRATIONS.iter().map(|m| m.2).chain(statements) {
+            let mut rest = sql;
+            while let Some(at) = rest.find("{{") {
+                let name = &rest[at..at + rest[at..].find("}}").map_or(2, |e| e + 2)];
+                assert!(known.contains(&name), "unknown placeholder {name}");
+                rest = &rest[at + 2..];
+            }
+        }
+        assert!(MIGRATIONS[1].2.contains("{{sequence}}"));
+        assert!(include_str!("../sql/acquire.sql").contains("nextval('{{sequence}}')"));
+    }
 
     #[test]
     fn identifiers_are_validated() {

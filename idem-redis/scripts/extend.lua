@@ -1,14 +1,42 @@
 -- extend: compare-and-set lease renewal. KEYS[1] the record.
--- ARGV: [1] token, [2] lease ms, [3] in-progress grace ms.
--- Returns {attempt, lease_until_ms}, or 0 if the token no longer holds it.
+-- ARGV: [1] token (16 bytes), [2] lease ms (1 ..= MAX_MS), [3] in-progress
+-- grace ms (0 ..= MAX_MS).
+-- Returns {attempt, lease_until_ms, fence}, or 0 if the token no longer
+-- holds it, or an error reply "IDEM_INVALID ..." for a bad argument, before
+-- any write.
+local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+
+local function invalid(detail)
+  return redis.error_reply('IDEM_INVALID ' .. detail)
+end
+local function ms(v, min)
+  local n = tonumber(v)
+  if n == nil or n ~= n or n ~= math.floor(n) or n < min or n > MAX_MS then
+    return nil
+  end
+  return n
+end
+local function int(n)
+  return string.format('%.0f', n)
+end
+
+if #KEYS ~= 1 or #ARGV ~= 3 then return invalid('extend takes 1 key and 3 arguments') end
 local key = KEYS[1]
+local token = ARGV[1]
+local lease, grace = ms(ARGV[2], 1), ms(ARGV[3], 0)
+if #token ~= 16 then return invalid('token must be 16 bytes') end
+if not lease then return invalid('lease must be an integer number of ms in 1..=' .. int(MAX_MS)) end
+if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
+
 if redis.call('TYPE', key).ok ~= 'hash' then return 0 end
-local v = redis.call('HMGET', key, 's', 't', 'a')
-if v[1] ~= '1' or v[2] ~= ARGV[1] then return 0 end
+local v = redis.call('HMGET', key, 's', 't', 'a', 'n')
+if v[1] ~= '1' or v[2] ~= token then return 0 end
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-local until_ms = now + tonumber(ARGV[2])
-local expires = until_ms + tonumber(ARGV[3])
-redis.call('HSET', key, 'l', until_ms, 'e', expires)
-redis.call('PEXPIREAT', key, expires)
-return {tonumber(v[3]) or 0, until_ms}
+local until_ms = now + lease
+local expires = until_ms + grace
+redis.call('HSET', key, 'l', int(until_ms), 'e', int(expires))
+redis.call('PEXPIREAT', key, int(expires))
+-- Attempt and fence as stored (the client reports a bad one as corrupt);
+-- records written before fences existed have none: 0.
+return {v[3] or '0', until_ms, v[4] or '0'}

@@ -34,6 +34,28 @@
 //!   its source of truth, closes it.
 //! - **Persistence**: a Redis restarted without AOF (`appendonly yes`) or
 //!   RDB loses every record; duplicates after that run again.
+//! - **Fences**: the fence of an acquisition ([`Lease::fence`]) is the
+//!   server's `TIME` in microseconds, or the record's stored fence + 1 if
+//!   that is higher. While the record exists (in progress, completed, or
+//!   taken over) fences strictly increase whatever the clock does. After a
+//!   release, a `delete` or the record's expiry the hash is gone, and the
+//!   next fence rests on the server's clock alone: it is higher as long as
+//!   that clock does not go back. A failover to a replica whose clock is
+//!   behind the old primary's (or a clock stepped backwards) can hand out a
+//!   fence lower than one already given for the same key, so keep the
+//!   servers' clocks synchronised (NTP, slewing rather than stepping). A
+//!   record written before fences existed reads as fence 0.
+//! - **Durations**: a zero lease is refused with
+//!   [`StoreError::InvalidArgument`] before anything is sent. Leases,
+//!   extensions and retentions are saturated to
+//!   [`MAX_DURATION`](idem_core::MAX_DURATION) (`Duration::MAX` means "as
+//!   long as the store can hold") and rounded up to whole milliseconds.
+//!   The scripts check every argument before their first write and answer
+//!   an out-of-range one with an `IDEM_INVALID` error reply
+//!   ([`StoreError::InvalidArgument`]): no record is ever half written.
+//! - **Resent calls**: an `acquire` that reaches Redis twice (a retry
+//!   after a lost reply) finds its own token holding the key and answers
+//!   "acquired" with the same fence.
 #![deny(missing_docs)]
 
 pub mod streams;
@@ -44,8 +66,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
-    Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+    saturate, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
+    LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -289,6 +311,10 @@ where
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Acquisition, StoreError> {
+        // Refused here, before the round trip: nothing is written.
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         let redis_key = self.redis_key(key);
         let token = LeaseToken::random();
         let token_bytes = token.to_bytes();
@@ -347,6 +373,10 @@ where
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        // Refused here, before the round trip: the lease stays as it was.
+        if lease_for.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
         let token = lease.token.to_bytes();
         let mut invocation = self.scripts.extend.prepare_invoke();
         invocation
@@ -359,10 +389,12 @@ where
         let key = &lease.key;
         match reply {
             Value::Int(0) => Err(StoreError::LeaseLost),
-            Value::Array(items) if items.len() == 2 => {
+            Value::Array(items) if items.len() == 3 => {
                 let attempt = attempt_of(int(&items[0], key)?, key)?;
                 let until = time_of(int(&items[1], key)?, key)?;
+                let fence = fence_of(int(&items[2], key)?, key)?;
                 Ok(Lease::new(key.clone(), lease.token, attempt, until)
+                    .with_fence(fence)
                     .with_fingerprint(lease.fingerprint))
             }
             other => Err(unexpected(format!("extend returned {other:?}"))),
@@ -410,12 +442,28 @@ where
     }
 }
 
+/// `d` in whole milliseconds for a script: saturated to
+/// [`MAX_DURATION`](idem_core::MAX_DURATION) (so no deadline the script
+/// computes overflows what `PEXPIREAT` takes), and rounded up, so a lease of
+/// less than a millisecond is not a zero lease.
 fn millis(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX / 4)
+    let d = saturate(d);
+    let ms = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 != 0);
+    // MAX_DURATION is about 3.2e12 ms: always fits.
+    u64::try_from(ms).unwrap_or(u64::MAX)
 }
+
+/// The code of the scripts' error reply for an argument they refuse.
+const INVALID_CODE: &str = "IDEM_INVALID";
 
 fn map_error(e: RedisError) -> StoreError {
     use redis::RetryMethod;
+    if e.code() == Some(INVALID_CODE) {
+        // A script refused an argument before writing anything.
+        return StoreError::InvalidArgument {
+            detail: e.detail().unwrap_or("refused by the script").to_owned(),
+        };
+    }
     let transient = e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
@@ -477,6 +525,10 @@ fn time_of(ms: i64, key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
         .map_err(|_| corrupt(key, format!("time {ms} ms is before 1970")))
 }
 
+fn fence_of(n: i64, key: &IdempotencyKey) -> Result<u64, StoreError> {
+    u64::try_from(n).map_err(|_| corrupt(key, format!("fence {n} is negative")))
+}
+
 fn attempt_of(a: i64, key: &IdempotencyKey) -> Result<u32, StoreError> {
     u32::try_from(a)
         .ok()
@@ -505,9 +557,10 @@ fn decode_acquire(
     let tag = items.next().map(bytes_of).transpose()?.unwrap_or_default();
     let rest: Vec<Value> = items.collect();
     match (tag.as_slice(), rest.len()) {
-        (b"acquired", 3) => {
+        (b"acquired", 4) => {
             let attempt = attempt_of(int(&rest[0], key)?, key)?;
             let until = time_of(int(&rest[1], key)?, key)?;
+            let fence = fence_of(int(&rest[3], key)?, key)?;
             let stored = rest
                 .into_iter()
                 .nth(2)
@@ -516,24 +569,32 @@ fn decode_acquire(
                 .unwrap_or_default();
             Ok(Acquisition::Acquired(
                 Lease::new(key.clone(), token, attempt, until)
+                    .with_fence(fence)
                     .with_fingerprint(fingerprint_of(&stored, key)?),
             ))
         }
-        (b"completed", 5) => {
+        (b"completed", 7) => {
             let attempt = attempt_of(int(&rest[2], key)?, key)?;
             let completed = time_of(int(&rest[3], key)?, key)?;
             let expires = time_of(int(&rest[4], key)?, key)?;
+            let fence = fence_of(int(&rest[5], key)?, key)?;
+            // Time left by the server's clock (expiry minus its TIME).
+            let ttl = Duration::from_millis(u64::try_from(int(&rest[6], key)?).unwrap_or(0));
             let mut rest = rest.into_iter();
             let response = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
             let fp = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
-            Ok(Acquisition::Completed(CompletedRecord::new(
-                key.clone(),
-                Bytes::from(response),
-                fingerprint_of(&fp, key)?,
-                attempt,
-                completed,
-                expires,
-            )))
+            Ok(Acquisition::Completed(
+                CompletedRecord::new(
+                    key.clone(),
+                    Bytes::from(response),
+                    fingerprint_of(&fp, key)?,
+                    attempt,
+                    completed,
+                    expires,
+                )
+                .with_fence(fence)
+                .with_ttl(ttl),
+            ))
         }
         (b"in_progress", 3) => {
             let until_ms = int(&rest[0], key)?;
@@ -595,6 +656,7 @@ fn decode_record(reply: Value, key: &IdempotencyKey) -> Result<Option<Record>, S
     let fingerprint = field(b"f").map(bytes_of).transpose()?.unwrap_or_default();
     let token = field(b"t").map(bytes_of).transpose()?.unwrap_or_default();
     let attempt = field(b"a");
+    let fence = field(b"n");
     let lease_until = field(b"l");
     let response = field(b"r").map(bytes_of).transpose()?;
     let created = field(b"c");
@@ -609,6 +671,11 @@ fn decode_record(reply: Value, key: &IdempotencyKey) -> Result<Option<Record>, S
     let token = LeaseToken::from_slice(&token)
         .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", token.len())))?;
     let attempt = attempt_of(need(attempt, "attempt")?, key)?;
+    // Records written before fences existed have none: 0.
+    let fence = match fence {
+        Some(v) => fence_of(int(&v, key)?, key)?,
+        None => 0,
+    };
     let created = time_of(need(created, "created")?, key)?;
     let expires = time_of(need(expires, "expires")?, key)?;
     let state = match status.as_deref() {
@@ -628,13 +695,70 @@ fn decode_record(reply: Value, key: &IdempotencyKey) -> Result<Option<Record>, S
             ))
         }
     };
-    Ok(Some(Record::new(
-        key.clone(),
-        state,
-        fingerprint_of(&fingerprint, key)?,
-        token,
-        attempt,
-        created,
-        expires,
-    )))
+    Ok(Some(
+        Record::new(
+            key.clone(),
+            state,
+            fingerprint_of(&fingerprint, key)?,
+            token,
+            attempt,
+            created,
+            expires,
+        )
+        .with_fence(fence),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scripts_know_max_duration() {
+        let max_ms = idem_core::MAX_DURATION.as_millis().to_string();
+        for (name, script) in [
+            ("acquire", include_str!("../scripts/acquire.lua")),
+            ("complete", include_str!("../scripts/complete.lua")),
+            ("extend", include_str!("../scripts/extend.lua")),
+        ] {
+            assert!(
+                script.contains(&format!("local MAX_MS = {max_ms} ")),
+                "{name}.lua does not cap durations at MAX_DURATION ({max_ms} ms)"
+            );
+        }
+        assert_eq!(
+            millis(Duration::MAX),
+            idem_core::MAX_DURATION.as_millis() as u64
+        );
+    }
+
+    #[test]
+    fn durations_are_saturated_and_rounded_up() {
+        assert_eq!(millis(Duration::ZERO), 0);
+        assert_eq!(millis(Duration::from_nanos(1)), 1);
+        assert_eq!(millis(Duration::from_micros(1_500)), 2);
+        assert_eq!(millis(Duration::from_millis(7)), 7);
+        let max = idem_core::MAX_DURATION.as_millis() as u64;
+        for huge in [
+            Duration::MAX,
+            Duration::from_secs(u64::MAX),
+            idem_core::MAX_DURATION + Duration::from_nanos(1),
+        ] {
+            assert_eq!(millis(huge), max, "{huge:?}");
+        }
+    }
+
+    #[test]
+    fn refused_script_arguments_are_invalid_argument() {
+        let e = redis::make_extension_error(
+            INVALID_CODE.to_owned(),
+            Some("lease must be ...".to_owned()),
+        );
+        match map_error(e) {
+            StoreError::InvalidArgument { detail } => assert_eq!(detail, "lease must be ..."),
+            other => panic!("{other:?}"),
+        }
+        let other = redis::make_extension_error("OTHER".to_owned(), None);
+        assert!(matches!(map_error(other), StoreError::Backend(_)));
+    }
 }
