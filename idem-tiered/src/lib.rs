@@ -485,11 +485,11 @@ impl<S: IdempotencyStore> TieredStore<S> {
                 break;
             }
         }
-        self.from_source(key, fingerprint, lease).await
+        self.ask_source(key, fingerprint, lease).await
     }
 
     /// Asks the source, filling every tier with a completed record.
-    async fn from_source(
+    async fn ask_source(
         &self,
         key: &IdempotencyKey,
         fingerprint: Option<&Fingerprint>,
@@ -536,7 +536,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
                     false => match self.lookup(0, key).await {
                         Some(record) => match answer(&record, fingerprint) {
                             Some(replay) => Ok(replay),
-                            None => self.from_source(key, fingerprint, lease).await,
+                            None => self.ask_source(key, fingerprint, lease).await,
                         },
                         None => self.slow_path(key, fingerprint, lease).await,
                     },
@@ -599,7 +599,7 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
                 if let Some(replay) = answer(&record, fingerprint) {
                     return Ok(replay);
                 }
-                return self.from_source(key, fingerprint, lease).await;
+                return self.ask_source(key, fingerprint, lease).await;
             }
         }
         self.merged_slow_path(key, fingerprint, lease).await
