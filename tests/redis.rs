@@ -13,8 +13,8 @@ use idem::redis::redis::cluster_async::ClusterConnection;
 use idem::redis::RedisStore;
 use idem::testkit::{self, Harness, Settings};
 use idem::{
-    async_trait, Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
-    StoreError,
+    async_trait, Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, Processed, StoreError,
 };
 use support::redis_server::{self, RedisServer};
 
@@ -647,4 +647,47 @@ async fn fence_exceeds_a_stored_fence_ahead_of_the_clock() {
         }
         other => panic!("expected a takeover, got {other:?}"),
     }
+}
+
+/// Review finding R1 (DESIGN 4): Redis under `maxmemory` with `noeviction`
+/// (the policy the README asks for) cannot hold a 12 MiB result: the store
+/// refuses it before sending (its limit follows `maxmemory`), so the key
+/// completes as not replayable: the caller gets its value, a duplicate
+/// after the lease gets `ResultUnavailable`, and the handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_redis_refuses_completes_the_key_as_not_replayable() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let server = RedisServer::start(&["--maxmemory", "8mb", "--maxmemory-policy", "noeviction"]);
+    let store = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let lease = Duration::from_millis(600);
+    let idem = Idempotency::new(store).lease(lease);
+    let key = testkit::unique_key("oom");
+    let effects = Arc::new(AtomicU64::new(0));
+    let run = || {
+        let (idem, key, effects) = (idem.clone(), key.clone(), effects.clone());
+        async move {
+            idem.process(&key, "export", move |_| async move {
+                effects.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>("x".repeat(12 << 20))
+            })
+            .await
+        }
+    };
+    match run().await {
+        Ok(Processed::ExecutedNotReplayable { value, reason }) => {
+            assert_eq!(value.len(), 12 << 20, "the caller gets its value");
+            assert!(reason.contains("limit"), "{reason}");
+        }
+        other => panic!("first delivery: {:?}", other.map(|p| p.is_replayed())),
+    }
+    tokio::time::sleep(lease + Duration::from_millis(400)).await; // past the lease
+    let second = run().await;
+    assert!(
+        matches!(second, Err(IdemError::ResultUnavailable { .. })),
+        "{:?}",
+        second.map(|p| p.is_replayed())
+    );
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "the handler ran twice");
 }

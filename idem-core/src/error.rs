@@ -220,8 +220,8 @@ pub enum IdemError<E> {
         /// Why the result was not recorded.
         reason: String,
     },
-    /// The executor's configuration is refused (a zero lease). Nothing was
-    /// stored. Not retryable.
+    /// The executor's configuration is refused (a zero lease or retention).
+    /// Nothing was stored. Not retryable.
     InvalidConfig {
         /// What is wrong.
         detail: String,

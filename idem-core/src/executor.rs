@@ -209,7 +209,9 @@ where
     /// How long a completed result is kept for replay. A duplicate that
     /// arrives later runs the handler again: pick a retention longer than
     /// the longest redelivery window of your broker or clients.
-    /// `Duration::MAX` is saturated to [`MAX_DURATION`](crate::MAX_DURATION).
+    /// `Duration::MAX` is saturated to [`MAX_DURATION`](crate::MAX_DURATION);
+    /// a zero retention is refused when a key is processed
+    /// ([`IdemError::InvalidConfig`]): every duplicate would run again.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = saturate(retention);
         self
@@ -241,6 +243,8 @@ where
     }
 
     /// How often the heartbeat renews the lease; default a third of it.
+    /// Capped at half the lease (a renewal after the lease ended would come
+    /// too late); at least 1 ms.
     pub fn heartbeat_interval(mut self, every: Duration) -> Self {
         self.heartbeat_every = Some(saturate(every).max(Duration::from_millis(1)));
         self
@@ -421,6 +425,11 @@ where
                 detail: "the lease is zero: a duplicate would take the key over at once".into(),
             });
         }
+        if self.retention.is_zero() {
+            return Err(IdemError::InvalidConfig {
+                detail: "the retention is zero: every duplicate would run the handler again".into(),
+            });
+        }
         let scope = key.scope();
         let (lease, sent_at) = match self.acquire(key, fingerprint).await? {
             Acquired::Lease(lease, sent_at) => (lease, sent_at),
@@ -488,7 +497,14 @@ where
                 Err(StoreError::ResponseTooLarge { size, limit }) => Err(format!(
                     "the result is {size} bytes, over the store's limit of {limit}"
                 )),
-                Err(e) => Ok(Err(e)),
+                // Lost to another worker, or the store is down: not a
+                // verdict on this result.
+                Err(e @ StoreError::LeaseLost) => Ok(Err(e)),
+                Err(e) if e.is_retryable() => Ok(Err(e)),
+                // The store refuses this result for good (Redis out of
+                // memory for it, a value it cannot hold): a retry would be
+                // refused again, so complete as not replayable.
+                Err(e) => Err(format!("the store refused the result: {e}")),
             },
             Err(reason) => Err(reason),
         };
@@ -530,9 +546,12 @@ where
             tracing::warn!(key = %lease.key, "no tokio runtime: the lease is not renewed while the handler runs");
             return None;
         };
+        // Never less often than twice per lease: a renewal after the lease
+        // ended would come too late to keep a live handler's key.
         let every = self
             .heartbeat_every
             .unwrap_or(self.lease / 3)
+            .min(self.lease / 2)
             .max(Duration::from_millis(1));
         let task = heartbeat_loop(
             self.store.clone(),

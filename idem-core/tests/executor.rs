@@ -936,3 +936,60 @@ async fn purge_periodically_accepts_zero_and_max_periods() {
         purger.abort();
     }
 }
+
+/// Review finding R8: a heartbeat interval past the lease (`Duration::MAX`)
+/// is capped at half the lease, so a live handler keeps its key.
+#[tokio::test(start_paused = true)]
+async fn a_heartbeat_interval_past_the_lease_is_capped() {
+    let store = Arc::new(MemoryStore::new());
+    let lease = Duration::from_secs(3);
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(lease)
+        .heartbeat_interval(Duration::MAX);
+    let k = key("m-heartbeat-max");
+    let worker = {
+        let (idem, k) = (idem.clone(), k.clone());
+        tokio::spawn(async move {
+            idem.process(&k, 1u8, |_| async {
+                tokio::time::sleep(Duration::from_secs(20)).await;
+                Ok::<_, Declined>(1u8)
+            })
+            .await
+        })
+    };
+    let fp = Fingerprint::of(&1u8).unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..15 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let dup = store.acquire(&k, Some(&fp), lease).await;
+        assert!(
+            matches!(dup, Ok(Acquisition::InProgress { .. })),
+            "a live handler's key was taken over: {dup:?}"
+        );
+    }
+    let out = worker.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out.ok(), Some(Processed::Executed(1)));
+}
+
+/// Review finding R8: a zero retention is refused before anything is
+/// stored (every duplicate would run the handler again).
+#[tokio::test(start_paused = true)]
+async fn a_zero_retention_is_refused() {
+    let store = Arc::new(MemoryStore::new());
+    let idem = Idempotency::from_arc(store.clone()).retention(Duration::ZERO);
+    let runs = AtomicUsize::new(0);
+    let k = key("m-zero-retention");
+    for _ in 0..3 {
+        let out = idem
+            .process(&k, 1u8, |_| async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Declined>(1u8)
+            })
+            .await;
+        assert!(
+            matches!(&out, Err(e @ IdemError::InvalidConfig { .. }) if !e.is_retryable()),
+            "{out:?}"
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert!(matches!(store.get(&k).await, Ok(None)));
+}

@@ -120,6 +120,7 @@ pub struct RedisStore<C = ConnectionManager> {
     scripts: Arc<Scripts>,
     call_timeout: Duration,
     wait: Option<(u32, Duration)>,
+    max_response_bytes: usize,
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -128,11 +129,14 @@ impl<C> std::fmt::Debug for RedisStore<C> {
             .field("prefix", &self.prefix)
             .field("call_timeout", &self.call_timeout)
             .field("wait", &self.wait)
+            .field("max_response_bytes", &self.max_response_bytes)
             .finish()
     }
 }
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// The default largest response: 64 MiB.
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
 impl RedisStore<ConnectionManager> {
     /// Connects to a standalone Redis (`redis://host:port/db`) through a
@@ -151,7 +155,7 @@ impl RedisStore<ConnectionManager> {
             .map_err(map_error)?;
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
-        Ok(store)
+        Ok(store.fit_response_limit().await)
     }
 }
 
@@ -172,7 +176,7 @@ impl RedisStore<ClusterConnection> {
         let conn = client.get_async_connection().await.map_err(map_error)?;
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
-        Ok(store)
+        Ok(store.fit_response_limit().await)
     }
 }
 
@@ -189,7 +193,42 @@ where
             scripts: Arc::new(Scripts::new()),
             call_timeout: DEFAULT_TIMEOUT,
             wait: None,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
         }
+    }
+
+    /// The largest response `complete` sends (default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`]; `connect` lowers it to a quarter of
+    /// the server's `maxmemory` when one is set). A larger one is refused
+    /// with [`StoreError::ResponseTooLarge`] before anything is sent, and
+    /// the executor completes the key as not replayable. Without the
+    /// limit, a response Redis cannot hold is refused by Redis itself
+    /// (OOM), whose query buffer can then refuse the small "not
+    /// replayable" marker too, leaving the key in progress until its lease
+    /// ends.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.max_response_bytes = max;
+        self
+    }
+
+    /// Lowers the response limit to a quarter of the server's `maxmemory`,
+    /// when one is set and `CONFIG GET` is allowed.
+    async fn fit_response_limit(mut self) -> Self {
+        let mut conn = self.conn.clone();
+        let reply: Result<Vec<String>, _> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory")
+            .query_async(&mut conn)
+            .await;
+        if let Ok(pair) = reply {
+            if let Some(max) = pair.get(1).and_then(|m| m.parse::<u64>().ok()) {
+                if max > 0 {
+                    let quarter = usize::try_from(max / 4).unwrap_or(usize::MAX);
+                    self.max_response_bytes = self.max_response_bytes.min(quarter.max(1));
+                }
+            }
+        }
+        self
     }
 
     /// The prefix of every record key (default `idem:`). Give each
@@ -341,6 +380,12 @@ where
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
+        if response.len() > self.max_response_bytes {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
         let redis_key = self.redis_key(&lease.key);
         let token = lease.token.to_bytes();
         let mut invocation = self.scripts.complete.prepare_invoke();
