@@ -751,3 +751,98 @@ async fn deletes_reach_every_instance_and_cached_mismatches_are_confirmed() {
         "{other:?}"
     );
 }
+
+/// Review finding R3: a delivery that acquires and completes the key while
+/// `delete` runs (its write-through lands in moka and Redis with a higher
+/// fence than anything the delete saw before) is deleted from the source:
+/// its cache entries must not keep replaying it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_racing_a_fresh_completion_leaves_no_cache_replaying_it() {
+    let source = Tap::new(postgres().await);
+    let redis = RedisCache::connect(redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = Arc::new(
+        TieredStore::new(source)
+            .with_cache(moka())
+            .with_cache(redis),
+    );
+    let idem = Idempotency::from_arc(store.clone());
+    let key = testkit::unique_key("delete-race");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let run = || {
+        let (idem, key, runs) = (idem.clone(), key.clone(), runs.clone());
+        async move {
+            idem.process(&key, "order-7", move |_| async move {
+                let n = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                Ok::<_, std::io::Error>(format!("run {n}"))
+            })
+            .await
+        }
+    };
+    let (reached, resume) = store.source().hold_next_delete();
+    let deleting = {
+        let (store, key) = (store.clone(), key.clone());
+        tokio::spawn(async move { store.delete(&key).await })
+    };
+    reached.await.unwrap_or_else(|e| panic!("{e}"));
+    let during = run().await;
+    assert!(matches!(during, Ok(Processed::Executed(_))), "{during:?}");
+    let _ = resume.send(());
+    let deleted = deleting.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(deleted, Ok(true)), "{deleted:?}");
+    assert!(matches!(store.get(&key).await, Ok(None)));
+    let after = run().await;
+    assert!(
+        matches!(after, Ok(Processed::Executed(_))),
+        "a cache replayed a deleted record: {after:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// Review finding R6: dropping every clone of a tiered store stops its
+/// invalidation subscriber (task and Redis pub/sub connection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_tiered_stores_release_their_subscriber_connections() {
+    let server = redis_server::RedisServer::start(&[]);
+    let subscribers = || {
+        server
+            .command("CLIENT LIST")
+            .lines()
+            .filter(|l| l.contains(" sub=1 ") || l.contains("cmd=subscribe"))
+            .count()
+    };
+    let until = |want: usize| {
+        let subscribers = &subscribers;
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while subscribers() != want {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{} subscriber connections, expected {want}",
+                    subscribers()
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    for _ in 0..10 {
+        let channel = RedisInvalidation::connect(&server.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let store = TieredStore::new(MemoryStore::new())
+            .with_cache(moka())
+            .with_invalidation(channel);
+        let clone = store.clone();
+        until(1).await;
+        drop(store);
+        tokio::task::yield_now().await;
+        assert_eq!(
+            subscribers(),
+            1,
+            "a clone still lives: the subscriber stays"
+        );
+        drop(clone);
+        until(0).await;
+    }
+}

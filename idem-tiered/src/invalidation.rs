@@ -7,7 +7,7 @@ use futures::StreamExt;
 use idem_core::IdempotencyKey;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use crate::{CacheError, Invalidation, InvalidationChannel};
+use crate::{CacheError, Invalidation, InvalidationChannel, Subscription};
 
 /// An [`InvalidationChannel`] on Redis pub/sub: `delete` in one instance
 /// publishes the key and the deleted record's fence on a channel (default
@@ -103,10 +103,10 @@ impl InvalidationChannel for RedisInvalidation {
             .map_err(|e| CacheError::Unavailable(Box::new(e)))
     }
 
-    fn subscribe(&self, deliver: Box<dyn Fn(Invalidation) -> bool + Send + Sync>) {
+    fn subscribe(&self, deliver: Box<dyn Fn(Invalidation) -> bool + Send + Sync>) -> Subscription {
         let client = self.client.clone();
         let channel = self.channel.clone();
-        tokio::spawn(async move {
+        let task = tokio::spawn(async move {
             let mut backoff = Duration::from_millis(50);
             loop {
                 match client.get_async_pubsub().await {
@@ -145,6 +145,7 @@ impl InvalidationChannel for RedisInvalidation {
                 backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         });
+        Subscription::new(task.abort_handle())
     }
 }
 

@@ -39,13 +39,15 @@
 //!   older entry, an older one never overwrites a newer.
 //! - A cache may answer "replay"; a "mismatch" seen in a cache is confirmed
 //!   at the source before it is returned (the entry may be stale).
-//! - [`delete`](IdempotencyStore::delete) leaves a tombstone carrying the
-//!   deleted record's fence in every tier (for
-//!   [`tombstone_ttl`](TieredStore::tombstone_ttl)), so a fill racing the
-//!   delete (read from the source before it, written after) is refused
-//!   instead of resurrecting the entry. If a tier cannot be reached, the
-//!   source is still deleted and `delete` returns an error: the key may
-//!   still replay from that tier.
+//! - [`delete`](IdempotencyStore::delete) deletes from the source, then
+//!   leaves a tombstone in every tier (for
+//!   [`tombstone_ttl`](TieredStore::tombstone_ttl)) that refuses every
+//!   record older than what the source holds after the delete (all of
+//!   them, if it holds nothing): a fill racing the delete (read before it,
+//!   written after) or a completion written through while it ran is
+//!   refused or replaced instead of resurrecting the entry. If a tier
+//!   cannot be reached, `delete` returns an error: the key may still replay
+//!   from that tier.
 //! - Other application instances' in-process tiers are reached through an
 //!   invalidation channel ([`RedisInvalidation`], Redis pub/sub): a delete
 //!   in one instance tombstones the key in every instance's moka within
@@ -168,6 +170,8 @@ pub struct TieredStore<S> {
     /// The in-process tiers, which an invalidation channel updates.
     local: Arc<RwLock<Vec<Arc<dyn RecordCache>>>>,
     channel: Option<Arc<dyn InvalidationChannel>>,
+    /// Stops the channel's subscriber when the last clone is dropped.
+    subscription: Option<Arc<Subscription>>,
     cache_timeout: Duration,
     tombstone_ttl: Duration,
     inflight: Arc<Mutex<HashMap<FlightKey, watch::Receiver<Option<Flight>>>>>,
@@ -180,6 +184,7 @@ impl<S> Clone for TieredStore<S> {
             caches: self.caches.clone(),
             local: self.local.clone(),
             channel: self.channel.clone(),
+            subscription: self.subscription.clone(),
             cache_timeout: self.cache_timeout,
             tombstone_ttl: self.tombstone_ttl,
             inflight: self.inflight.clone(),
@@ -196,10 +201,37 @@ pub trait InvalidationChannel: Send + Sync + 'static {
     async fn publish(&self, key: &IdempotencyKey, fence: u64) -> Result<(), CacheError>;
 
     /// Starts delivering the deletes published by any instance to
-    /// `deliver`, until `deliver` returns `false` (the store is gone).
-    /// After every (re)subscription it delivers [`Invalidation::All`]:
-    /// messages published while unsubscribed are lost.
-    fn subscribe(&self, deliver: Box<dyn Fn(Invalidation) -> bool + Send + Sync>);
+    /// `deliver`, until the returned [`Subscription`] is dropped (the
+    /// tiered store keeps it while any clone of it lives) or `deliver`
+    /// returns `false`. After every (re)subscription it delivers
+    /// [`Invalidation::All`]: messages published while unsubscribed are
+    /// lost.
+    fn subscribe(&self, deliver: Box<dyn Fn(Invalidation) -> bool + Send + Sync>) -> Subscription;
+}
+
+/// A running subscription of an [`InvalidationChannel`]: dropping it stops
+/// the subscriber (its task and its connection).
+#[derive(Debug)]
+pub struct Subscription(Option<tokio::task::AbortHandle>);
+
+impl Subscription {
+    /// A subscription run by a tokio task.
+    pub fn new(task: tokio::task::AbortHandle) -> Self {
+        Subscription(Some(task))
+    }
+
+    /// A subscription with nothing to stop.
+    pub fn none() -> Self {
+        Subscription(None)
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
 }
 
 /// What an [`InvalidationChannel`] delivers.
@@ -267,6 +299,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
             caches: Vec::new(),
             local: Arc::new(RwLock::new(Vec::new())),
             channel: None,
+            subscription: None,
             cache_timeout: Duration::from_millis(50),
             tombstone_ttl: Duration::from_secs(600),
             inflight: Arc::new(Mutex::new(HashMap::new())),
@@ -292,7 +325,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
         let channel: Arc<dyn InvalidationChannel> = Arc::new(channel);
         let local = Arc::downgrade(&self.local);
         let ttl = self.tombstone_ttl;
-        channel.subscribe(Box::new(move |message| {
+        let subscription = channel.subscribe(Box::new(move |message| {
             let Some(local) = local.upgrade() else {
                 return false;
             };
@@ -315,6 +348,7 @@ impl<S: IdempotencyStore> TieredStore<S> {
             true
         }));
         self.channel = Some(channel);
+        self.subscription = Some(Arc::new(subscription));
         self
     }
 
@@ -647,24 +681,29 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
         self.source.get(key).await
     }
 
-    /// Tombstones the key in every cache tier (and, through the
-    /// invalidation channel, in every instance's in-process tiers) with the
-    /// fence of the record it deletes, then deletes it from the source.
-    /// If a tier could not be reached, the source is deleted all the same
-    /// and the error says the key may still replay from that tier.
+    /// Deletes the record from the source, then tombstones the key in
+    /// every cache tier (and, through the invalidation channel, in every
+    /// instance's in-process tiers) so that no record the delete removed,
+    /// nor any older one, is replayed or filled again. If a tier could not
+    /// be reached, the source is deleted all the same and the error says
+    /// the key may still replay from that tier.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        // The fence of the record being deleted: fills of it (or anything
-        // older) are refused from now on. A corrupt record's fence is not
-        // known: refuse every fill until the tombstone expires.
+        let deleted = self.source.delete(key).await?;
+        // Whatever the delete removed (the record read by a racing fill, or
+        // one completed while the delete ran) has a lower fence than any
+        // record acquired after it: read what the source holds now. With a
+        // newer record, refuse everything below its fence; with none,
+        // refuse everything until the tombstone expires (a completion
+        // acquired after the delete is then answered by the source, not
+        // the caches: slower, never wrong).
         let fence = match self.source.get(key).await {
-            Ok(Some(record)) => record.fence,
-            Ok(None) => 0,
-            Err(StoreError::Corrupt { .. }) => u64::MAX,
+            Ok(Some(record)) => record.fence.saturating_sub(1),
+            Ok(None) | Err(StoreError::Corrupt { .. }) => u64::MAX,
             Err(e) => return Err(e),
         };
-        let cached = self.tombstone_everywhere(key, fence).await;
-        let deleted = self.source.delete(key).await?;
-        cached.map(|()| deleted)
+        self.tombstone_everywhere(key, fence)
+            .await
+            .map(|()| deleted)
     }
 
     async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {

@@ -22,6 +22,7 @@ use crate::{
 #[derive(Debug, Default)]
 pub struct Tap<S> {
     held_acquire: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+    held_delete: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
     clock_ahead_ms: AtomicU64,
     inner: S,
     acquires: AtomicUsize,
@@ -37,6 +38,7 @@ impl<S> Tap<S> {
     pub fn new(inner: S) -> Self {
         Tap {
             held_acquire: Mutex::new(None),
+            held_delete: Mutex::new(None),
             clock_ahead_ms: AtomicU64::new(0),
             inner,
             acquires: AtomicUsize::new(0),
@@ -99,6 +101,16 @@ impl<S> Tap<S> {
         let (resume_tx, resume_rx) = oneshot::channel();
         *self.held_acquire.lock().unwrap_or_else(|p| p.into_inner()) =
             Some((reached_tx, resume_rx));
+        (reached_rx, resume_tx)
+    }
+
+    /// The next `delete` waits before it reaches the store: the first
+    /// receiver fires once it is called, and it goes on when the sender is
+    /// sent to (or dropped). Lets a test run calls during a delete.
+    pub fn hold_next_delete(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+        let (reached_tx, reached_rx) = oneshot::channel();
+        let (resume_tx, resume_rx) = oneshot::channel();
+        *self.held_delete.lock().unwrap_or_else(|p| p.into_inner()) = Some((reached_tx, resume_rx));
         (reached_rx, resume_tx)
     }
 
@@ -200,6 +212,15 @@ impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let held = self
+            .held_delete
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some((reached, resume)) = held {
+            let _ = reached.send(());
+            let _ = resume.await;
+        }
         self.inner.delete(key).await
     }
 
