@@ -1273,3 +1273,70 @@ async fn json_bodies_are_fingerprinted_canonically_with_exact_numbers() {
     );
     assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
 }
+
+/// Review finding R2: a layer inside a nested router (`/accounts/{account}`)
+/// sees the stripped path (`/transfer`); it keys and fingerprints by the
+/// path the client sent, so one account's request is never answered with
+/// another account's recorded response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_in_a_nested_router_keys_by_the_whole_path() {
+    use axum::extract::Path;
+    async fn transfer(
+        State(done): State<Arc<std::sync::Mutex<Vec<String>>>>,
+        Path(account): Path<String>,
+        Json(body): Json<Value>,
+    ) -> (StatusCode, Json<Value>) {
+        done.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(account.clone());
+        (
+            StatusCode::CREATED,
+            Json(json!({ "account": account, "amount": body["amount"] })),
+        )
+    }
+    let pool = support::pg::pool(support::pg::shared_url(), 4).await;
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let layer = IdempotencyLayer::new(Idempotency::new(store))
+        .scope(format!("http.nested.{:08x}", fastrand::u32(..)))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(|req| {
+            req.headers
+                .get("x-api-key")
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+    let done: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let accounts = Router::new()
+        .route("/transfer", post(transfer))
+        .layer(layer);
+    let router = Router::new()
+        .nest("/accounts/{account}", accounts)
+        .with_state(done.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    let send = |account: &'static str| {
+        client
+            .post(format!("{url}/accounts/{account}/transfer"))
+            .header("x-api-key", "tenant-1")
+            .header("idempotency-key", "k-1")
+            .json(&json!({ "amount": 100 }))
+            .send()
+    };
+    for account in ["1", "2", "1"] {
+        let response = send(account).await.unwrap_or_else(|e| panic!("{e}"));
+        let replayed = response.headers().get("idempotent-replayed").is_some();
+        let body: Value = response.json().await.unwrap_or_default();
+        assert_eq!(body["account"], account, "account {account} got {body}");
+        let _ = replayed;
+    }
+    let ran = done.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert_eq!(ran, ["1", "2"], "each account's transfer ran once");
+}

@@ -548,7 +548,12 @@ where
         }
     };
 
-    let id = key_id(&tenant, parts.method.as_str(), parts.uri.path(), client_key);
+    let id = key_id(
+        &tenant,
+        parts.method.as_str(),
+        original_uri(&parts).path(),
+        client_key,
+    );
     let key = match IdempotencyKey::new(config.scope.clone(), id) {
         Ok(key) => key,
         // Cannot happen: the scope was validated when the layer was built,
@@ -719,8 +724,7 @@ where
 /// keeps its numbers' exact text (see the `json` module): two requests that
 /// differ only in a digit never share a fingerprint.
 fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
-    let target = parts
-        .uri
+    let target = original_uri(parts)
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
@@ -743,6 +747,19 @@ fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
     }
     bytes.extend_from_slice(body);
     Fingerprint::of_bytes(&bytes)
+}
+
+/// The request's URI as the client sent it. Inside a nested axum router
+/// the URI handed to the layer has lost the nest's prefix
+/// (`/accounts/1/transfer` arrives as `/transfer`); axum keeps the whole
+/// one as `OriginalUri`, which keys and fingerprints must use, or two
+/// accounts' requests would share a key.
+fn original_uri(parts: &http::request::Parts) -> &http::Uri {
+    #[cfg(feature = "axum")]
+    if let Some(original) = parts.extensions.get::<axum::extract::OriginalUri>() {
+        return &original.0;
+    }
+    &parts.uri
 }
 
 /// The media type of `Content-Type` without its parameters, lowercased;
