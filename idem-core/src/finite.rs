@@ -146,49 +146,28 @@ impl ser::Serializer for Check {
     }
 }
 
-impl ser::SerializeSeq for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
+/// The compound serializers whose elements are plain values.
+macro_rules! check_elements {
+    ($($trait:ident :: $method:ident),*) => {$(
+        impl ser::$trait for Check {
+            type Ok = ();
+            type Error = NonFinite;
+            fn $method<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
+                v.serialize(Check)
+            }
+            fn end(self) -> Result<(), NonFinite> {
+                Ok(())
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeTuple for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleStruct for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
-}
-
-impl ser::SerializeTupleVariant for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
-}
+check_elements!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field
+);
 
 impl ser::SerializeMap for Check {
     type Ok = ();
@@ -204,35 +183,27 @@ impl ser::SerializeMap for Check {
     }
 }
 
-impl ser::SerializeStruct for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        _: &'static str,
-        v: &T,
-    ) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
+/// The compound serializers whose fields are named.
+macro_rules! check_fields {
+    ($($trait:ident),*) => {$(
+        impl ser::$trait for Check {
+            type Ok = ();
+            type Error = NonFinite;
+            fn serialize_field<T: Serialize + ?Sized>(
+                &mut self,
+                _: &'static str,
+                v: &T,
+            ) -> Result<(), NonFinite> {
+                v.serialize(Check)
+            }
+            fn end(self) -> Result<(), NonFinite> {
+                Ok(())
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeStructVariant for Check {
-    type Ok = ();
-    type Error = NonFinite;
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        _: &'static str,
-        v: &T,
-    ) -> Result<(), NonFinite> {
-        v.serialize(Check)
-    }
-    fn end(self) -> Result<(), NonFinite> {
-        Ok(())
-    }
-}
+check_fields!(SerializeStruct, SerializeStructVariant);
 
 #[cfg(test)]
 mod tests {

@@ -5,7 +5,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::StreamExt;
 use idem_core::IdempotencyKey;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::ConnectionManager;
 
 use crate::{CacheError, Invalidation, InvalidationChannel, Subscription};
 
@@ -53,14 +53,7 @@ impl RedisInvalidation {
     /// [`TieredStore::with_invalidation`](crate::TieredStore::with_invalidation).
     pub async fn connect(url: &str) -> Result<Self, CacheError> {
         let client = redis::Client::open(url).map_err(|e| CacheError::Unavailable(Box::new(e)))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(Duration::from_secs(1)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(200));
-        let publisher = ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(|e| CacheError::Unavailable(Box::new(e)))?;
+        let publisher = crate::redis_cache::connection_manager(client.clone()).await?;
         Ok(RedisInvalidation {
             client,
             publisher,

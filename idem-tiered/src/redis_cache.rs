@@ -42,15 +42,7 @@ impl RedisCache<ConnectionManager> {
     /// Connects with a reconnecting `ConnectionManager`.
     pub async fn connect(url: &str) -> Result<Self, CacheError> {
         let client = redis::Client::open(url).map_err(|e| CacheError::Unavailable(Box::new(e)))?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_response_timeout(Some(Duration::from_secs(1)))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(|e| CacheError::Unavailable(Box::new(e)))?;
-        Ok(RedisCache::new(conn))
+        Ok(RedisCache::new(connection_manager(client).await?))
     }
 }
 
@@ -76,6 +68,21 @@ where
     pub fn redis_key(&self, key: &IdempotencyKey) -> String {
         format!("{}{}/{}", self.prefix, key.scope(), key.id())
     }
+}
+
+/// A reconnecting connection with the short timeouts of a cache tier: a
+/// slow cache is skipped, not waited for.
+pub(crate) async fn connection_manager(
+    client: redis::Client,
+) -> Result<ConnectionManager, CacheError> {
+    let config = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(1)
+        .set_max_delay(Duration::from_millis(200));
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .map_err(|e| CacheError::Unavailable(Box::new(e)))
 }
 
 fn ms(t: SystemTime) -> u64 {

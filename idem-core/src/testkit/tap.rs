@@ -21,8 +21,8 @@ use crate::{
 /// wrapped store does all the work.
 #[derive(Debug, Default)]
 pub struct Tap<S> {
-    held_acquire: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
-    held_delete: Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>,
+    held_acquire: Held,
+    held_delete: Held,
     clock_ahead_ms: AtomicU64,
     inner: S,
     acquires: AtomicUsize,
@@ -108,10 +108,7 @@ impl<S> Tap<S> {
     /// receiver fires once it is called, and it goes on when the sender is
     /// sent to (or dropped). Lets a test run calls during a delete.
     pub fn hold_next_delete(&self) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
-        let (reached_tx, reached_rx) = oneshot::channel();
-        let (resume_tx, resume_rx) = oneshot::channel();
-        *self.held_delete.lock().unwrap_or_else(|p| p.into_inner()) = Some((reached_tx, resume_rx));
-        (reached_rx, resume_tx)
+        arm(&self.held_delete)
     }
 
     /// Every time the store reports (lease and record deadlines, completion
@@ -153,6 +150,26 @@ impl<S> Tap<S> {
     }
 }
 
+type Held = Mutex<Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>>;
+
+/// Arms a hold: the next call that passes `hold(slot)` signals the first
+/// half and waits for the second.
+fn arm(slot: &Held) -> (oneshot::Receiver<()>, oneshot::Sender<()>) {
+    let (reached_tx, reached_rx) = oneshot::channel();
+    let (resume_tx, resume_rx) = oneshot::channel();
+    *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some((reached_tx, resume_rx));
+    (reached_rx, resume_tx)
+}
+
+/// Waits here if a hold is armed (once).
+async fn hold(slot: &Held) {
+    let held = slot.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some((reached, resume)) = held {
+        let _ = reached.send(());
+        let _ = resume.await;
+    }
+}
+
 #[async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
     async fn acquire(
@@ -163,15 +180,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
     ) -> Result<Acquisition, StoreError> {
         self.acquires.fetch_add(1, Ordering::SeqCst);
         let outcome = self.inner.acquire(key, fingerprint, lease).await;
-        let held = self
-            .held_acquire
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some((reached, resume)) = held {
-            let _ = reached.send(());
-            let _ = resume.await;
-        }
+        hold(&self.held_acquire).await;
         outcome.map(|o| self.skew(o))
     }
 
@@ -212,15 +221,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let held = self
-            .held_delete
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
-        if let Some((reached, resume)) = held {
-            let _ = reached.send(());
-            let _ = resume.await;
-        }
+        hold(&self.held_delete).await;
         self.inner.delete(key).await
     }
 
