@@ -816,3 +816,64 @@ async fn wait_for_replicas_follows_the_wait_timeout_not_a_fixed_two_seconds() {
         "expected the lagging replica to be waited for: {got:?} after {waited:?}"
     );
 }
+
+/// Issue 13 item 4: on Redis Cluster, the reply to `acquire` is lost (the
+/// proxy in front of the key's node drops it and cuts the connection after
+/// the script ran). The cluster client reconnects and resends the EVALSHA,
+/// which runs a second time with the same token: the answer is "acquired"
+/// with the same fence, not "in progress" (which would block the key for
+/// its lease), and the lease completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
+    let (servers, proxies) = redis_server::start_cluster_behind_proxies().await;
+    let store = RedisStore::connect_cluster(
+        proxies
+            .iter()
+            .map(|p| format!("redis://{}/", p.addr))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let k = testkit::unique_key("cluster-resend");
+    let rk = store.redis_key(&k);
+    let owner = redis_server::owner_of(&servers, &rk);
+    // Warm up: the script is loaded on the key's node (a first EVALSHA
+    // answers NOSCRIPT), then the key is free again.
+    let Ok(Acquisition::Acquired(warm)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("warm-up acquire")
+    };
+    store.release(&warm).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let before = redis_server::command_calls(&servers[owner], "evalsha");
+    proxies[owner].lose_replies_to(b"EVALSHA", 1, 1);
+    let got = store.acquire(&k, None, Duration::from_secs(30)).await;
+    let ran = redis_server::command_calls(&servers[owner], "evalsha") - before;
+    println!(
+        "lost replies: {}, EVALSHA runs on the node: {ran}, outcome: {got:?}",
+        proxies[owner].lost()
+    );
+    assert_eq!(proxies[owner].lost(), 1, "the reply was not lost");
+    assert_eq!(ran, 2, "the cluster client did not resend the script");
+    let lease = match got {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("the resent acquire answered {other:?}, not acquired"),
+    };
+    assert_eq!(lease.attempt, 1);
+    let record = store
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("no record"));
+    assert_eq!(record.token, lease.token, "the record is held by our token");
+    assert_eq!(record.fence, lease.fence);
+    store
+        .complete(&lease, b"done", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dup = store.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(&dup, Ok(Acquisition::Completed(r)) if &r.response[..] == b"done"),
+        "{dup:?}"
+    );
+}
