@@ -140,6 +140,9 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 }
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How many times the cluster client retries a call (a resend after a lost
+/// reply, a redirection, a reconnection), within the call timeout.
+const CLUSTER_RETRIES: u32 = 6;
 /// The default largest response: 64 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
@@ -178,9 +181,16 @@ impl RedisStore<ClusterConnection> {
         // No response timeout on the connections (the builder's default):
         // every call is bounded by the store's own settings, as with
         // `connect`.
+        //
+        // Retries: after a lost reply the client resends the script (every
+        // script is safe to run twice: see the crate docs), but the resend
+        // may first hit the dead connection (broken pipe), then a random
+        // node while the owner's connection is rebuilt (MOVED), before it
+        // reaches the owner again: two retries were often not enough. The
+        // call timeout bounds them all.
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(DEFAULT_TIMEOUT)
-            .retries(2)
+            .retries(CLUSTER_RETRIES)
             .build()
             .map_err(map_error)?;
         let conn = client.get_async_connection().await.map_err(map_error)?;
