@@ -94,30 +94,30 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let idem = Idempotency::from_arc(store).lease(Duration::from_secs(5));
     let ledger: Ledger = Arc::default();
     let charged = Arc::new(AtomicU64::new(0));
-    let consumer = |idem: Idempotency<dyn IdempotencyStore>| {
-        let url = args.redis_url.clone();
-        let stream = stream.clone();
-        async move {
-            StreamConsumer::connect(&url, &stream, group, "consumer-1", idem)
-                .await
-                .map(|c| {
-                    c.key_field("message_id")
-                        .batch(32)
-                        .concurrency(8)
-                        .block(Duration::from_millis(100))
-                        .claim_idle(Duration::from_secs(1))
-                })
-        }
-    };
-
     // First run: killed once `kill_after` charges are done, with charges in
-    // flight and entries of its batch unacknowledged.
-    let first = consumer(idem.clone()).await?;
+    // flight and entries of its batch unacknowledged. The consumer runs its
+    // handlers detached (a dropped `run` lets them finish), so the kill is
+    // a process's death: the consumer, its store and its handlers live on a
+    // runtime of their own, which is shut down.
+    let first_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
     let in_flight = Arc::new(tokio::sync::Notify::new());
-    let run = {
+    {
         let (ledger, charged, in_flight) = (ledger.clone(), charged.clone(), in_flight.clone());
         let kill_after = args.kill_after;
-        tokio::spawn(async move {
+        let (url, stream) = (args.redis_url.clone(), stream.clone());
+        first_runtime.spawn(async move {
+            let store = RedisStore::connect(&url).await?;
+            let idem = Idempotency::new(store).lease(Duration::from_secs(5));
+            let first = StreamConsumer::connect(&url, &stream, group, "consumer-1", idem)
+                .await?
+                .key_field("message_id")
+                .batch(32)
+                .concurrency(8)
+                .block(Duration::from_millis(100))
+                .claim_idle(Duration::from_secs(1));
             first
                 .run(
                     move |entry| {
@@ -132,8 +132,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     std::future::pending::<()>(),
                 )
                 .await
-        })
-    };
+        });
+    }
     in_flight.notified().await;
     // Kill it once the charges that ran are recorded, with the rest of the
     // batch in flight before their charge. (A kill between a charge and its
@@ -163,14 +163,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         }
         tokio::task::yield_now().await;
     }
-    run.abort();
-    let _ = run.await;
+    first_runtime.shutdown_background();
     let at_kill = charged.load(Ordering::SeqCst);
     println!("consumer killed after {at_kill} charges, with charges in flight");
 
-    // Restarted: takes its dead predecessor's pending entries back after
-    // they have been idle for a second, and reads the rest.
-    let second = consumer(idem).await?;
+    // Restarted under the same name: takes its dead predecessor's pending
+    // entries back at once (its own pending list), runs them once their
+    // keys' leases are over, and reads the rest.
+    let second = StreamConsumer::connect(&args.redis_url, &stream, group, "consumer-1", idem)
+        .await?
+        .key_field("message_id")
+        .batch(32)
+        .concurrency(8)
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_secs(1));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let watcher = {
         let (ledger, stream, url) = (ledger.clone(), stream.clone(), args.redis_url.clone());

@@ -691,3 +691,189 @@ async fn a_result_redis_refuses_completes_the_key_as_not_replayable() {
     );
     assert_eq!(effects.load(Ordering::SeqCst), 1, "the handler ran twice");
 }
+
+/// Issue 13 item 5: a `WAIT` that fails after an acquisition releases the
+/// reservation, so the retry acquires the key (before: the key stayed in
+/// progress for its lease, and the retry was refused).
+#[tokio::test]
+async fn a_failed_wait_releases_the_reservation() {
+    let server = RedisServer::start(&[]);
+    let store = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let k = testkit::unique_key("wait-release");
+    // One replica asked for, none attached: WAIT answers 0.
+    let waiting = store
+        .clone()
+        .wait_for_replicas(1, Duration::from_millis(100));
+    match waiting.acquire(&k, None, Duration::from_secs(30)).await {
+        Err(e @ StoreError::Unavailable(_)) => {
+            assert!(e.to_string().contains("0 of 1"), "{e}")
+        }
+        other => panic!("expected Unavailable from WAIT, got {other:?}"),
+    }
+    let left = store.get(&k).await;
+    assert!(
+        matches!(left, Ok(None)),
+        "the failed acquisition left a record: {left:?}"
+    );
+    let retry = store.acquire(&k, None, Duration::from_secs(30)).await;
+    match retry {
+        Ok(Acquisition::Acquired(lease)) => assert_eq!(lease.attempt, 1),
+        other => panic!("the retry was not acquired: {other:?}"),
+    }
+}
+
+/// Waits until `replica` is attached to its primary and caught up.
+fn wait_for_replication(primary: &RedisServer, replica: &RedisServer) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let up = replica
+            .command("INFO replication")
+            .contains("master_link_status:up");
+        let attached = primary
+            .command("INFO replication")
+            .contains("connected_slaves:1");
+        if up && attached {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica did not attach within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Issue 13 item 5: the store's calls are bounded by its own settings, not
+/// by a fixed 2 s response timeout on the connection: with
+/// `call_timeout(10 s)` and `WAIT` for 3 s or more, a replica that lags 3 s
+/// is waited for. A replica frozen for the whole `WAIT` gives `Unavailable`
+/// after the `WAIT` timeout (not at 2 s), and the reservation is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wait_for_replicas_follows_the_wait_timeout_not_a_fixed_two_seconds() {
+    let primary = RedisServer::start(&[]);
+    let replica = Arc::new(RedisServer::start(&[
+        "--replicaof",
+        "127.0.0.1",
+        &primary.port.to_string(),
+    ]));
+    wait_for_replication(&primary, &replica);
+    let store = RedisStore::connect(&primary.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .call_timeout(Duration::from_secs(10));
+
+    // The replica frozen for the whole WAIT of 3 s.
+    replica.signal("STOP");
+    let k = testkit::unique_key("wait-frozen");
+    let started = std::time::Instant::now();
+    let got = store
+        .clone()
+        .wait_for_replicas(1, Duration::from_secs(3))
+        .acquire(&k, None, Duration::from_secs(30))
+        .await;
+    let waited = started.elapsed();
+    println!("WAIT 3 s, replica frozen: {got:?} after {waited:?}");
+    match &got {
+        Err(e @ StoreError::Unavailable(_)) => {
+            assert!(e.to_string().contains("0 of 1"), "{e}")
+        }
+        other => panic!("expected Unavailable from WAIT, got {other:?}"),
+    }
+    assert!(
+        waited >= Duration::from_secs(3),
+        "gave up after {waited:?}, before the WAIT timeout"
+    );
+    assert!(
+        matches!(store.get(&k).await, Ok(None)),
+        "the reservation was not released"
+    );
+
+    // The replica lags 3 s, then acknowledges: WAIT 6 s sees it.
+    let thaw = {
+        let replica = replica.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(3)).await; // the lag
+            replica.signal("CONT");
+        })
+    };
+    let k = testkit::unique_key("wait-lag");
+    let started = std::time::Instant::now();
+    let got = store
+        .clone()
+        .wait_for_replicas(1, Duration::from_secs(6))
+        .acquire(&k, None, Duration::from_secs(30))
+        .await;
+    let waited = started.elapsed();
+    thaw.await.unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "WAIT 6 s, replica lagging 3 s: acquired={} after {waited:?}",
+        matches!(got, Ok(Acquisition::Acquired(_)))
+    );
+    assert!(
+        matches!(got, Ok(Acquisition::Acquired(_))),
+        "expected the lagging replica to be waited for: {got:?} after {waited:?}"
+    );
+}
+
+/// Issue 13 item 4: on Redis Cluster, the reply to `acquire` is lost (the
+/// proxy in front of the key's node drops it and cuts the connection after
+/// the script ran). The cluster client reconnects and resends the EVALSHA,
+/// which runs a second time with the same token: the answer is "acquired"
+/// with the same fence, not "in progress" (which would block the key for
+/// its lease), and the lease completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
+    let (servers, proxies) = redis_server::start_cluster_behind_proxies().await;
+    let store = RedisStore::connect_cluster(
+        proxies
+            .iter()
+            .map(|p| format!("redis://{}/", p.addr))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let k = testkit::unique_key("cluster-resend");
+    let rk = store.redis_key(&k);
+    let owner = redis_server::owner_of(&servers, &rk);
+    // Warm up: the script is loaded on the key's node (a first EVALSHA
+    // answers NOSCRIPT), then the key is free again.
+    let Ok(Acquisition::Acquired(warm)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("warm-up acquire")
+    };
+    store.release(&warm).await.unwrap_or_else(|e| panic!("{e}"));
+
+    let before = redis_server::command_calls(&servers[owner], "evalsha");
+    proxies[owner].lose_replies_to(b"EVALSHA", 1, 1);
+    let got = store.acquire(&k, None, Duration::from_secs(30)).await;
+    let ran = redis_server::command_calls(&servers[owner], "evalsha") - before;
+    println!(
+        "lost replies: {}, EVALSHA runs on the node: {ran}, outcome: {got:?}",
+        proxies[owner].lost()
+    );
+    assert_eq!(proxies[owner].lost(), 1, "the reply was not lost");
+    assert_eq!(ran, 2, "the cluster client did not resend the script");
+    let lease = match got {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("the resent acquire answered {other:?}, not acquired"),
+    };
+    assert_eq!(lease.attempt, 1);
+    let record = store
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("no record"));
+    assert_eq!(record.token, lease.token, "the record is held by our token");
+    assert_eq!(record.fence, lease.fence);
+    store
+        .complete(&lease, b"done", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dup = store.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(&dup, Ok(Acquisition::Completed(r)) if &r.response[..] == b"done"),
+        "{dup:?}"
+    );
+}

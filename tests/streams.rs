@@ -75,25 +75,37 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
 
     // Consumer A processes 50 messages, then its handlers stall (before
     // their effect) and it is killed with entries of its batch in flight.
+    // It runs on a runtime of its own, with a store of its own, as a
+    // process would: its handlers run detached, so only killing that
+    // runtime (the process) stops them.
     let stalled = Arc::new(tokio::sync::Notify::new());
-    let a = {
+    let a_runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    {
         let (effects, done, stalled) = (effects.clone(), done.clone(), stalled.clone());
-        let consumer = StreamConsumer::connect(
-            support::redis_server::shared_url(),
-            &stream,
-            group,
-            "consumer-a",
-            idem.clone(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .key_field("message_id")
-        .batch(16)
-        .concurrency(8);
-        tokio::spawn(async move {
+        let stream = stream.clone();
+        a_runtime.spawn(async move {
+            let store = RedisStore::connect(support::redis_server::shared_url())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let consumer = StreamConsumer::connect(
+                support::redis_server::shared_url(),
+                &stream,
+                group,
+                "consumer-a",
+                Idempotency::new(store).lease(Duration::from_secs(2)),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .key_field("message_id")
+            .batch(16)
+            .concurrency(8);
             consumer
                 .run(
-                    |entry: StreamEntry| {
+                    move |entry: StreamEntry| {
                         let (effects, done, stalled) =
                             (effects.clone(), done.clone(), stalled.clone());
                         async move {
@@ -116,8 +128,8 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
                     std::future::pending::<()>(),
                 )
                 .await
-        })
-    };
+        });
+    }
     stalled.notified().await;
     // Killed once the effects that ran are recorded: a kill between an
     // effect and its record is the at-least-once hazard of any receiver
@@ -146,8 +158,7 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
         }
         tokio::task::yield_now().await;
     }
-    a.abort();
-    let _ = a.await;
+    a_runtime.shutdown_background();
     let after_kill = done.load(Ordering::SeqCst);
     assert!(
         pending(&stream, group).await > 0,
@@ -189,17 +200,20 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
     let stats = tokio::time::timeout(
         Duration::from_secs(60),
         b.run(
-            |entry: StreamEntry| {
+            {
                 let (effects, done) = (effects.clone(), done.clone());
-                async move {
-                    let id = entry.text("message_id").unwrap_or_default().to_owned();
-                    *effects
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .entry(id)
-                        .or_default() += 1;
-                    done.fetch_add(1, Ordering::SeqCst);
-                    Ok::<_, std::io::Error>(entry.text("amount").unwrap_or_default().to_owned())
+                move |entry: StreamEntry| {
+                    let (effects, done) = (effects.clone(), done.clone());
+                    async move {
+                        let id = entry.text("message_id").unwrap_or_default().to_owned();
+                        *effects
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .entry(id)
+                            .or_default() += 1;
+                        done.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, std::io::Error>(entry.text("amount").unwrap_or_default().to_owned())
+                    }
                 }
             },
             async {
@@ -316,4 +330,627 @@ async fn shutdown_finishes_the_entries_in_flight() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
     assert_eq!(pending(&stream, "g").await, 0);
+}
+
+// ------------------------------------------------------------ issue 13, item 10
+
+/// Runs `consumer` until `done` holds (checked every 20 ms, for at most
+/// `limit`), then shuts it down and returns what `run` returned. A `run`
+/// that ends before `done` holds is an error.
+async fn run_until<S, R, F, Fut, T, E>(
+    consumer: &StreamConsumer<S, idem::JsonCodec, R>,
+    handler: F,
+    limit: Duration,
+    done: impl Fn() -> futures::future::BoxFuture<'static, bool>,
+) -> Result<idem::redis::streams::ConsumerStats, String>
+where
+    S: IdempotencyStore + ?Sized,
+    R: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<T, E>> + Send + 'static,
+    T: serde::Serialize + serde::de::DeserializeOwned + Send + 'static,
+    E: std::fmt::Display + Send + 'static,
+{
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = consumer.run(handler, async move {
+        let _ = stop_rx.await;
+    });
+    tokio::pin!(run);
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        tokio::select! {
+            ended = &mut run => {
+                return Err(format!("run ended before the condition held: {:?}", ended.map_err(|e| e.to_string())));
+            }
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+        }
+        if done().await {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let _ = stop_tx.send(());
+            let stats = tokio::time::timeout(Duration::from_secs(30), run).await;
+            return Err(format!(
+                "the condition did not hold within {limit:?}; run: {:?}",
+                stats.map(|r| r.map_err(|e| e.to_string()))
+            ));
+        }
+    }
+    let _ = stop_tx.send(());
+    tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .map_err(|_| "run did not stop within 30 s of the shutdown".to_owned())?
+        .map_err(|e| e.to_string())
+}
+
+async fn xadd(stream: &str, fields: &[(&str, &str)]) -> String {
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg("*");
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn redis_store() -> RedisStore {
+    RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn consumer_on(
+    stream: &str,
+    name: &str,
+    idem: Idempotency<RedisStore>,
+) -> StreamConsumer<RedisStore> {
+    StreamConsumer::connect(support::redis_server::shared_url(), stream, "g", name, idem)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .key_field("message_id")
+}
+
+/// A handler that counts its runs and answers "ok".
+fn counting(
+    runs: &Arc<AtomicU64>,
+) -> impl Fn(StreamEntry) -> futures::future::BoxFuture<'static, Result<String, std::io::Error>>
+       + Send
+       + Sync
+       + 'static {
+    let runs = runs.clone();
+    move |_entry: StreamEntry| {
+        let runs = runs.clone();
+        Box::pin(async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok("ok".to_owned())
+        })
+    }
+}
+
+/// Done once `runs` reached `n` and nothing is pending in group `g`.
+fn ran_and_nothing_pending(
+    stream: &str,
+    runs: &Arc<AtomicU64>,
+    n: u64,
+) -> impl Fn() -> futures::future::BoxFuture<'static, bool> {
+    let (stream, runs) = (stream.to_owned(), runs.clone());
+    move || {
+        let (stream, runs) = (stream.clone(), runs.clone());
+        Box::pin(
+            async move { runs.load(Ordering::SeqCst) >= n && pending(&stream, "g").await == 0 },
+        )
+    }
+}
+
+/// Item 10 (a): a read that blocks longer than the connection's old fixed
+/// response timeout (5.5 s) waits on an idle stream instead of failing,
+/// and the entry that arrives after 6 s idle is processed and acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_blocking_longer_than_five_seconds_waits_on_an_idle_stream() {
+    let stream = format!("idle-long-{:08x}", fastrand::u32(..));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_secs(8))
+        .claim_idle(Duration::from_secs(60));
+    let producer = {
+        let stream = stream.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(6)).await; // the stream stays idle
+            xadd(&stream, &[("message_id", "late")]).await
+        })
+    };
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(30),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
+}
+
+/// Item 10 (a): `block(0)` means "wait for entries without a time limit":
+/// on a stream idle for 6 s `run` keeps waiting (before: it failed with
+/// `Unavailable` after 5.5 s, and the entry delivered to the abandoned read
+/// stayed pending), and the entry is processed and acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn block_zero_waits_for_entries_without_a_time_limit() {
+    let stream = format!("idle-zero-{:08x}", fastrand::u32(..));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::ZERO)
+        .claim_idle(Duration::from_secs(4));
+    let producer = {
+        let stream = stream.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(6)).await; // the stream stays idle
+            xadd(&stream, &[("message_id", "late")]).await
+        })
+    };
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(30),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
+    assert_eq!(pending(&stream, "g").await, 0);
+}
+
+/// Item 10 (d): two deliveries of one message in the same batch: the second
+/// waits for the first and gets its replay, and both are acked at once
+/// (before: the second was answered "in progress" and left pending until
+/// `claim_idle`, here a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_in_the_same_batch_waits_for_its_first_delivery() {
+    let stream = format!("batch-dup-{:08x}", fastrand::u32(..));
+    for _ in 0..2 {
+        xadd(&stream, &[("message_id", "twice"), ("amount", "5")]).await;
+    }
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_millis(50))
+        .claim_idle(Duration::from_secs(60));
+    let runs = Arc::new(AtomicU64::new(0));
+    let slow = {
+        let runs = runs.clone();
+        move |_entry: StreamEntry| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(300)).await; // the work
+                Ok::<_, std::io::Error>("charged".to_owned())
+            }
+        }
+    };
+    let stats = run_until(
+        &consumer,
+        slow,
+        Duration::from_secs(10),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        (
+            stats.executed,
+            stats.replayed,
+            stats.acked,
+            stats.left_pending
+        ),
+        (1, 1, 2, 0),
+        "{stats:?}"
+    );
+}
+
+/// Item 10 (d), from the review: consumer A is dropped (its task aborted)
+/// while its handler runs. The handler runs detached: it finishes, its
+/// result is recorded, and consumer B, which reclaims the entry, gets the
+/// replay: the entry's handler ran once (before: A's handler was cut off,
+/// its lease ran out and B ran the entry again: twice).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_dropped_mid_handler_lets_it_finish_and_the_entry_runs_once() {
+    let stream = format!("detached-{:08x}", fastrand::u32(..));
+    let lease = Duration::from_millis(500);
+    let idem = Idempotency::new(redis_store().await).lease(lease);
+    let effects = Arc::new(AtomicU64::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+    let consumer_a = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_millis(100));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let a = {
+        let (effects, started) = (effects.clone(), started.clone());
+        tokio::spawn(async move {
+            consumer_a
+                .run(
+                    move |_e: StreamEntry| {
+                        let (effects, started) = (effects.clone(), started.clone());
+                        async move {
+                            // The effect starts, then takes a while.
+                            effects.fetch_add(1, Ordering::SeqCst);
+                            started.notify_one();
+                            tokio::time::sleep(Duration::from_millis(800)).await;
+                            Ok::<_, std::io::Error>("charged".to_owned())
+                        }
+                    },
+                    std::future::pending::<()>(),
+                )
+                .await
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(5), started.notified())
+        .await
+        .unwrap_or_else(|_| panic!("consumer A never ran the entry"));
+    // Consumer A goes away (its task is stopped at shutdown).
+    a.abort();
+    let _ = a.await;
+
+    // Another consumer of the group reclaims the entry once it is idle.
+    let consumer_b = consumer_on(&stream, "b", idem)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_millis(300));
+    let b_runs = Arc::new(AtomicU64::new(0));
+    let done = {
+        let stream = stream.clone();
+        move || {
+            let stream = stream.clone();
+            Box::pin(async move { pending(&stream, "g").await == 0 })
+                as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(
+        &consumer_b,
+        counting(&b_runs),
+        Duration::from_secs(10),
+        done,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let n = effects.load(Ordering::SeqCst) + b_runs.load(Ordering::SeqCst);
+    println!("consumer B: {stats:?}; handler executions for one entry: {n}");
+    assert_eq!(n, 1, "the entry's handler ran {n} times");
+    assert_eq!((stats.replayed, stats.acked), (1, 1), "{stats:?}");
+}
+
+/// From the review: `claim_idle(Duration::MAX)` ("never take over another
+/// consumer's entries") is saturated, not sent as a number XAUTOCLAIM
+/// refuses (before: `run` failed at once with a retryable `Unavailable`,
+/// "Invalid min-idle-time argument for XAUTOCLAIM").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claim_idle_of_duration_max_is_saturated_not_an_error() {
+    let stream = format!("claim-max-{:08x}", fastrand::u32(..));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_millis(50))
+        .claim_idle(Duration::MAX);
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(10),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
+}
+
+/// The entries of a stream (`XRANGE - +`), each as its ID and fields.
+async fn entries_of(stream: &str) -> Vec<(String, HashMap<String, String>)> {
+    let reply: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    reply
+        .into_iter()
+        .map(|(id, fields)| (id, fields.into_iter().collect()))
+        .collect()
+}
+
+/// Item 10 (b): an entry whose handler always fails is delivered
+/// `max_deliveries` times (its first read, then reclaims), then goes to the
+/// dead-letter stream with its ID, its delivery count and the reason, and
+/// is acknowledged: nothing is left pending (before: it was reclaimed every
+/// `claim_idle` without end).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_always_fails_is_dead_lettered_after_max_deliveries() {
+    let stream = format!("poison-{:08x}", fastrand::u32(..));
+    let poison = xadd(&stream, &[("message_id", "poison"), ("amount", "1")]).await;
+    xadd(&stream, &[("message_id", "fine"), ("amount", "2")]).await;
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_millis(50))
+        .claim_idle(Duration::from_millis(200))
+        .max_deliveries(3);
+    let runs = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
+    let handler = {
+        let runs = runs.clone();
+        move |entry: StreamEntry| {
+            let runs = runs.clone();
+            async move {
+                let id = entry.text("message_id").unwrap_or_default().to_owned();
+                *runs
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(id.clone())
+                    .or_default() += 1;
+                if id == "poison" {
+                    Err(std::io::Error::other("the gateway refuses it"))
+                } else {
+                    Ok("charged".to_owned())
+                }
+            }
+        }
+    };
+    let dead = format!("{stream}:dead");
+    let done = {
+        let (stream, dead) = (stream.clone(), dead.clone());
+        move || {
+            let (stream, dead) = (stream.clone(), dead.clone());
+            Box::pin(async move {
+                pending(&stream, "g").await == 0 && !entries_of(&dead).await.is_empty()
+            }) as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(20), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let runs = runs.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let dead_entries = entries_of(&dead).await;
+    println!("runs {runs:?}; {stats:?}; dead letter {dead_entries:?}");
+    assert_eq!(
+        runs.get("poison"),
+        Some(&3),
+        "the poison ran once per delivery"
+    );
+    assert_eq!(runs.get("fine"), Some(&1));
+    assert_eq!(dead_entries.len(), 1, "{dead_entries:?}");
+    let fields = &dead_entries[0].1;
+    assert_eq!(fields.get("idem.entry"), Some(&poison));
+    assert_eq!(fields.get("idem.stream"), Some(&stream));
+    assert_eq!(fields.get("idem.deliveries").map(String::as_str), Some("3"));
+    let reason = fields.get("idem.reason").cloned().unwrap_or_default();
+    assert!(reason.contains("the gateway refuses it"), "{reason}");
+    assert_eq!(fields.get("message_id").map(String::as_str), Some("poison"));
+    assert_eq!(fields.get("amount").map(String::as_str), Some("1"));
+    assert_eq!(
+        (stats.executed, stats.dead_lettered, stats.acked),
+        (1, 1, 2),
+        "{stats:?}"
+    );
+    assert_eq!(pending(&stream, "g").await, 0);
+}
+
+/// Item 10 (b): entries that can never succeed go to the dead-letter
+/// stream at once (delivery 1), without running the handler: one without
+/// the key field, and one that reuses a key with another payload
+/// (mismatch). A duplicate of a key whose result was not recordable is
+/// acknowledged (`ResultUnavailable`), never dead-lettered nor run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_that_can_never_succeed_are_dead_lettered_at_once() {
+    let stream = format!("never-{:08x}", fastrand::u32(..));
+    xadd(&stream, &[("message_id", "m-1"), ("amount", "10")]).await;
+    let no_key = xadd(&stream, &[("amount", "20")]).await;
+    let nan_first = xadd(&stream, &[("message_id", "nan"), ("amount", "30")]).await;
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_millis(50))
+        .claim_idle(Duration::from_secs(60))
+        .max_deliveries(5);
+    let runs = Arc::new(AtomicU64::new(0));
+    // m-1 answers a number; "nan" answers NaN, which JSON cannot record.
+    let handler = {
+        let runs = runs.clone();
+        move |entry: StreamEntry| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>(if entry.text("message_id") == Some("nan") {
+                    f64::NAN
+                } else {
+                    1.0
+                })
+            }
+        }
+    };
+    let dead = format!("{stream}:dead");
+    let first_batch = {
+        let (stream, runs) = (stream.clone(), runs.clone());
+        move || {
+            let (stream, runs) = (stream.clone(), runs.clone());
+            Box::pin(
+                async move { runs.load(Ordering::SeqCst) == 2 && pending(&stream, "g").await == 0 },
+            ) as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(
+        &consumer,
+        handler.clone(),
+        Duration::from_secs(10),
+        first_batch,
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (stats.executed, stats.dead_lettered, stats.acked),
+        (2, 1, 3),
+        "{stats:?}"
+    );
+    // Later: m-1 again with another amount (a mismatch), and a duplicate
+    // of "nan" (not replayable).
+    let mismatch = xadd(&stream, &[("message_id", "m-1"), ("amount", "11")]).await;
+    let nan_again = xadd(&stream, &[("message_id", "nan"), ("amount", "30")]).await;
+    let second_batch = {
+        let stream = stream.clone();
+        move || {
+            let stream = stream.clone();
+            Box::pin(async move { pending(&stream, "g").await == 0 })
+                as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(10), second_batch)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dead_entries = entries_of(&dead).await;
+    println!("{stats:?}; dead letter {dead_entries:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "no handler ran again");
+    let dead_ids: Vec<&str> = dead_entries
+        .iter()
+        .filter_map(|(_, f)| f.get("idem.entry").map(String::as_str))
+        .collect();
+    assert_eq!(dead_ids, vec![no_key.as_str(), mismatch.as_str()]);
+    for (_, fields) in &dead_entries {
+        assert_eq!(fields.get("idem.deliveries").map(String::as_str), Some("1"));
+    }
+    let reasons: Vec<&str> = dead_entries
+        .iter()
+        .filter_map(|(_, f)| f.get("idem.reason").map(String::as_str))
+        .collect();
+    assert!(reasons[0].contains("no usable key"), "{reasons:?}");
+    assert!(reasons[1].contains("different payload"), "{reasons:?}");
+    assert!(!dead_ids.contains(&nan_first.as_str()) && !dead_ids.contains(&nan_again.as_str()));
+    assert_eq!(
+        (
+            stats.executed,
+            stats.replayed,
+            stats.dead_lettered,
+            stats.acked
+        ),
+        (2, 1, 2, 5),
+        "{stats:?}"
+    );
+    assert_eq!(pending(&stream, "g").await, 0);
+}
+
+/// Item 10 (c): a consumer over a connection of yours: a
+/// `MultiplexedConnection` (made without a response timeout) and a Redis
+/// Cluster connection. Both process, dead-letter and acknowledge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_takes_an_existing_standalone_or_cluster_connection() {
+    use idem::redis::redis::AsyncConnectionConfig;
+    // Standalone.
+    let stream = format!("own-conn-{:08x}", fastrand::u32(..));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    xadd(&stream, &[("amount", "no key")]).await;
+    let mine = redis::Client::open(support::redis_server::shared_url())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_multiplexed_async_connection_with_config(
+            &AsyncConnectionConfig::new().set_response_timeout(None),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = StreamConsumer::new(
+        mine,
+        &stream,
+        "g",
+        "c",
+        Idempotency::new(redis_store().await),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_field("message_id")
+    .block(Duration::from_millis(50));
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(10),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (stats.executed, stats.dead_lettered, stats.acked),
+        (1, 1, 2),
+        "{stats:?}"
+    );
+
+    // Redis Cluster: the stream and its dead-letter stream on their own
+    // slots.
+    let nodes = support::redis_server::shared_cluster().to_vec();
+    let mut cluster = redis::cluster::ClusterClient::builder(nodes)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stream = format!("cluster-conn-{:08x}", fastrand::u32(..));
+    for fields in [
+        &[("message_id", "m-1")][..],
+        &[("message_id", "m-1")],
+        &[("amount", "no key")],
+    ] {
+        let mut cmd = redis::cmd("XADD");
+        cmd.arg(&stream).arg("*");
+        for (k, v) in fields {
+            cmd.arg(*k).arg(*v);
+        }
+        let _: String = cmd
+            .query_async(&mut cluster)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let store = RedisStore::connect_cluster(
+        support::redis_server::shared_cluster()
+            .iter()
+            .map(String::as_str),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = StreamConsumer::new(cluster.clone(), &stream, "g", "c", Idempotency::new(store))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .key_field("message_id")
+        .block(Duration::from_millis(50));
+    let runs = Arc::new(AtomicU64::new(0));
+    let done = {
+        let (stream, runs, cluster) = (stream.clone(), runs.clone(), cluster.clone());
+        move || {
+            let (stream, runs, mut cluster) = (stream.clone(), runs.clone(), cluster.clone());
+            Box::pin(async move {
+                let summary: (i64, redis::Value, redis::Value, redis::Value) =
+                    redis::cmd("XPENDING")
+                        .arg(&stream)
+                        .arg("g")
+                        .query_async(&mut cluster)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"));
+                runs.load(Ordering::SeqCst) == 1 && summary.0 == 0
+            }) as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, counting(&runs), Duration::from_secs(10), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dead: i64 = redis::cmd("XLEN")
+        .arg(format!("{stream}:dead"))
+        .query_async(&mut cluster)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(dead, 1);
+    assert_eq!(
+        (
+            stats.executed,
+            stats.replayed,
+            stats.dead_lettered,
+            stats.acked
+        ),
+        (1, 1, 1, 3),
+        "{stats:?}"
+    );
 }

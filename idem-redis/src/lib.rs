@@ -30,8 +30,13 @@
 //!   completion acknowledged by a primary that fails before replicating it
 //!   is lost, and a redelivery can run again. [`RedisStore::wait_for_replicas`]
 //!   narrows that window (`WAIT n ms` after each acquire and completion, one
-//!   more round trip each); PostgreSQL, or the tiered store with PostgreSQL as
-//!   its source of truth, closes it.
+//!   more round trip each; an acquisition whose `WAIT` fails is released, so
+//!   its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
+//!   as its source of truth, closes it.
+//! - **Timeouts**: every call is bounded by the store's settings
+//!   ([`RedisStore::call_timeout`], and for `WAIT` its timeout on top), not by
+//!   a response timeout fixed when the connection was made; `connect` and
+//!   `connect_cluster` make connections without one.
 //! - **Persistence**: a Redis restarted without AOF (`appendonly yes`) or
 //!   RDB loses every record; duplicates after that run again.
 //! - **Fences**: the fence of an acquisition ([`Lease::fence`]) is the
@@ -135,6 +140,9 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 }
 
 const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How many times the cluster client retries a call (a resend after a lost
+/// reply, a redirection, a reconnection), within the call timeout.
+const CLUSTER_RETRIES: u32 = 6;
 /// The default largest response: 64 MiB.
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
@@ -144,9 +152,12 @@ impl RedisStore<ConnectionManager> {
     /// eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(map_error)?;
+        // No response timeout on the connection: every call is bounded by
+        // the store's own settings (`call_timeout`, plus the `WAIT` timeout
+        // for `WAIT`), which may be set after connecting.
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(DEFAULT_TIMEOUT))
-            .set_response_timeout(Some(DEFAULT_TIMEOUT))
+            .set_response_timeout(None)
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
@@ -167,10 +178,19 @@ impl RedisStore<ClusterConnection> {
         I: IntoIterator<Item = T>,
         T: redis::IntoConnectionInfo,
     {
+        // No response timeout on the connections (the builder's default):
+        // every call is bounded by the store's own settings, as with
+        // `connect`.
+        //
+        // Retries: after a lost reply the client resends the script (every
+        // script is safe to run twice: see the crate docs), but the resend
+        // may first hit the dead connection (broken pipe), then a random
+        // node while the owner's connection is rebuilt (MOVED), before it
+        // reaches the owner again: two retries were often not enough. The
+        // call timeout bounds them all.
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(DEFAULT_TIMEOUT)
-            .response_timeout(DEFAULT_TIMEOUT)
-            .retries(2)
+            .retries(CLUSTER_RETRIES)
             .build()
             .map_err(map_error)?;
         let conn = client.get_async_connection().await.map_err(map_error)?;
@@ -186,6 +206,16 @@ where
 {
     /// A store over a connection you made. Defaults: prefix `idem:`, 2 s
     /// call timeout, no `WAIT`.
+    ///
+    /// Every call is bounded by the store's settings
+    /// ([`call_timeout`](Self::call_timeout), and for `WAIT` the timeout of
+    /// [`wait_for_replicas`](Self::wait_for_replicas) on top of it). A
+    /// response timeout of the connection's own (the `redis` crate gives a
+    /// `MultiplexedConnection` 500 ms unless told otherwise) cuts calls
+    /// shorter than that: make the connection without one
+    /// (`AsyncConnectionConfig::set_response_timeout(None)`), or with one
+    /// longer than those settings, as [`connect`](RedisStore::connect) and
+    /// [`connect_cluster`](RedisStore::connect_cluster) do.
     pub fn new(conn: C) -> Self {
         RedisStore {
             conn,
@@ -250,8 +280,19 @@ where
     /// give [`StoreError::Unavailable`]. Narrows, but cannot close, the
     /// failover window (Redis replication is asynchronous). One more round
     /// trip per acquisition and completion.
+    ///
+    /// The `WAIT` call may take `timeout` plus the
+    /// [`call_timeout`](Self::call_timeout) before the client gives up.
+    /// An acquisition whose `WAIT` fails is released before the error is
+    /// returned (one more round trip, on that path only), so the retry can
+    /// acquire the key; if the release fails too, the key stays in
+    /// progress until its lease ends. A completion whose `WAIT` fails
+    /// stays completed: the executor's retry of the completion finds it
+    /// done and waits again. `timeout` is saturated to
+    /// [`MAX_DURATION`](idem_core::MAX_DURATION), and a zero one is taken
+    /// as 1 ms (Redis reads `WAIT n 0` as "wait forever").
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
-        self.wait = Some((replicas, timeout));
+        self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));
         self
     }
 
@@ -303,11 +344,16 @@ where
     where
         F: std::future::Future<Output = Result<T, RedisError>>,
     {
-        match tokio::time::timeout(self.call_timeout, call).await {
+        self.timed_for(self.call_timeout, call).await
+    }
+
+    async fn timed_for<T, F>(&self, limit: Duration, call: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, RedisError>>,
+    {
+        match tokio::time::timeout(limit, call).await {
             Ok(result) => result.map_err(map_error),
-            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(
-                self.call_timeout,
-            )))),
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(limit)))),
         }
     }
 
@@ -318,9 +364,11 @@ where
         let mut conn = self.conn.clone();
         // Routed by the key, so a cluster sends it to the primary that owns it.
         let mut cmd = redis::cmd("WAIT");
-        cmd.arg(replicas).arg(timeout.as_millis() as u64);
+        cmd.arg(replicas).arg(millis(timeout));
+        // WAIT itself may take `timeout`: the client's limit is on top.
+        let limit = timeout.saturating_add(self.call_timeout);
         let acked: i64 = self
-            .timed(async {
+            .timed_for(limit, async {
                 let mut pipe = redis::pipe();
                 // An EXISTS on the key in front routes the pipeline to the
                 // key's node in a cluster; WAIT's reply is the second.
@@ -368,8 +416,19 @@ where
         let mut conn = self.conn.clone();
         let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
         let outcome = decode_acquire(reply, key, token)?;
-        if matches!(outcome, Acquisition::Acquired(_)) {
-            self.wait_replicas(&redis_key).await?;
+        if let Acquisition::Acquired(lease) = &outcome {
+            if let Err(e) = self.wait_replicas(&redis_key).await {
+                // Not durable enough: the caller is told Unavailable and
+                // will not run the handler, so the reservation goes too,
+                // or the retry would find the key in progress for a lease.
+                if let Err(released) = self.release(lease).await {
+                    tracing::warn!(
+                        key = %redis_key, error = %released,
+                        "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
+                    );
+                }
+                return Err(e);
+            }
         }
         Ok(outcome)
     }

@@ -1,10 +1,11 @@
 //! A Redis Streams consumer that runs every entry through
-//! [`Idempotency::process_with`]: a consumer group reads the stream, each
-//! entry's key comes from a field (or from a hash of its content), the
-//! entries of a batch are acknowledged in one `XACK` once their results are
-//! recorded or replayed, and
-//! entries left pending by a consumer that died are reclaimed with
-//! `XAUTOCLAIM` once they have been idle long enough.
+//! [`Idempotency::process_with_detached`]: a consumer group reads the
+//! stream, each entry's key comes from a field (or from a hash of its
+//! content), the entries of a batch are acknowledged in one `XACK` once
+//! their results are recorded or replayed, entries left pending by a
+//! consumer that died are reclaimed with `XAUTOCLAIM` once they have been
+//! idle long enough, and entries that can never succeed go to a dead-letter
+//! stream.
 //!
 //! ```no_run
 //! use idem_core::{Idempotency, MemoryStore};
@@ -15,7 +16,8 @@
 //! let consumer = StreamConsumer::connect("redis://127.0.0.1:6379/", "payments", "billing", "worker-1", idem)
 //!     .await?
 //!     .key_field("message_id")
-//!     .concurrency(16);
+//!     .concurrency(16)
+//!     .max_deliveries(5); // then to the stream "payments:dead"
 //! let shutdown = async { let _ = tokio::signal::ctrl_c().await; };
 //! let stats = consumer
 //!     .run(
@@ -30,12 +32,54 @@
 //! # Ok(()) }
 //! ```
 //!
-//! An entry whose handler fails, or whose key is held by another consumer
-//! right now, is left pending: it is delivered again after `claim_idle`.
-//! An entry without a usable key is left pending too and logged (it shows in
-//! `XPENDING`); nothing is acknowledged that was not processed.
+//! # What happens to an entry
+//!
+//! | outcome | the entry |
+//! |---|---|
+//! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acknowledged |
+//! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
+//! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
+//! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
+//! | the executor's configuration is refused (a zero lease or retention) | left pending, and `run` fails: nothing could succeed |
+//!
+//! Dead-lettering adds the entry to the dead-letter stream (default
+//! `{stream}:dead`) with the fields `idem.entry` (its ID), `idem.stream`,
+//! `idem.group`, `idem.consumer`, `idem.deliveries` (its delivery count)
+//! and `idem.reason`, followed by the entry's own fields, then acknowledges
+//! it. The two are separate commands (the streams may live on different
+//! cluster slots): a crash between them dead-letters the entry again on its
+//! next delivery.
+//!
+//! # Handlers run detached
+//!
+//! Each handler runs in a spawned task that the consumer awaits
+//! ([`Idempotency::process_with_detached`]): a consumer whose `run` future
+//! is dropped (a task aborted at shutdown) does not cut its handlers off;
+//! they finish and their results are recorded, and the entries, not yet
+//! acknowledged, are replayed and acknowledged on their next delivery. So a
+//! handler must be `Send + Sync + 'static`. A process that dies takes its
+//! handlers with it: their keys stay in progress until their leases end,
+//! then a redelivery takes them over (with a higher attempt and fence).
+//!
+//! Deliveries of one key in the same batch run one after the other: the
+//! later ones wait for the first and get its replay (or run again if it
+//! failed), instead of being answered "in progress" and parked until
+//! `claim_idle`.
+//!
+//! # Reads
+//!
+//! `XREADGROUP` blocks on the server for up to [`block`](StreamConsumer::block)
+//! (`Duration::ZERO`: with no limit of its own), and never past the next
+//! reclaim sweep (every `claim_idle / 2`). The client waits for it that
+//! long plus the [`call_timeout`](StreamConsumer::call_timeout): a read is
+//! never cut short by a fixed response timeout, so no entry is delivered to
+//! a read the client gave up on. A shutdown waits for the read in flight.
+//! When `run` starts, it first reads this consumer's own pending entries
+//! (delivered to the same consumer name before, never acknowledged: a
+//! restart after a crash) and processes them at once, without waiting for
+//! `claim_idle`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,14 +88,15 @@ use std::time::Duration;
 
 use futures_util::{FutureExt, StreamExt};
 use idem_core::{
-    Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
-    Processed, StoreError,
+    saturate, Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    JsonCodec, Processed, StoreError,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::streams::{StreamAutoClaimReply, StreamId, StreamReadReply};
-use redis::Value;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{FromRedisValue, Value};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
+
+use crate::{map_error, millis, CallTimeout, UnexpectedReply};
 
 /// One stream entry, as the handler gets it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,15 +134,19 @@ pub enum KeySource {
 pub struct ConsumerStats {
     /// Entries whose handler ran and whose result was recorded.
     pub executed: u64,
-    /// Entries answered with a recorded result (duplicates).
+    /// Entries answered with a recorded result (duplicates), or whose key
+    /// completed without a replayable result.
     pub replayed: u64,
-    /// Entries acknowledged (`XACK`).
+    /// Entries acknowledged (`XACK`), dead-lettered ones included.
     pub acked: u64,
     /// Entries taken over from another consumer with `XAUTOCLAIM`.
     pub reclaimed: u64,
-    /// Entries left pending: handler failed, key in progress elsewhere,
-    /// store unavailable, or no usable key.
+    /// Entries left pending: handler failed (fewer than `max_deliveries`
+    /// times), key in progress elsewhere, store unavailable.
     pub left_pending: u64,
+    /// Entries moved to the dead-letter stream (then acknowledged): they
+    /// could never succeed, or their handler failed `max_deliveries` times.
+    pub dead_lettered: u64,
 }
 
 #[derive(Default)]
@@ -107,11 +156,20 @@ struct Counters {
     acked: AtomicU64,
     reclaimed: AtomicU64,
     left_pending: AtomicU64,
+    dead_lettered: AtomicU64,
 }
 
+/// The default of [`StreamConsumer::max_deliveries`].
+pub const DEFAULT_MAX_DELIVERIES: u64 = 10;
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A consumer-group worker; see the [module docs](self).
-pub struct StreamConsumer<S: ?Sized, C = JsonCodec> {
-    conn: ConnectionManager,
+///
+/// `R` is the connection: a [`ConnectionManager`] made by
+/// [`connect`](Self::connect), or any connection of the `redis` crate given
+/// to [`new`](Self::new) (a `MultiplexedConnection`, a `ClusterConnection`).
+pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
+    conn: R,
     stream: String,
     group: String,
     consumer: String,
@@ -122,10 +180,13 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec> {
     concurrency: usize,
     block: Duration,
     claim_idle: Duration,
+    call_timeout: Duration,
+    max_deliveries: u64,
+    dead_letter: String,
     counters: Arc<Counters>,
 }
 
-impl<S: ?Sized, C> fmt::Debug for StreamConsumer<S, C> {
+impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("StreamConsumer")
             .field("stream", &self.stream)
@@ -134,23 +195,19 @@ impl<S: ?Sized, C> fmt::Debug for StreamConsumer<S, C> {
             .field("key", &self.key)
             .field("batch", &self.batch)
             .field("concurrency", &self.concurrency)
+            .field("block", &self.block)
+            .field("claim_idle", &self.claim_idle)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("dead_letter", &self.dead_letter)
             .finish_non_exhaustive()
     }
 }
 
-fn unavailable(e: redis::RedisError) -> StoreError {
-    StoreError::unavailable(e)
-}
-
-impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
-    /// Connects to `url` with a connection of its own (reads block on it),
-    /// and creates the consumer group, with the stream if missing, reading
-    /// from the start of the stream. An existing group is kept as it is.
-    ///
-    /// Defaults: key from the field `id`, scope `stream.{stream}` (when
-    /// valid, else `stream`), batches of 32, 8 entries at once, reads
-    /// blocking for 500 ms, entries reclaimed after 30 s idle (set
-    /// `claim_idle` longer than your handler's longest run).
+impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C, ConnectionManager> {
+    /// Connects to `url` with a connection of its own (reads block on it,
+    /// so it is not shared with the store), without a response timeout of
+    /// its own (every call is bounded by the consumer's settings), then
+    /// does what [`new`](Self::new) does.
     pub async fn connect(
         url: &str,
         stream: &str,
@@ -158,33 +215,56 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
         consumer: &str,
         idem: Idempotency<S, C>,
     ) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url).map_err(|e| StoreError::Backend(Box::new(e)))?;
-        let block = Duration::from_millis(500);
+        let client = redis::Client::open(url).map_err(map_error)?;
         let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(block + Duration::from_secs(5)));
-        let mut conn = ConnectionManager::new_with_config(client, config)
+            .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
+            .set_response_timeout(None);
+        let conn = ConnectionManager::new_with_config(client, config)
             .await
-            .map_err(unavailable)?;
-        let created: Result<(), redis::RedisError> = redis::cmd("XGROUP")
-            .arg("CREATE")
-            .arg(stream)
-            .arg(group)
-            .arg("0")
-            .arg("MKSTREAM")
-            .query_async(&mut conn)
-            .await;
-        match created {
-            Ok(()) => {}
-            Err(e) if e.code() == Some("BUSYGROUP") => {}
-            Err(e) => return Err(unavailable(e)),
-        }
+            .map_err(map_error)?;
+        Self::new(conn, stream, group, consumer, idem).await
+    }
+}
+
+impl<S, C, R> StreamConsumer<S, C, R>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    R: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// A consumer over a connection you made, standalone or cluster (like
+    /// [`RedisStore::new`](crate::RedisStore::new)); creates the consumer
+    /// group, with the stream if missing, reading from the start of the
+    /// stream. An existing group is kept as it is.
+    ///
+    /// `XREADGROUP ... BLOCK` holds the connection on the server while it
+    /// waits: commands of other users of a multiplexed connection queue
+    /// behind it, so give the consumer a connection of its own. Its
+    /// response timeout, if it has one, must be longer than
+    /// [`block`](Self::block) (a `MultiplexedConnection` has 500 ms unless
+    /// made with `AsyncConnectionConfig::set_response_timeout(None)`),
+    /// or reads fail with `Unavailable`.
+    ///
+    /// Defaults: key from the field `id`, scope `stream.{stream}` (when
+    /// valid, else `stream`), batches of 32, 8 entries at once, reads
+    /// blocking for 500 ms, entries reclaimed after 30 s idle (set
+    /// `claim_idle` longer than your handler's longest run), 5 s call
+    /// timeout, dead-lettered to `{stream}:dead` after
+    /// [`DEFAULT_MAX_DELIVERIES`] deliveries.
+    pub async fn new(
+        conn: R,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        idem: Idempotency<S, C>,
+    ) -> Result<Self, StoreError> {
         let scope = format!("stream.{stream}");
         let scope = if IdempotencyKey::new(scope.clone(), "x").is_ok() {
             scope
         } else {
             "stream".to_owned()
         };
-        Ok(StreamConsumer {
+        let this = StreamConsumer {
             conn,
             stream: stream.to_owned(),
             group: group.to_owned(),
@@ -194,10 +274,28 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
             scope,
             batch: 32,
             concurrency: 8,
-            block,
+            block: Duration::from_millis(500),
             claim_idle: Duration::from_secs(30),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            dead_letter: format!("{stream}:dead"),
             counters: Arc::default(),
-        })
+        };
+        let mut create = redis::cmd("XGROUP");
+        create
+            .arg("CREATE")
+            .arg(stream)
+            .arg(group)
+            .arg("0")
+            .arg("MKSTREAM");
+        match this.call::<()>(&create, this.call_timeout).await {
+            Ok(()) => {}
+            Err(StoreError::Backend(e) | StoreError::Unavailable(e))
+                if e.downcast_ref::<redis::RedisError>()
+                    .is_some_and(|e| e.code() == Some("BUSYGROUP")) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(this)
     }
 
     /// Takes each entry's key from this field.
@@ -230,17 +328,46 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
         self
     }
 
-    /// How long a read waits for new entries (default 500 ms); also how
-    /// long a shutdown may wait for the read in flight.
+    /// How long a read waits for new entries (default 500 ms);
+    /// `Duration::ZERO` waits with no limit of its own. A read never waits
+    /// past the next reclaim sweep (every `claim_idle / 2`), and a shutdown
+    /// waits for the read in flight. Saturated to
+    /// [`MAX_DURATION`](idem_core::MAX_DURATION).
     pub fn block(mut self, block: Duration) -> Self {
-        self.block = block;
+        self.block = saturate(block);
         self
     }
 
     /// How long an entry must have been pending with another consumer
-    /// before this one takes it over (default 30 s).
+    /// before this one takes it over (default 30 s). `Duration::MAX` (or
+    /// anything longer than [`MAX_DURATION`](idem_core::MAX_DURATION)) is
+    /// saturated: in effect, never.
     pub fn claim_idle(mut self, idle: Duration) -> Self {
-        self.claim_idle = idle;
+        self.claim_idle = saturate(idle);
+        self
+    }
+
+    /// How long a call to Redis may take, on top of a read's `block`,
+    /// before it fails with `Unavailable` (default 5 s).
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = saturate(timeout).max(Duration::from_millis(1));
+        self
+    }
+
+    /// How many deliveries an entry whose handler fails gets before it is
+    /// dead-lettered (default [`DEFAULT_MAX_DELIVERIES`]; at least 1). The
+    /// count is Redis's delivery counter of the entry (`XPENDING`), which
+    /// every read and reclaim increases. Deliveries answered "in progress"
+    /// or that found the store unavailable count too, but only a failure
+    /// of the handler at or past the limit dead-letters the entry.
+    pub fn max_deliveries(mut self, n: u64) -> Self {
+        self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// The dead-letter stream (default `{stream}:dead`).
+    pub fn dead_letter(mut self, stream: impl Into<String>) -> Self {
+        self.dead_letter = stream.into();
         self
     }
 
@@ -253,26 +380,32 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
             acked: c.acked.load(Ordering::Relaxed),
             reclaimed: c.reclaimed.load(Ordering::Relaxed),
             left_pending: c.left_pending.load(Ordering::Relaxed),
+            dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
         }
     }
 
     /// Reads and processes entries until `shutdown` completes, then
-    /// finishes the entries in flight and returns what it did. Fails only
-    /// when Redis cannot be read (`Unavailable`); handler errors leave the
-    /// entry pending.
+    /// finishes the entries in flight and returns what it did. Fails when
+    /// Redis cannot be read (`Unavailable`), or when the executor's
+    /// configuration is refused (`InvalidArgument`); handler errors leave
+    /// the entry pending, then dead-letter it (see the
+    /// [module docs](self)).
     pub async fn run<F, Fut, T, E>(
         &self,
         handler: F,
         shutdown: impl Future<Output = ()>,
     ) -> Result<ConsumerStats, StoreError>
     where
-        F: Fn(StreamEntry) -> Fut + Sync,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
+        F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
     {
+        let handler = Arc::new(handler);
         let shutdown = shutdown.fuse();
         futures_util::pin_mut!(shutdown);
+        // This consumer's own pending entries first, from this ID on.
+        let mut history = Some("0-0".to_owned());
         // XAUTOCLAIM runs when a sweep is due (every half `claim_idle`)
         // or the last one had more to give, not before every read: a
         // round trip per batch saved on the hot path.
@@ -283,94 +416,139 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
                 break;
             }
             let mut entries = Vec::new();
-            if cursor != "0-0" || tokio::time::Instant::now() >= next_sweep {
+            if let Some(from) = history.take() {
+                entries = self.read_own(&from).await?;
+                history = entries.last().map(|d| d.entry.id.clone());
+            }
+            let now = tokio::time::Instant::now();
+            if entries.is_empty() && (cursor != "0-0" || now >= next_sweep) {
                 entries = self.reclaim(&mut cursor).await?;
                 if cursor == "0-0" {
-                    next_sweep = tokio::time::Instant::now() + self.claim_idle / 2;
+                    next_sweep = later(tokio::time::Instant::now(), self.claim_idle / 2);
                 }
             }
             if entries.is_empty() {
-                entries = self.read_new().await?;
+                let until_sweep = next_sweep.saturating_duration_since(tokio::time::Instant::now());
+                let block = if self.block.is_zero() {
+                    until_sweep
+                } else {
+                    self.block.min(until_sweep)
+                };
+                entries = self.read_new(block).await?;
             }
-            let done: Vec<String> = futures_util::stream::iter(entries)
-                .map(|entry| self.process(entry, &handler))
-                .buffer_unordered(self.concurrency)
-                .filter_map(|id| async move { id })
-                .collect()
-                .await;
-            self.ack(&done).await;
+            self.process_batch(entries, &handler).await?;
         }
         Ok(self.stats())
     }
 
-    /// Acknowledges the entries of a batch whose results are recorded or
-    /// replayed, in one `XACK`. A failed XACK only means they are delivered
-    /// again, then replayed and acknowledged.
-    async fn ack(&self, ids: &[String]) {
-        if ids.is_empty() {
-            return;
-        }
+    /// One command, bounded by `limit`.
+    async fn call<T: FromRedisValue>(
+        &self,
+        cmd: &redis::Cmd,
+        limit: Duration,
+    ) -> Result<T, StoreError> {
         let mut conn = self.conn.clone();
-        let acked: Result<u64, _> = redis::cmd("XACK")
-            .arg(&self.stream)
-            .arg(&self.group)
-            .arg(ids)
-            .query_async(&mut conn)
-            .await;
-        match acked {
-            Ok(n) => {
-                self.counters.acked.fetch_add(n, Ordering::Relaxed);
-            }
-            Err(e) => {
-                tracing::warn!(stream = %self.stream, entries = ids.len(), error = %e, "XACK failed; the entries will be replayed and acked later")
-            }
+        match tokio::time::timeout(limit, cmd.query_async::<T>(&mut conn)).await {
+            Ok(reply) => reply.map_err(map_error),
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(limit)))),
         }
     }
 
-    /// Entries idle for `claim_idle` in other consumers' pending lists.
-    async fn reclaim(&self, cursor: &mut String) -> Result<Vec<StreamEntry>, StoreError> {
+    /// A pipeline of commands on one key, bounded by the call timeout.
+    async fn call_pipeline(&self, pipe: &redis::Pipeline) -> Result<Vec<Value>, StoreError> {
         let mut conn = self.conn.clone();
-        let reply: StreamAutoClaimReply = redis::cmd("XAUTOCLAIM")
-            .arg(&self.stream)
+        match tokio::time::timeout(self.call_timeout, pipe.query_async::<Vec<Value>>(&mut conn))
+            .await
+        {
+            Ok(reply) => reply.map_err(map_error),
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(
+                self.call_timeout,
+            )))),
+        }
+    }
+
+    /// This consumer's own pending entries after `from` (delivered to it
+    /// before and never acknowledged), without blocking.
+    async fn read_own(&self, from: &str) -> Result<Vec<Delivery>, StoreError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
             .arg(&self.group)
             .arg(&self.consumer)
-            .arg(self.claim_idle.as_millis() as u64)
-            .arg(cursor.as_str())
             .arg("COUNT")
             .arg(self.batch)
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable)?;
-        *cursor = reply.next_stream_id;
-        let entries: Vec<StreamEntry> = reply.claimed.into_iter().map(entry).collect();
+            .arg("STREAMS")
+            .arg(&self.stream)
+            .arg(from);
+        let reply: Value = self.call(&cmd, self.call_timeout).await?;
+        Ok(read_reply(reply)?
+            .into_iter()
+            .map(|entry| Delivery {
+                entry,
+                first: false,
+            })
+            .collect())
+    }
+
+    /// Entries idle for `claim_idle` in any consumer's pending list.
+    async fn reclaim(&self, cursor: &mut String) -> Result<Vec<Delivery>, StoreError> {
+        let mut cmd = redis::cmd("XAUTOCLAIM");
+        cmd.arg(&self.stream)
+            .arg(&self.group)
+            .arg(&self.consumer)
+            .arg(millis(self.claim_idle))
+            .arg(cursor.as_str())
+            .arg("COUNT")
+            .arg(self.batch);
+        let reply: Value = self.call(&cmd, self.call_timeout).await?;
+        let (next, entries) = autoclaim_reply(reply)?;
+        *cursor = next;
         self.counters
             .reclaimed
             .fetch_add(entries.len() as u64, Ordering::Relaxed);
-        Ok(entries)
+        Ok(entries
+            .into_iter()
+            .map(|entry| Delivery {
+                entry,
+                first: false,
+            })
+            .collect())
     }
 
-    /// New entries for this consumer, waiting up to `block`.
-    async fn read_new(&self) -> Result<Vec<StreamEntry>, StoreError> {
-        let mut conn = self.conn.clone();
-        let reply: Option<StreamReadReply> = redis::cmd("XREADGROUP")
-            .arg("GROUP")
+    /// New entries for this consumer, waiting up to `block` on the server.
+    async fn read_new(&self, block: Duration) -> Result<Vec<Delivery>, StoreError> {
+        // At least 1 ms: `BLOCK 0` would wait forever.
+        let block_ms = millis(block).max(1);
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
             .arg(&self.group)
             .arg(&self.consumer)
             .arg("COUNT")
             .arg(self.batch)
             .arg("BLOCK")
-            .arg(self.block.as_millis() as u64)
+            .arg(block_ms)
             .arg("STREAMS")
             .arg(&self.stream)
-            .arg(">")
-            .query_async(&mut conn)
-            .await
-            .map_err(unavailable)?;
-        Ok(reply
+            .arg(">");
+        let limit = Duration::from_millis(block_ms).saturating_add(self.call_timeout);
+        let reply: Value = match self.call(&cmd, limit).await {
+            Ok(reply) => reply,
+            Err(StoreError::Unavailable(e))
+                if e.downcast_ref::<redis::RedisError>()
+                    .is_some_and(|e| e.is_timeout()) =>
+            {
+                return Err(StoreError::Unavailable(
+                    format!(
+                        "XREADGROUP BLOCK {block_ms} timed out in the connection ({e}): its response \
+                         timeout is shorter than the read; give the consumer a connection without one"
+                    )
+                    .into(),
+                ))
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(read_reply(reply)?
             .into_iter()
-            .flat_map(|r| r.keys)
-            .flat_map(|k| k.ids)
-            .map(entry)
+            .map(|entry| Delivery { entry, first: true })
             .collect())
     }
 
@@ -387,69 +565,489 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C> {
         }
     }
 
-    /// Runs one entry; its ID when it is to be acknowledged.
-    async fn process<F, Fut, T, E>(&self, entry: StreamEntry, handler: &F) -> Option<String>
+    /// Processes a batch: deliveries of one key one after the other, keys
+    /// `concurrency` at once; then dead-letters what must be, and
+    /// acknowledges.
+    async fn process_batch<F, Fut, T, E>(
+        &self,
+        deliveries: Vec<Delivery>,
+        handler: &Arc<F>,
+    ) -> Result<(), StoreError>
     where
-        F: Fn(StreamEntry) -> Fut,
-        Fut: Future<Output = Result<T, E>>,
-        T: Serialize + DeserializeOwned,
-        E: fmt::Display,
+        F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
     {
-        let id = entry.id.clone();
-        let key = match self.key_of(&entry) {
-            Ok(key) => key,
-            Err(e) => {
-                tracing::error!(stream = %self.stream, entry = %id, error = %e, "entry without a usable key: left pending");
-                self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
-                return None;
+        if deliveries.is_empty() {
+            return Ok(());
+        }
+        // Chains of deliveries by key, in stream order.
+        let mut chains: Vec<Vec<(Delivery, Result<IdempotencyKey, String>)>> = Vec::new();
+        let mut chain_of: HashMap<IdempotencyKey, usize> = HashMap::new();
+        for delivery in deliveries {
+            let key = self.key_of(&delivery.entry);
+            match &key {
+                Ok(k) => match chain_of.get(k) {
+                    Some(&i) => chains[i].push((delivery, key)),
+                    None => {
+                        chain_of.insert(k.clone(), chains.len());
+                        chains.push(vec![(delivery, key)]);
+                    }
+                },
+                Err(_) => chains.push(vec![(delivery, key)]),
+            }
+        }
+        let outcomes: Vec<(Delivery, Outcome)> = futures_util::stream::iter(chains)
+            .map(|chain| async move {
+                let mut done = Vec::with_capacity(chain.len());
+                for (delivery, key) in chain {
+                    let outcome = match key {
+                        // XADD needs a field: an entry without any was
+                        // deleted from the stream while pending.
+                        _ if delivery.entry.fields.is_empty() => Outcome::Deleted,
+                        Ok(key) => self.process(&delivery.entry, key, handler).await,
+                        Err(e) => Outcome::Dead(format!("no usable key: {e}")),
+                    };
+                    done.push((delivery, outcome));
+                }
+                done
+            })
+            .buffer_unordered(self.concurrency)
+            .flat_map(futures_util::stream::iter)
+            .collect()
+            .await;
+
+        let mut ack = Vec::new();
+        let mut dead: Vec<(Delivery, String)> = Vec::new();
+        let mut failed: Vec<(Delivery, String)> = Vec::new();
+        let mut fatal = None;
+        for (delivery, outcome) in outcomes {
+            match outcome {
+                Outcome::Ack => ack.push(delivery.entry.id),
+                Outcome::Pending => {
+                    self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
+                }
+                Outcome::Failed(reason) => failed.push((delivery, reason)),
+                Outcome::Dead(reason) => dead.push((delivery, reason)),
+                Outcome::Deleted => {
+                    tracing::debug!(stream = %self.stream, entry = %delivery.entry.id, "pending entry deleted from the stream: acknowledged");
+                    ack.push(delivery.entry.id)
+                }
+                Outcome::Fatal(e) => {
+                    self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
+                    fatal.get_or_insert(e);
+                }
+            }
+        }
+        // The delivery counts of the entries that failed or are to be
+        // dead-lettered (a round trip on this path only).
+        let counts = self
+            .delivery_counts(failed.iter().chain(&dead).map(|(d, _)| d))
+            .await;
+        let count_of = |d: &Delivery| {
+            if d.first {
+                Some(1)
+            } else {
+                counts.get(&d.entry.id).copied()
             }
         };
+        let mut dead: Vec<(Delivery, u64, String)> = dead
+            .into_iter()
+            .map(|(d, reason)| {
+                let n = count_of(&d).unwrap_or(0);
+                (d, n, reason)
+            })
+            .collect();
+        // A failed handler: dead-lettered once the entry was delivered
+        // `max_deliveries` times, else left pending.
+        for (delivery, reason) in failed {
+            let n = if self.max_deliveries == 1 {
+                Some(count_of(&delivery).unwrap_or(1))
+            } else {
+                count_of(&delivery)
+            };
+            match n {
+                Some(n) if n >= self.max_deliveries => {
+                    let reason = format!(
+                        "{reason} (delivered {n} times, max_deliveries {})",
+                        self.max_deliveries
+                    );
+                    dead.push((delivery, n, reason))
+                }
+                _ => {
+                    self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        ack.extend(self.dead_letter_all(dead).await);
+        self.ack(&ack).await;
+        match fatal {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Runs one entry, detached, and says what to do with it.
+    async fn process<F, Fut, T, E>(
+        &self,
+        entry: &StreamEntry,
+        key: IdempotencyKey,
+        handler: &Arc<F>,
+    ) -> Outcome
+    where
+        F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
         let fingerprint = Fingerprint::of(&entry.fields).ok();
+        let (handler, for_handler) = (handler.clone(), entry.clone());
         let outcome = self
             .idem
-            .process_with(&key, fingerprint, |_| handler(entry))
+            .process_with_detached(&key, fingerprint, move |_| handler(for_handler))
             .await;
-        let counter = match outcome {
-            Ok(Processed::Executed(_)) => &self.counters.executed,
+        let id = &entry.id;
+        match outcome {
+            Ok(Processed::Executed(_)) => {
+                self.counters.executed.fetch_add(1, Ordering::Relaxed);
+                Outcome::Ack
+            }
             Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
                 tracing::warn!(stream = %self.stream, entry = %id, %reason, "the handler ran but its result was not recorded");
-                &self.counters.executed
+                self.counters.executed.fetch_add(1, Ordering::Relaxed);
+                Outcome::Ack
             }
-            Ok(Processed::Replayed(_)) => &self.counters.replayed,
+            Ok(Processed::Replayed(_)) => {
+                self.counters.replayed.fetch_add(1, Ordering::Relaxed);
+                Outcome::Ack
+            }
             // The key completed (its result was not recordable): acked,
-            // never run again.
+            // never run again, never dead-lettered.
             Err(IdemError::ResultUnavailable { reason }) => {
                 tracing::warn!(stream = %self.stream, entry = %id, %reason, "duplicate of an entry whose result was not recorded: acknowledged");
-                &self.counters.replayed
+                self.counters.replayed.fetch_add(1, Ordering::Relaxed);
+                Outcome::Ack
+            }
+            // Held by another consumer right now (its lease ends if it
+            // died), or the executor waited too long for it.
+            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. }) => Outcome::Pending,
+            // Nothing could succeed with this configuration.
+            Err(IdemError::InvalidConfig { detail }) => {
+                Outcome::Fatal(StoreError::InvalidArgument { detail })
+            }
+            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Outcome::Fatal(e),
+            // The store is away: it comes back; never the entry's fault.
+            Err(IdemError::Store(e)) if e.is_retryable() => {
+                tracing::warn!(stream = %self.stream, entry = %id, error = %e, "store unavailable: entry left pending");
+                Outcome::Pending
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(stream = %self.stream, entry = %id, error = %e, "handler failed: entry left pending");
+                Outcome::Failed(e.to_string())
+            }
+            Err(e) => Outcome::Dead(e.to_string()),
+        }
+    }
+
+    /// The delivery counts (`XPENDING`, one round trip for all) of these
+    /// deliveries but first ones (whose count is 1). An entry missing from
+    /// the answer is no longer pending (another consumer took it over).
+    async fn delivery_counts<'a>(
+        &self,
+        deliveries: impl Iterator<Item = &'a Delivery>,
+    ) -> HashMap<String, u64> {
+        let ask: Vec<&str> = deliveries
+            .filter(|d| !d.first)
+            .map(|d| d.entry.id.as_str())
+            .collect();
+        let mut counts = HashMap::new();
+        if ask.is_empty() {
+            return counts;
+        }
+        let mut pipe = redis::pipe();
+        for id in &ask {
+            pipe.cmd("XPENDING")
+                .arg(&self.stream)
+                .arg(&self.group)
+                .arg(*id)
+                .arg(*id)
+                .arg(1);
+        }
+        match self.call_pipeline(&pipe).await {
+            Ok(replies) => counts.extend(replies.into_iter().filter_map(pending_count)),
+            Err(e) => {
+                tracing::warn!(stream = %self.stream, error = %e, "XPENDING failed: delivery counts unknown");
+            }
+        }
+        counts
+    }
+
+    /// Adds these entries to the dead-letter stream (one round trip);
+    /// returns the IDs of those added, to be acknowledged. Those that could
+    /// not be added stay pending.
+    async fn dead_letter_all(&self, dead: Vec<(Delivery, u64, String)>) -> Vec<String> {
+        if dead.is_empty() {
+            return Vec::new();
+        }
+        let mut pipe = redis::pipe();
+        // `idem.deliveries` is 0 when the count could not be read.
+        for (delivery, count, reason) in &dead {
+            let cmd = pipe
+                .cmd("XADD")
+                .arg(&self.dead_letter)
+                .arg("*")
+                .arg("idem.entry")
+                .arg(&delivery.entry.id)
+                .arg("idem.stream")
+                .arg(&self.stream)
+                .arg("idem.group")
+                .arg(&self.group)
+                .arg("idem.consumer")
+                .arg(&self.consumer)
+                .arg("idem.deliveries")
+                .arg(count)
+                .arg("idem.reason")
+                .arg(reason);
+            for (name, value) in &delivery.entry.fields {
+                cmd.arg(name).arg(value.as_slice());
+            }
+        }
+        match self.call_pipeline(&pipe).await {
+            Ok(_) => {
+                self.counters
+                    .dead_lettered
+                    .fetch_add(dead.len() as u64, Ordering::Relaxed);
+                dead.into_iter()
+                    .map(|(delivery, _, reason)| {
+                        tracing::warn!(stream = %self.stream, entry = %delivery.entry.id, dead_letter = %self.dead_letter, %reason, "entry dead-lettered");
+                        delivery.entry.id
+                    })
+                    .collect()
             }
             Err(e) => {
-                if !matches!(e, IdemError::InProgress { .. }) {
-                    tracing::warn!(stream = %self.stream, entry = %id, error = %e, "entry left pending; it will be delivered again");
-                }
-                self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
-                return None;
+                tracing::warn!(stream = %self.stream, dead_letter = %self.dead_letter, entries = dead.len(), error = %e, "could not dead-letter: entries left pending");
+                self.counters
+                    .left_pending
+                    .fetch_add(dead.len() as u64, Ordering::Relaxed);
+                Vec::new()
             }
-        };
-        counter.fetch_add(1, Ordering::Relaxed);
-        Some(id)
+        }
+    }
+
+    /// Acknowledges the entries of a batch whose results are recorded or
+    /// replayed, or that were dead-lettered, in one `XACK`. A failed XACK
+    /// only means they are delivered again, then replayed and acknowledged.
+    async fn ack(&self, ids: &[String]) {
+        if ids.is_empty() {
+            return;
+        }
+        let mut cmd = redis::cmd("XACK");
+        cmd.arg(&self.stream).arg(&self.group).arg(ids);
+        match self.call::<u64>(&cmd, self.call_timeout).await {
+            Ok(n) => {
+                self.counters.acked.fetch_add(n, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(stream = %self.stream, entries = ids.len(), error = %e, "XACK failed; the entries will be replayed and acked later")
+            }
+        }
     }
 }
 
-fn entry(id: StreamId) -> StreamEntry {
-    StreamEntry {
-        id: id.id,
-        fields: id
-            .map
+/// An entry as read, and whether this is its first delivery (read with
+/// `>`: its delivery count is 1).
+struct Delivery {
+    entry: StreamEntry,
+    first: bool,
+}
+
+/// What to do with an entry after processing it.
+enum Outcome {
+    /// Acknowledge it.
+    Ack,
+    /// Leave it pending; not the entry's fault.
+    Pending,
+    /// The handler failed: pending, or dead-lettered past `max_deliveries`.
+    Failed(String),
+    /// Dead-letter it at once, with this reason.
+    Dead(String),
+    /// Deleted from the stream while pending: acknowledge it.
+    Deleted,
+    /// Leave it pending and stop `run` with this error.
+    Fatal(StoreError),
+}
+
+/// `t + d`, or far in the future if that overflows.
+fn later(t: tokio::time::Instant, d: Duration) -> tokio::time::Instant {
+    t.checked_add(d)
+        .or_else(|| t.checked_add(Duration::from_secs(365 * 24 * 60 * 60)))
+        .unwrap_or(t)
+}
+
+fn unexpected(what: &str, v: &Value) -> StoreError {
+    StoreError::Backend(Box::new(UnexpectedReply(format!("{what}: {v:?}"))))
+}
+
+fn text(v: Value) -> Option<String> {
+    match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(&b).into_owned()),
+        Value::SimpleString(s) => Some(s),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn bytes(v: Value) -> Vec<u8> {
+    match v {
+        Value::BulkString(b) => b,
+        Value::SimpleString(s) => s.into_bytes(),
+        Value::Int(n) => n.to_string().into_bytes(),
+        other => format!("{other:?}").into_bytes(),
+    }
+}
+
+/// `[id, [field, value, ...]]`, or `[id, nil]` for an entry deleted from
+/// the stream while pending (returned with no fields).
+fn entry_of(v: Value) -> Result<StreamEntry, StoreError> {
+    let Value::Array(mut parts) = v else {
+        return Err(unexpected("a stream entry", &v));
+    };
+    if parts.len() != 2 {
+        return Err(unexpected("a stream entry", &Value::Array(parts)));
+    }
+    let raw_fields = parts.pop().unwrap_or(Value::Nil);
+    let id_value = parts.pop().unwrap_or(Value::Nil);
+    let id = text(id_value.clone()).ok_or_else(|| unexpected("an entry ID", &id_value))?;
+    let mut fields = BTreeMap::new();
+    match raw_fields {
+        Value::Nil => {}
+        Value::Array(items) => {
+            let mut it = items.into_iter();
+            while let (Some(k), Some(v)) = (it.next(), it.next()) {
+                fields.insert(String::from_utf8_lossy(&bytes(k)).into_owned(), bytes(v));
+            }
+        }
+        Value::Map(pairs) => {
+            for (k, v) in pairs {
+                fields.insert(String::from_utf8_lossy(&bytes(k)).into_owned(), bytes(v));
+            }
+        }
+        other => return Err(unexpected("the fields of an entry", &other)),
+    }
+    Ok(StreamEntry { id, fields })
+}
+
+fn entries_of(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
+    match v {
+        Value::Array(items) => items
             .into_iter()
-            .map(|(k, v)| {
-                let bytes = match v {
-                    Value::BulkString(b) => b,
-                    Value::SimpleString(s) => s.into_bytes(),
-                    Value::Int(n) => n.to_string().into_bytes(),
-                    other => format!("{other:?}").into_bytes(),
-                };
-                (k, bytes)
-            })
+            .filter(|e| !matches!(e, Value::Nil))
+            .map(entry_of)
             .collect(),
+        Value::Nil => Ok(Vec::new()),
+        other => Err(unexpected("a list of entries", &other)),
+    }
+}
+
+/// The entries of an `XREADGROUP` reply for one stream: nil (nothing
+/// new), `[[stream, entries]]` (RESP2) or `{stream: entries}` (RESP3).
+fn read_reply(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
+    match v {
+        Value::Nil => Ok(Vec::new()),
+        Value::Array(streams) => {
+            let mut out = Vec::new();
+            for s in streams {
+                match s {
+                    Value::Array(mut pair) if pair.len() == 2 => {
+                        out.extend(entries_of(pair.pop().unwrap_or(Value::Nil))?)
+                    }
+                    other => return Err(unexpected("XREADGROUP", &other)),
+                }
+            }
+            Ok(out)
+        }
+        Value::Map(streams) => {
+            let mut out = Vec::new();
+            for (_, entries) in streams {
+                out.extend(entries_of(entries)?);
+            }
+            Ok(out)
+        }
+        other => Err(unexpected("XREADGROUP", &other)),
+    }
+}
+
+/// `[next cursor, entries, deleted IDs]` of `XAUTOCLAIM`. Entries deleted
+/// from the stream are dropped from the pending list by Redis itself.
+fn autoclaim_reply(v: Value) -> Result<(String, Vec<StreamEntry>), StoreError> {
+    let Value::Array(items) = v else {
+        return Err(unexpected("XAUTOCLAIM", &v));
+    };
+    let mut it = items.into_iter();
+    let next = it
+        .next()
+        .and_then(text)
+        .ok_or_else(|| unexpected("XAUTOCLAIM", &Value::Nil))?;
+    let entries = entries_of(it.next().unwrap_or(Value::Nil))?;
+    Ok((next, entries))
+}
+
+/// `[[id, consumer, idle, count]]` of `XPENDING stream group id id 1`.
+fn pending_count(v: Value) -> Option<(String, u64)> {
+    let Value::Array(rows) = v else { return None };
+    let Value::Array(row) = rows.into_iter().next()? else {
+        return None;
+    };
+    let mut row = row.into_iter();
+    let id = text(row.next()?)?;
+    let count = match row.nth(2)? {
+        Value::Int(n) => u64::try_from(n).ok()?,
+        other => text(other)?.parse().ok()?,
+    };
+    Some((id, count))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn replies_parse_in_resp2_and_resp3_and_deleted_entries_have_no_fields() {
+        let entries = Value::Array(vec![
+            Value::Array(vec![
+                bulk("1-0"),
+                Value::Array(vec![bulk("id"), bulk("a"), bulk("n"), bulk("1")]),
+            ]),
+            Value::Array(vec![bulk("2-0"), Value::Nil]),
+        ]);
+        let resp2 = Value::Array(vec![Value::Array(vec![bulk("s"), entries.clone()])]);
+        let resp3 = Value::Map(vec![(bulk("s"), entries)]);
+        for reply in [resp2, resp3] {
+            let got = read_reply(reply).unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(got.len(), 2);
+            assert_eq!(got[0].text("id"), Some("a"));
+            assert!(got[1].fields.is_empty());
+        }
+        assert!(read_reply(Value::Nil).is_ok_and(|e| e.is_empty()));
+        let claim = Value::Array(vec![
+            bulk("0-0"),
+            Value::Array(vec![]),
+            Value::Array(vec![]),
+        ]);
+        assert!(autoclaim_reply(claim).is_ok_and(|(c, e)| c == "0-0" && e.is_empty()));
+        let pending = Value::Array(vec![Value::Array(vec![
+            bulk("1-0"),
+            bulk("c"),
+            Value::Int(10),
+            Value::Int(3),
+        ])]);
+        assert_eq!(pending_count(pending), Some(("1-0".to_owned(), 3)));
+        assert_eq!(pending_count(Value::Array(vec![])), None);
+        assert!(read_reply(Value::Int(1)).is_err());
     }
 }

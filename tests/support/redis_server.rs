@@ -240,3 +240,66 @@ pub fn start_cluster_servers() -> Vec<RedisServer> {
     }
     nodes
 }
+
+/// A 3-master cluster of its own whose nodes announce the ports of loopback
+/// proxies (`cluster-announce-port`): a cluster client learns the topology
+/// from the nodes, so it reaches every node through that node's proxy,
+/// which can lose replies. Connect with the proxies' addresses as seeds.
+pub async fn start_cluster_behind_proxies() -> (Vec<RedisServer>, Vec<super::proxy::CountingProxy>)
+{
+    let servers = tokio::task::spawn_blocking(start_cluster_servers)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut proxies = Vec::new();
+    for server in &servers {
+        let upstream = std::net::SocketAddr::from(([127, 0, 0, 1], server.port));
+        proxies.push(super::proxy::CountingProxy::start(upstream).await);
+    }
+    for (server, proxy) in servers.iter().zip(&proxies) {
+        let reply = server.command(&format!(
+            "CONFIG SET cluster-announce-port {}",
+            proxy.addr.port()
+        ));
+        assert!(reply.starts_with("+OK"), "cluster-announce-port: {reply}");
+    }
+    // Every node announces its proxy, and every node knows all of them.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for server in &servers {
+        loop {
+            let nodes = server.command("CLUSTER NODES");
+            if proxies
+                .iter()
+                .all(|p| nodes.contains(&format!(":{}@", p.addr.port())))
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the nodes did not learn the announced proxy ports: {nodes}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    (servers, proxies)
+}
+
+/// The index of the cluster node (in `servers`) that owns `key`'s slot: the
+/// one that does not answer `MOVED`.
+pub fn owner_of(servers: &[RedisServer], key: &str) -> usize {
+    servers
+        .iter()
+        .position(|s| !s.command(&format!("EXISTS {key}")).starts_with("-MOVED"))
+        .unwrap_or_else(|| panic!("no node owns {key}"))
+}
+
+/// How many times `command` ran on this server (`INFO commandstats`).
+pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
+    let stats = server.command("INFO commandstats");
+    let needle = format!("cmdstat_{}:calls=", command.to_ascii_lowercase());
+    stats
+        .split(needle.as_str())
+        .nth(1)
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
