@@ -928,3 +928,64 @@ async fn in_transaction_retention_of_duration_max() {
         "{zero:?}"
     );
 }
+
+// ------------------------------------------------------------------
+// Waits, timeouts, restarts and connections (issue 13)
+// ------------------------------------------------------------------
+
+/// Item 9: `purge_expired` finds expired rows through the `expires_at`
+/// index (a stable time, not `clock_timestamp()`), so a batch with nothing
+/// to delete does not scan the table.
+#[tokio::test]
+async fn purge_expired_finds_expired_rows_through_the_expires_at_index() {
+    let pool = pg::pool(pg::shared_url(), 2).await;
+    let schema = format!("idem_purge{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(schema.clone())
+        .table("records")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let table = format!("\"{schema}\".\"records\"");
+    exec(
+        &pool,
+        format!(
+            "INSERT INTO {table} (scope, key, status, token, attempt, response, created_at, \
+             completed_at, expires_at) \
+             SELECT 'purge', 'live-' || i, 2, '\\x000102030405060708090a0b0c0d0e0f', 1, 'r', now(), \
+                    now(), now() + interval '1 day' FROM generate_series(1, 50000) i; \
+             INSERT INTO {table} (scope, key, status, token, attempt, response, created_at, \
+             completed_at, expires_at) \
+             SELECT 'purge', 'old-' || i, 2, '\\x000102030405060708090a0b0c0d0e0f', 1, 'r', now(), \
+                    now(), now() - interval '1 second' FROM generate_series(1, 10) i; \
+             ANALYZE {table}"
+        ),
+    )
+    .await;
+    let statement = include_str!("../idem-postgres/sql/purge.sql").replace("{{table}}", &table);
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {statement}")))
+        .bind(1_000i64)
+        .fetch_all(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(
+        plan.contains("records_expires_at_idx") && !plan.contains("Seq Scan"),
+        "purge does not use the expires_at index:\n{plan}"
+    );
+    assert_eq!(
+        store
+            .purge_expired(100)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        10
+    );
+    assert_eq!(
+        store
+            .purge_expired(100)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        0
+    );
+}
