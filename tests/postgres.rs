@@ -933,6 +933,79 @@ async fn in_transaction_retention_of_duration_max() {
 // Waits, timeouts, restarts and connections (issue 13)
 // ------------------------------------------------------------------
 
+/// A SQLSTATE of the PostgreSQL error behind a store error.
+fn sqlstate(e: &StoreError) -> Option<String> {
+    let source = match e {
+        StoreError::Unavailable(s) | StoreError::Backend(s) => s,
+        _ => return None,
+    };
+    match source.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// A pool whose connections carry `settings` (as a DBA's role or database
+/// defaults would), on the shared server.
+async fn pool_with_settings(max: u32, settings: &[(&str, &str)]) -> PgPool {
+    let options: sqlx::postgres::PgConnectOptions =
+        pg::shared_url().parse().unwrap_or_else(|e| panic!("{e}"));
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .connect_with(options.options(settings.iter().copied()))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Item 2: a completion killed by the server's `lock_timeout` (55P03) or
+/// `statement_timeout` (57014) is `Unavailable`, retryable, and the retry
+/// completes once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_lock_and_statement_timeouts_are_unavailable_and_retryable() {
+    for (setting, code) in [("lock_timeout", "55P03"), ("statement_timeout", "57014")] {
+        let pool = pool_with_settings(4, &[(setting, "100ms")]).await;
+        let store = PgStore::builder(pool)
+            .call_timeout(Duration::from_secs(10))
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let k = key("timeout-complete");
+        let Ok(Acquisition::Acquired(lease)) =
+            store.acquire(&k, None, Duration::from_secs(30)).await
+        else {
+            panic!("not acquired")
+        };
+        let other = pg::pool(pg::shared_url(), 1).await;
+        let mut locker = other.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE",
+            store.qualified_table()
+        )))
+        .bind(k.scope())
+        .bind(k.id())
+        .execute(&mut *locker)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let blocked = store
+            .complete(&lease, b"done", Duration::from_secs(60))
+            .await;
+        println!("{setting}: complete behind a lock: {blocked:?}");
+        match &blocked {
+            Err(e @ StoreError::Unavailable(_)) => {
+                assert!(e.is_retryable());
+                assert_eq!(sqlstate(e).as_deref(), Some(code), "{e:?}");
+            }
+            other => panic!("{setting}: expected Unavailable ({code}), got {other:?}"),
+        }
+        locker.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        store
+            .complete(&lease, b"done", Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{setting}: the retry: {e}"));
+    }
+}
+
 /// Item 9: `purge_expired` finds expired rows through the `expires_at`
 /// index (a stable time, not `clock_timestamp()`), so a batch with nothing
 /// to delete does not scan the table.

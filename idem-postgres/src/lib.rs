@@ -761,18 +761,29 @@ fn map_error(e: sqlx::Error, table: &str) -> StoreError {
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(e)),
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             // 08: connection exceptions; 57P01-03: server shutting down or
-            // starting; 53300: too many connections; 40001/40P01: a
-            // serialization failure or deadlock, which a retry resolves.
+            // starting; 57P05: idle session timeout; 57014: statement
+            // timeout or cancelled; 55P03: lock timeout; 53300: too many
+            // connections; 40001/40P01: a serialization failure or
+            // deadlock. Each is resolved by trying again.
             if code.starts_with("08")
                 || matches!(
                     code.as_str(),
-                    "57P01" | "57P02" | "57P03" | "53300" | "40001" | "40P01"
+                    "57P01"
+                        | "57P02"
+                        | "57P03"
+                        | "57P05"
+                        | "57014"
+                        | "55P03"
+                        | "53300"
+                        | "40001"
+                        | "40P01"
                 )
             {
                 StoreError::Unavailable(Box::new(e))
