@@ -933,6 +933,243 @@ async fn in_transaction_retention_of_duration_max() {
 // Waits, timeouts, restarts and connections (issue 13)
 // ------------------------------------------------------------------
 
+/// A store on the shared server with its own pool and call timeout.
+async fn store_with_timeout(call_timeout: Duration) -> PgStore {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 8).await)
+        .call_timeout(call_timeout)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+/// The server's clock, in the form leases are given in.
+async fn server_now(pool: &PgPool) -> std::time::SystemTime {
+    let us: i64 =
+        sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8")
+            .fetch_one(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0))
+}
+
+/// Item 1: a delivery waits on an in-transaction claim for two leases, then
+/// acquires; its lease starts when its row is written, so a redelivery
+/// while its handler runs is told "in progress" and the handler runs once.
+/// (Review R5: the lease was counted from the statement's start, so the
+/// row was born with its lease over and the redelivery took it over.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_granted_after_a_lock_wait_starts_when_the_row_is_written() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let store = store_with_timeout(Duration::from_secs(10)).await;
+    let key = key("late");
+    let lease = Duration::from_millis(600);
+    let idem = idem::Idempotency::new(store.clone()).lease(lease);
+    let effects = Arc::new(AtomicU64::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+
+    // A transactional worker holds the key (uncommitted insert)...
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+
+    // ... a delivery through the executor waits for it ...
+    let first = {
+        let (idem, key, effects, started) =
+            (idem.clone(), key.clone(), effects.clone(), started.clone());
+        tokio::spawn(async move {
+            idem.process(&key, "payload", move |_| async move {
+                effects.fetch_add(1, Ordering::SeqCst);
+                started.notify_one();
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Ok::<_, std::io::Error>("first".to_owned())
+            })
+            .await
+        })
+    };
+    until_a_session_waits_on_a_lock(store.pool()).await;
+    // ... for two leases (the length of the fault), then the transaction
+    // rolls back.
+    tokio::time::sleep(lease * 2).await;
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+
+    tokio::time::timeout(Duration::from_secs(5), started.notified())
+        .await
+        .unwrap_or_else(|_| panic!("the first delivery never ran"));
+    let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    let now = server_now(store.pool()).await;
+    println!("row as written: {record:?}\nserver clock: {now:?}");
+    // A redelivery arrives while that handler runs.
+    let effects2 = effects.clone();
+    let second = idem
+        .process(&key, "payload", move |_| async move {
+            effects2.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>("second".to_owned())
+        })
+        .await;
+    let first = first.await.unwrap_or_else(|e| panic!("{e}"));
+    let n = effects.load(Ordering::SeqCst);
+    println!("redelivery: {second:?}; first: {first:?}; handler executions: {n}");
+    assert!(
+        matches!(second, Err(IdemError::InProgress { .. })),
+        "a live handler's key was taken over: {second:?}"
+    );
+    assert_eq!(n, 1, "the handler ran {n} times");
+}
+
+/// Item 1: a takeover that waits on a row lock held by another session
+/// (here a plain `SELECT ... FOR UPDATE`, which PostgreSQL does not
+/// re-evaluate the update for) longer than the lease never reports a lease
+/// that is already over: a duplicate right after it is "in progress".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_waited_on_a_row_lock_reports_a_live_lease() {
+    let store = store_with_timeout(Duration::from_secs(10)).await;
+    let k = key("locked-takeover");
+    let lease = Duration::from_millis(300);
+    let Ok(Acquisition::Acquired(first)) = store.acquire(&k, None, lease).await else {
+        panic!("not acquired")
+    };
+    // The holder vanishes; its lease runs out.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+
+    let mut locker = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE",
+        store.qualified_table()
+    )))
+    .bind(k.scope())
+    .bind(k.id())
+    .execute(&mut *locker)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let takeover = {
+        let (store, k) = (store.clone(), k.clone());
+        tokio::spawn(async move { store.acquire(&k, None, lease).await })
+    };
+    until_a_session_waits_on_a_lock(store.pool()).await;
+    tokio::time::sleep(lease * 2).await; // the lock is held for two leases
+    locker.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let second = match takeover.await.unwrap_or_else(|e| panic!("{e}")) {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("expected the takeover, got {other:?}"),
+    };
+    let now = server_now(store.pool()).await;
+    println!(
+        "takeover: attempt {} fence {} lease until {:?}, server now {now:?}",
+        second.attempt, second.fence, second.expires_at
+    );
+    assert!(second.fence > first.fence);
+    assert!(
+        second.expires_at > now,
+        "the takeover was granted a lease that was already over"
+    );
+    let duplicate = store.acquire(&k, None, lease).await;
+    assert!(
+        matches!(duplicate, Ok(Acquisition::InProgress { .. })),
+        "a duplicate took the fresh takeover over: {duplicate:?}"
+    );
+}
+
+/// Item 1: fences never go backwards, even when an acquisition's insert is
+/// delayed after its statement started (here by a test trigger that sleeps
+/// before the row is inserted, widening a window that preemption opens in
+/// production): an acquisition that lands later always carries a higher
+/// fence than one that landed before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_insert_never_lands_with_a_lower_fence() {
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let schema = format!("idem_fence{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(schema.clone())
+        .table("records")
+        .call_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    exec(
+        &pool,
+        format!(
+            "CREATE FUNCTION \"{schema}\".slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF current_setting('idem_test.slow_insert', true) = 'on' THEN \
+             PERFORM pg_sleep(0.5); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_insert BEFORE INSERT ON \"{schema}\".\"records\" \
+             FOR EACH ROW EXECUTE FUNCTION \"{schema}\".slow_insert()"
+        ),
+    )
+    .await;
+    let k = key("fence-order");
+
+    // X: an in-transaction claim whose insert is held back by the trigger.
+    let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel::<u64>();
+    let x = {
+        let (store, pool, k) = (store.clone(), pool.clone(), k.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            sqlx::query("SET LOCAL idem_test.slow_insert = 'on'")
+                .execute(&mut *tx)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let Ok(Claim::Acquired(lease)) = store
+                .in_transaction()
+                .claim_with::<u64>(&mut tx, &k, None)
+                .await
+            else {
+                panic!("X not acquired")
+            };
+            let fence = lease.fence();
+            let _ = claimed_tx.send(fence);
+            lease
+                .release(&mut tx)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+            fence
+        })
+    };
+    // X's statement is running (sleeping in the trigger).
+    for _ in 0..500 {
+        let sleeping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if sleeping > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Y: a plain acquisition of the same key meanwhile.
+    let y = match store.acquire(&k, None, Duration::from_secs(30)).await {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("Y: {other:?}"),
+    };
+    let mut claimed_rx = claimed_rx;
+    let x_first = claimed_rx.try_recv().ok();
+    store.release(&y).await.unwrap_or_else(|e| panic!("{e}"));
+    let x_fence = x.await.unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "X (delayed insert) fence {x_fence}, Y fence {}; X acquired first: {}",
+        y.fence,
+        x_first.is_some()
+    );
+    if x_first.is_some() {
+        assert!(y.fence > x_fence, "Y came after X with a lower fence");
+    } else {
+        assert!(
+            x_fence > y.fence,
+            "X's insert landed after Y's acquisition with a lower fence ({x_fence} < {})",
+            y.fence
+        );
+    }
+}
+
 /// A SQLSTATE of the PostgreSQL error behind a store error.
 fn sqlstate(e: &StoreError) -> Option<String> {
     let source = match e {
@@ -1004,6 +1241,86 @@ async fn server_lock_and_statement_timeouts_are_unavailable_and_retryable() {
             .await
             .unwrap_or_else(|e| panic!("{setting}: the retry: {e}"));
     }
+}
+
+/// Item 7: one transaction claiming the same key twice gets the same
+/// claim (same token, attempt and fence), never a takeover of its own
+/// row; both complete; a claim rolled back with its savepoint is gone.
+#[tokio::test]
+async fn one_transaction_claiming_a_key_twice_gets_the_same_claim() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let k = key("tx-twice");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(first)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("first claim")
+    };
+    let again = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    let second = match again {
+        Ok(Claim::Acquired(second)) => second,
+        other => panic!("second claim in the same transaction: {other:?}"),
+    };
+    println!(
+        "first: attempt {} fence {}; second: attempt {} fence {}",
+        first.attempt(),
+        first.fence(),
+        second.attempt(),
+        second.fence()
+    );
+    assert_eq!(second.attempt(), 1, "the transaction took its own row over");
+    assert_eq!(second.fence(), first.fence());
+    assert_eq!(second.lease().token, first.lease().token);
+    first
+        .complete(&mut tx, &Receipt { payment_id: 1 })
+        .await
+        .unwrap_or_else(|e| panic!("completing the first claim: {e}"));
+    second
+        .complete(&mut tx, &Receipt { payment_id: 2 })
+        .await
+        .unwrap_or_else(|e| panic!("completing the second claim: {e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let got = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    assert!(
+        matches!(got, Ok(Claim::Replayed(Receipt { payment_id: 1 }))),
+        "{got:?}"
+    );
+    drop(tx);
+
+    // A claim inside a savepoint that is rolled back leaves nothing.
+    let k = key("tx-savepoint");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    {
+        let mut inner = sqlx::Acquire::begin(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Ok(Claim::Acquired(_)) = store
+            .in_transaction()
+            .claim_with::<Receipt>(&mut inner, &k, None)
+            .await
+        else {
+            panic!("claim in the savepoint")
+        };
+        inner.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let got = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    assert!(
+        matches!(&got, Ok(Claim::Acquired(l)) if l.attempt() == 1),
+        "{got:?}"
+    );
 }
 
 /// Item 9: `purge_expired` finds expired rows through the `expires_at`

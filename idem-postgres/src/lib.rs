@@ -423,20 +423,23 @@ impl PgStore {
     }
 
     /// The acquire statement on one connection, re-run while a concurrent
-    /// commit was invisible to it.
+    /// commit was invisible to it, or while the lease it got was shortened
+    /// by a wait (then renewed: same token).
     pub(crate) async fn acquire_on(
         &self,
         conn: &mut PgConnection,
         key: &IdempotencyKey,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
+        token: LeaseToken,
     ) -> Result<Acquisition, StoreError> {
+        let lease = saturate(lease);
         let lease_us = micros(lease);
         let grace_us = micros(IN_PROGRESS_GRACE);
         let fp = fingerprint.map(|f| f.as_bytes().as_slice());
+        let token_bytes = token.to_bytes();
+        let mut renewed = false;
         for _ in 0..ACQUIRE_TRIES {
-            let token = LeaseToken::random();
-            let token_bytes = token.to_bytes();
             let row = sqlx::query(sql(&self.inner.sql.acquire))
                 .bind(key.scope())
                 .bind(key.id())
@@ -450,8 +453,10 @@ impl PgStore {
             let Some(row) = row else {
                 continue;
             };
-            if let Some(outcome) = decode_acquire(&row, key, token, fingerprint)? {
-                return Ok(outcome);
+            match decode_acquire(&row, key, fingerprint, lease, renewed)? {
+                Decoded::Done(outcome) => return Ok(outcome),
+                Decoded::Stale => continue,
+                Decoded::Renew => renewed = true,
             }
         }
         Err(StoreError::Unavailable(
@@ -534,10 +539,12 @@ impl IdempotencyStore for PgStore {
         if lease.is_zero() {
             return Err(StoreError::zero_lease());
         }
+        // One token for the whole call, re-runs included.
+        let token = LeaseToken::random();
         self.timed(async {
             let mut lent = self.lend().await?;
             let result = self
-                .acquire_on(lent.connection(), key, fingerprint, lease)
+                .acquire_on(lent.connection(), key, fingerprint, lease, token)
                 .await;
             lent.settle(&result);
             result
@@ -866,23 +873,50 @@ fn status_of(status: i16, key: &IdempotencyKey) -> Result<i16, StoreError> {
     }
 }
 
-/// Decodes the acquire statement's row; `None` means the row was a stale
-/// view (see acquire.sql) and the statement must run again.
+/// What one run of the acquire statement came to.
+enum Decoded {
+    Done(Acquisition),
+    /// The row was a stale view (see acquire.sql): run again.
+    Stale,
+    /// Acquired, but a wait shortened the lease: run again with the same
+    /// token, which renews it from the server's clock.
+    Renew,
+}
+
+/// Decodes the acquire statement's row for a call that asked for `lease`
+/// (zero: the in-transaction mode), `renewed` if it already renewed once.
 fn decode_acquire(
     row: &PgRow,
     key: &IdempotencyKey,
-    token: LeaseToken,
     given: Option<&Fingerprint>,
-) -> Result<Option<Acquisition>, StoreError> {
+    lease: Duration,
+    renewed: bool,
+) -> Result<Decoded, StoreError> {
     let acquired: bool = column(row, 0, key)?;
     let attempt = attempt_of(column(row, 3, key)?, key)?;
     let lease_until: Option<i64> = column(row, 4, key)?;
     let fence = fence_of(column(row, 9, key)?, key)?;
+    let token_of = |row: &PgRow| -> Result<LeaseToken, StoreError> {
+        let bytes: Vec<u8> = column(row, 11, key)?;
+        LeaseToken::from_slice(&bytes)
+            .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", bytes.len())))
+    };
+    // For an acquisition: when the row was written; otherwise when the
+    // statement read it. Both by the server's clock.
+    let now = time_of(column(row, 8, key)?, key, "clock")?;
     if acquired {
         let until = time_of(lease_until, key, "lease_until")?;
+        if !lease.is_zero() {
+            // Never hand out a lease a wait has eaten: over half of it
+            // gone (a lock wait), renew; after a renewal, anything left.
+            let left = until.duration_since(now).unwrap_or(Duration::ZERO);
+            if left.is_zero() || (!renewed && left < lease / 2) {
+                return Ok(Decoded::Renew);
+            }
+        }
         let stored = fingerprint_of(column(row, 2, key)?, key)?;
-        return Ok(Some(Acquisition::Acquired(
-            Lease::new(key.clone(), token, attempt, until)
+        return Ok(Decoded::Done(Acquisition::Acquired(
+            Lease::new(key.clone(), token_of(row)?, attempt, until)
                 .with_fence(fence)
                 .with_fingerprint(stored),
         )));
@@ -890,14 +924,24 @@ fn decode_acquire(
     let status = status_of(column(row, 1, key)?, key)?;
     let stored = fingerprint_of(column(row, 2, key)?, key)?;
     let expires = time_of(column(row, 7, key)?, key, "expires_at")?;
-    let now = time_of(column(row, 8, key)?, key, "clock")?;
     if expires <= now {
-        return Ok(None);
+        return Ok(Decoded::Stale);
     }
     if let (Some(stored), Some(given)) = (stored, given) {
         if stored != *given {
-            return Ok(Some(Acquisition::Mismatch));
+            return Ok(Decoded::Done(Acquisition::Mismatch));
         }
+    }
+    let mine: bool = column(row, 12, key)?;
+    if mine {
+        // A claim of this same transaction (the in-transaction mode): the
+        // same claim again, never a takeover of its own row.
+        let until = time_of(lease_until, key, "lease_until")?;
+        return Ok(Decoded::Done(Acquisition::Acquired(
+            Lease::new(key.clone(), token_of(row)?, attempt, until)
+                .with_fence(fence)
+                .with_fingerprint(stored),
+        )));
     }
     if status == 2 {
         let response: Option<Vec<u8>> = column(row, 5, key)?;
@@ -906,7 +950,7 @@ fn decode_acquire(
         // expires_at minus the server's clock, computed by the server.
         let ttl_us: Option<i64> = column(row, 10, key)?;
         let ttl = Duration::from_micros(ttl_us.and_then(|us| u64::try_from(us).ok()).unwrap_or(0));
-        return Ok(Some(Acquisition::Completed(
+        return Ok(Decoded::Done(Acquisition::Completed(
             CompletedRecord::new(
                 key.clone(),
                 Bytes::from(response),
@@ -921,14 +965,14 @@ fn decode_acquire(
     }
     let until = time_of(lease_until, key, "lease_until")?;
     match until.duration_since(now) {
-        Ok(left) if !left.is_zero() => Ok(Some(Acquisition::InProgress {
+        Ok(left) if !left.is_zero() => Ok(Decoded::Done(Acquisition::InProgress {
             lease_expires_at: until,
             retry_after: left,
             attempt,
         })),
         // The lease is over, yet the takeover did not happen: a newer
         // version of the row exists that this snapshot did not see.
-        _ => Ok(None),
+        _ => Ok(Decoded::Stale),
     }
 }
 
