@@ -953,6 +953,23 @@ async fn server_now(pool: &PgPool) -> std::time::SystemTime {
     std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
+/// Waits until `n` sessions are blocked on a lock, asking the server.
+async fn until_sessions_wait_on_a_lock(pool: &PgPool, n: i64) {
+    for _ in 0..1_000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("fewer than {n} sessions ever waited on a lock");
+}
+
 /// Item 1: a delivery waits on an in-transaction claim for two leases, then
 /// acquires; its lease starts when its row is written, so a redelivery
 /// while its handler runs is told "in progress" and the handler runs once.
@@ -1243,6 +1260,124 @@ async fn server_lock_and_statement_timeouts_are_unavailable_and_retryable() {
     }
 }
 
+/// Items 2 and 8: the server ends an idle store connection
+/// (`idle_session_timeout`, 57P05) before the next call is sent: the call
+/// is not lost, it runs on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_server_closed_while_idle_costs_no_failed_call() {
+    let app = format!("idem-idle-{:08x}", fastrand::u32(..));
+    let pool = pool_with_settings(
+        2,
+        &[
+            ("idle_session_timeout", "200ms"),
+            ("application_name", &app),
+        ],
+    )
+    .await;
+    let store = PgStore::builder(pool)
+        .call_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let k = key("idle-killed");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    // The server closes every idle session of this application.
+    let monitor = pg::pool(pg::shared_url(), 1).await;
+    for i in 0.. {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&app)
+                .fetch_one(&monitor)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        if left == 0 {
+            break;
+        }
+        assert!(i < 500, "the server never closed the idle sessions");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let done = store.complete(&lease, b"r", Duration::from_secs(60)).await;
+    println!("complete on a connection the server closed while idle: {done:?}");
+    assert!(done.is_ok(), "{done:?}");
+}
+
+/// Item 3 (review R4): an acquire that waited on a lock past the call
+/// timeout is told "unavailable", and its statement dies on the server
+/// too: no reservation commits after its caller gave up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_timed_out_never_commits_a_reservation_later() {
+    let store = store_with_timeout(Duration::from_millis(300)).await;
+    let key = key("ghost");
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+
+    let lease = Duration::from_secs(30);
+    let told = store.acquire(&key, None, lease).await;
+    println!("acquire while the row is locked: {told:?}");
+    assert!(
+        matches!(told, Err(ref e) if e.is_retryable()),
+        "the caller is told the store is unavailable"
+    );
+    // The in-transaction worker fails and rolls back.
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    // Nothing may happen from here on: give a lingering statement the time
+    // to commit if it were still alive.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    println!("record after the caller gave up: {record:?}");
+    assert!(
+        record.is_none(),
+        "a reservation committed after its caller was told 'unavailable'"
+    );
+    assert!(matches!(
+        store.acquire(&key, None, lease).await,
+        Ok(Acquisition::Acquired(l)) if l.attempt == 1
+    ));
+}
+
+/// Item 3 (review R4b): twenty retries of a call blocked by a frozen lock
+/// holder leave no server backend waiting behind them (each statement died
+/// on the server with its call); before, each left one, past the store's
+/// connection limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_calls_leave_no_server_backend_waiting() {
+    let store = store_with_timeout(Duration::from_millis(200)).await;
+    let key = key("pile");
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..20 {
+        let r = store.acquire(&key, None, Duration::from_secs(30)).await;
+        assert!(matches!(r, Err(ref e) if e.is_retryable()), "{r:?}");
+    }
+    let blocked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+    )
+    .bind(holder)
+    .fetch_one(store.pool())
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    println!("backends still blocked after 20 timed-out calls: {blocked}");
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(blocked, 0, "{blocked} server backends outlive their calls");
+}
+
 /// Item 7: one transaction claiming the same key twice gets the same
 /// claim (same token, attempt and fence), never a takeover of its own
 /// row; both complete; a claim rolled back with its savepoint is gone.
@@ -1323,6 +1458,60 @@ async fn one_transaction_claiming_a_key_twice_gets_the_same_claim() {
     );
 }
 
+/// Item 8: PostgreSQL restarts while the store's connections sit idle;
+/// every one of them is dead, yet no call fails: a call whose connection
+/// the server had already closed runs again on a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_warm_idle_connections_fails_no_call() {
+    let server = pg::PgServer::start();
+    let pool = pg::pool(&server.url, 2).await;
+    let store = PgStore::builder(pool.clone())
+        .connections(8)
+        .call_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    // Open all eight: eight acquires wait on an in-transaction claim.
+    let k = key("warm");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(_)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim")
+    };
+    let waiting: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, k) = (store.clone(), k.clone());
+            tokio::spawn(async move { store.acquire(&k, None, Duration::from_secs(30)).await })
+        })
+        .collect();
+    let monitor = pg::pool(&server.url, 1).await;
+    until_sessions_wait_on_a_lock(&monitor, 8).await;
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    for w in waiting {
+        let got = w.await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(got.is_ok(), "{got:?}");
+    }
+    monitor.close().await;
+    pool.close().await;
+
+    server.stop();
+    server.start_again();
+    let mut failed = Vec::new();
+    for i in 0..16 {
+        if let Err(e) = store.get(&key(&format!("after-restart-{i}"))).await {
+            failed.push(e.to_string());
+        }
+    }
+    println!(
+        "calls failed after a restart with 8 warm idle connections: {}",
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+}
+
 /// Item 9: `purge_expired` finds expired rows through the `expires_at`
 /// index (a stable time, not `clock_timestamp()`), so a batch with nothing
 /// to delete does not scan the table.
@@ -1377,5 +1566,195 @@ async fn purge_expired_finds_expired_rows_through_the_expires_at_index() {
             .await
             .unwrap_or_else(|e| panic!("{e}")),
         0
+    );
+}
+
+/// Item 11: the store's own connections are a small set (4 by default)
+/// next to the pool's, opened the way the pool opens its own (its
+/// `after_connect` runs on them), and closed after the pool's
+/// `idle_timeout`. A burst that fills the pool (10) and the store shows at
+/// most 10 + 4 server backends, not 10 + 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_connections_are_a_small_set_that_honours_the_pool_options() {
+    let server = pg::PgServer::start();
+    let app = "idem-after-connect";
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .test_before_acquire(false)
+        .idle_timeout(Duration::from_millis(300))
+        .after_connect(move |conn, _meta| {
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET application_name = '{app}'"
+                )))
+                .execute(conn)
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::new(pool.clone());
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut monitor = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut holder = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let count = |sql: &'static str| sqlx::query_scalar::<_, i64>(sql);
+    let backends = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+                    AND pid <> pg_backend_pid()";
+
+    // Everything waits behind one claim: 10 in-transaction claims on the
+    // pool, 32 plain acquires on the store.
+    let k = key("budget");
+    let mut tx = sqlx::Connection::begin(&mut holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(_)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (store, pool, k) = (store.clone(), pool.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let _ = store
+                .in_transaction()
+                .claim_with::<Receipt>(&mut tx, &k, None)
+                .await;
+        }));
+    }
+    for _ in 0..32 {
+        let (store, k) = (store.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            let _ = store.acquire(&k, None, Duration::from_secs(30)).await;
+        }));
+    }
+    // Until the number of waiting sessions stops growing.
+    let waiting_sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'";
+    let (mut last, mut stable) = (-1, 0);
+    for _ in 0..500 {
+        let now = count(waiting_sql)
+            .fetch_one(&mut monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if now == last && now >= 10 {
+            stable += 1;
+            if stable == 10 {
+                break;
+            }
+        } else {
+            (last, stable) = (now, 0);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let total = count(backends)
+        .fetch_one(&mut monitor)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        - 1; // the holder
+    let without_hook: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+         AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND application_name <> $1",
+    )
+    .bind(app)
+    .fetch_one(&mut monitor)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "server backends of the pool (10) and the store: {total}; waiting without after_connect: {without_hook}"
+    );
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    for t in tasks {
+        t.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert!(total <= 14, "{total} backends for a pool of 10 and a store");
+    assert_eq!(without_hook, 0, "store connections skipped after_connect");
+
+    // Idle past the pool's idle_timeout: the pool and the store close theirs.
+    let mut left = -1;
+    for _ in 0..300 {
+        left = count(backends)
+            .fetch_one(&mut monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            - 1;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("backends left after the idle timeout: {left}");
+    assert_eq!(left, 0, "idle connections outlive the pool's idle_timeout");
+}
+
+/// Item 11: the store's connections are counted (`connection_stats` and
+/// the gauge `idem_postgres_connections`), stay within `connections(n)`,
+/// and one past the pool's `max_lifetime` is replaced by a new one.
+#[test]
+fn store_connections_are_counted_and_replaced_after_the_max_lifetime() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let schema = format!("idem_life{:08x}", fastrand::u32(..));
+    let table = format!("{schema}.records");
+    let stats = metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        runtime.block_on(async {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .test_before_acquire(false)
+                .idle_timeout(None)
+                .max_lifetime(Duration::from_millis(300))
+                .connect(pg::shared_url())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let store = PgStore::builder(pool)
+                .schema(schema.clone())
+                .table("records")
+                .connections(1)
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"));
+            store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(store.connection_stats().max, 1);
+            assert_eq!(store.server_timeout(), Duration::from_secs(5));
+            // A call every 100 ms for a second: the connection outlives
+            // its 300 ms lifetime and is replaced.
+            for i in 0..10 {
+                let got = store.get(&key(&format!("life-{i}"))).await;
+                assert!(matches!(got, Ok(None)), "{got:?}");
+                let stats = store.connection_stats();
+                assert!(stats.open <= 1, "{stats:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            store.connection_stats()
+        })
+    });
+    println!("store connections after a second of calls: {stats:?}");
+    assert!(stats.opened >= 3, "connections not replaced: {stats:?}");
+    let gauge = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find(|(k, _, _, _)| {
+            k.key().name() == "idem_postgres_connections"
+                && k.key()
+                    .labels()
+                    .any(|l| l.key() == "table" && l.value() == table)
+        })
+        .map(|(_, _, _, v)| v);
+    assert!(
+        matches!(gauge, Some(DebugValue::Gauge(g)) if g.into_inner() == stats.open as f64),
+        "{gauge:?} for {stats:?}"
     );
 }

@@ -172,7 +172,8 @@ impl<C: Codec> InTransaction<C> {
                 Duration::ZERO,
                 LeaseToken::random(),
             )
-            .await?;
+            .await
+            .map_err(|f| self.store.fail(f))?;
         match outcome {
             Acquisition::Acquired(lease) => Ok(Claim::Acquired(TxLease {
                 store: self.store.clone(),
@@ -227,18 +228,26 @@ impl<C: Codec> TxLease<C> {
         response: &T,
     ) -> Result<(), IdemError<Infallible>> {
         let bytes = self.codec.encode(response).map_err(IdemError::Codec)?;
-        self.store
-            .complete_on(tx, &self.lease, &bytes, self.retention)
-            .await
-            .map_err(|e| match e {
-                StoreError::LeaseLost => IdemError::LeaseLost,
-                other => IdemError::Store(other),
-            })
+        let done = match self.store.check_response_size(&bytes) {
+            Ok(()) => self
+                .store
+                .complete_on(tx, &self.lease, &bytes, self.retention)
+                .await
+                .map_err(|f| self.store.fail(f)),
+            Err(e) => Err(e),
+        };
+        done.map_err(|e| match e {
+            StoreError::LeaseLost => IdemError::LeaseLost,
+            other => IdemError::Store(other),
+        })
     }
 
     /// Gives the key up inside `tx` (for when you want to commit other work
     /// but let the next delivery run the handler again).
     pub async fn release(self, tx: &mut Transaction<'_, Postgres>) -> Result<(), StoreError> {
-        self.store.release_on(tx, &self.lease).await
+        self.store
+            .release_on(tx, &self.lease)
+            .await
+            .map_err(|f| self.store.fail(f))
     }
 }
