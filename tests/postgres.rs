@@ -928,3 +928,833 @@ async fn in_transaction_retention_of_duration_max() {
         "{zero:?}"
     );
 }
+
+// ------------------------------------------------------------------
+// Waits, timeouts, restarts and connections (issue 13)
+// ------------------------------------------------------------------
+
+/// A store on the shared server with its own pool and call timeout.
+async fn store_with_timeout(call_timeout: Duration) -> PgStore {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 8).await)
+        .call_timeout(call_timeout)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    store
+}
+
+/// The server's clock, in the form leases are given in.
+async fn server_now(pool: &PgPool) -> std::time::SystemTime {
+    let us: i64 =
+        sqlx::query_scalar("SELECT (extract(epoch FROM clock_timestamp()) * 1000000)::int8")
+            .fetch_one(pool)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0))
+}
+
+/// Waits until `n` sessions are blocked on a lock, asking the server.
+async fn until_sessions_wait_on_a_lock(pool: &PgPool, n: i64) {
+    for _ in 0..1_000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if waiting >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("fewer than {n} sessions ever waited on a lock");
+}
+
+/// Item 1: a delivery waits on an in-transaction claim for two leases, then
+/// acquires; its lease starts when its row is written, so a redelivery
+/// while its handler runs is told "in progress" and the handler runs once.
+/// (Review R5: the lease was counted from the statement's start, so the
+/// row was born with its lease over and the redelivery took it over.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_granted_after_a_lock_wait_starts_when_the_row_is_written() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::Arc;
+    let store = store_with_timeout(Duration::from_secs(10)).await;
+    let key = key("late");
+    let lease = Duration::from_millis(600);
+    let idem = idem::Idempotency::new(store.clone()).lease(lease);
+    let effects = Arc::new(AtomicU64::new(0));
+    let started = Arc::new(tokio::sync::Notify::new());
+
+    // A transactional worker holds the key (uncommitted insert)...
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+
+    // ... a delivery through the executor waits for it ...
+    let first = {
+        let (idem, key, effects, started) =
+            (idem.clone(), key.clone(), effects.clone(), started.clone());
+        tokio::spawn(async move {
+            idem.process(&key, "payload", move |_| async move {
+                effects.fetch_add(1, Ordering::SeqCst);
+                started.notify_one();
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Ok::<_, std::io::Error>("first".to_owned())
+            })
+            .await
+        })
+    };
+    until_a_session_waits_on_a_lock(store.pool()).await;
+    // ... for two leases (the length of the fault), then the transaction
+    // rolls back.
+    tokio::time::sleep(lease * 2).await;
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+
+    tokio::time::timeout(Duration::from_secs(5), started.notified())
+        .await
+        .unwrap_or_else(|_| panic!("the first delivery never ran"));
+    let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    let now = server_now(store.pool()).await;
+    println!("row as written: {record:?}\nserver clock: {now:?}");
+    // A redelivery arrives while that handler runs.
+    let effects2 = effects.clone();
+    let second = idem
+        .process(&key, "payload", move |_| async move {
+            effects2.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::io::Error>("second".to_owned())
+        })
+        .await;
+    let first = first.await.unwrap_or_else(|e| panic!("{e}"));
+    let n = effects.load(Ordering::SeqCst);
+    println!("redelivery: {second:?}; first: {first:?}; handler executions: {n}");
+    assert!(
+        matches!(second, Err(IdemError::InProgress { .. })),
+        "a live handler's key was taken over: {second:?}"
+    );
+    assert_eq!(n, 1, "the handler ran {n} times");
+}
+
+/// Item 1: a takeover that waits on a row lock held by another session
+/// (here a plain `SELECT ... FOR UPDATE`, which PostgreSQL does not
+/// re-evaluate the update for) longer than the lease never reports a lease
+/// that is already over: a duplicate right after it is "in progress".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_takeover_that_waited_on_a_row_lock_reports_a_live_lease() {
+    let store = store_with_timeout(Duration::from_secs(10)).await;
+    let k = key("locked-takeover");
+    let lease = Duration::from_millis(300);
+    let Ok(Acquisition::Acquired(first)) = store.acquire(&k, None, lease).await else {
+        panic!("not acquired")
+    };
+    // The holder vanishes; its lease runs out.
+    tokio::time::sleep(lease + Duration::from_millis(100)).await;
+
+    let mut locker = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "SELECT 1 FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE",
+        store.qualified_table()
+    )))
+    .bind(k.scope())
+    .bind(k.id())
+    .execute(&mut *locker)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let takeover = {
+        let (store, k) = (store.clone(), k.clone());
+        tokio::spawn(async move { store.acquire(&k, None, lease).await })
+    };
+    until_a_session_waits_on_a_lock(store.pool()).await;
+    tokio::time::sleep(lease * 2).await; // the lock is held for two leases
+    locker.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let second = match takeover.await.unwrap_or_else(|e| panic!("{e}")) {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("expected the takeover, got {other:?}"),
+    };
+    let now = server_now(store.pool()).await;
+    println!(
+        "takeover: attempt {} fence {} lease until {:?}, server now {now:?}",
+        second.attempt, second.fence, second.expires_at
+    );
+    assert!(second.fence > first.fence);
+    assert!(
+        second.expires_at > now,
+        "the takeover was granted a lease that was already over"
+    );
+    let duplicate = store.acquire(&k, None, lease).await;
+    assert!(
+        matches!(duplicate, Ok(Acquisition::InProgress { .. })),
+        "a duplicate took the fresh takeover over: {duplicate:?}"
+    );
+}
+
+/// Item 1: fences never go backwards, even when an acquisition's insert is
+/// delayed after its statement started (here by a test trigger that sleeps
+/// before the row is inserted, widening a window that preemption opens in
+/// production): an acquisition that lands later always carries a higher
+/// fence than one that landed before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delayed_insert_never_lands_with_a_lower_fence() {
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let schema = format!("idem_fence{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(schema.clone())
+        .table("records")
+        .call_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    exec(
+        &pool,
+        format!(
+            "CREATE FUNCTION \"{schema}\".slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$ \
+             BEGIN IF current_setting('idem_test.slow_insert', true) = 'on' THEN \
+             PERFORM pg_sleep(0.5); END IF; RETURN NEW; END $$; \
+             CREATE TRIGGER slow_insert BEFORE INSERT ON \"{schema}\".\"records\" \
+             FOR EACH ROW EXECUTE FUNCTION \"{schema}\".slow_insert()"
+        ),
+    )
+    .await;
+    let k = key("fence-order");
+
+    // X: an in-transaction claim whose insert is held back by the trigger.
+    let (claimed_tx, claimed_rx) = tokio::sync::oneshot::channel::<u64>();
+    let x = {
+        let (store, pool, k) = (store.clone(), pool.clone(), k.clone());
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            sqlx::query("SET LOCAL idem_test.slow_insert = 'on'")
+                .execute(&mut *tx)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let Ok(Claim::Acquired(lease)) = store
+                .in_transaction()
+                .claim_with::<u64>(&mut tx, &k, None)
+                .await
+            else {
+                panic!("X not acquired")
+            };
+            let fence = lease.fence();
+            let _ = claimed_tx.send(fence);
+            lease
+                .release(&mut tx)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+            fence
+        })
+    };
+    // X's statement is running (sleeping in the trigger).
+    for _ in 0..500 {
+        let sleeping: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'PgSleep'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if sleeping > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // Y: a plain acquisition of the same key meanwhile.
+    let y = match store.acquire(&k, None, Duration::from_secs(30)).await {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("Y: {other:?}"),
+    };
+    let mut claimed_rx = claimed_rx;
+    let x_first = claimed_rx.try_recv().ok();
+    store.release(&y).await.unwrap_or_else(|e| panic!("{e}"));
+    let x_fence = x.await.unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "X (delayed insert) fence {x_fence}, Y fence {}; X acquired first: {}",
+        y.fence,
+        x_first.is_some()
+    );
+    if x_first.is_some() {
+        assert!(y.fence > x_fence, "Y came after X with a lower fence");
+    } else {
+        assert!(
+            x_fence > y.fence,
+            "X's insert landed after Y's acquisition with a lower fence ({x_fence} < {})",
+            y.fence
+        );
+    }
+}
+
+/// A SQLSTATE of the PostgreSQL error behind a store error.
+fn sqlstate(e: &StoreError) -> Option<String> {
+    let source = match e {
+        StoreError::Unavailable(s) | StoreError::Backend(s) => s,
+        _ => return None,
+    };
+    match source.downcast_ref::<sqlx::Error>() {
+        Some(sqlx::Error::Database(db)) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    }
+}
+
+/// A pool whose connections carry `settings` (as a DBA's role or database
+/// defaults would), on the shared server.
+async fn pool_with_settings(max: u32, settings: &[(&str, &str)]) -> PgPool {
+    let options: sqlx::postgres::PgConnectOptions =
+        pg::shared_url().parse().unwrap_or_else(|e| panic!("{e}"));
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(false)
+        .connect_with(options.options(settings.iter().copied()))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Item 2: a completion killed by the server's `lock_timeout` (55P03) or
+/// `statement_timeout` (57014) is `Unavailable`, retryable, and the retry
+/// completes once the lock is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_lock_and_statement_timeouts_are_unavailable_and_retryable() {
+    for (setting, code) in [("lock_timeout", "55P03"), ("statement_timeout", "57014")] {
+        let pool = pool_with_settings(4, &[(setting, "100ms")]).await;
+        let store = PgStore::builder(pool)
+            .call_timeout(Duration::from_secs(10))
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let k = key("timeout-complete");
+        let Ok(Acquisition::Acquired(lease)) =
+            store.acquire(&k, None, Duration::from_secs(30)).await
+        else {
+            panic!("not acquired")
+        };
+        let other = pg::pool(pg::shared_url(), 1).await;
+        let mut locker = other.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SELECT 1 FROM {} WHERE scope = $1 AND key = $2 FOR UPDATE",
+            store.qualified_table()
+        )))
+        .bind(k.scope())
+        .bind(k.id())
+        .execute(&mut *locker)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let blocked = store
+            .complete(&lease, b"done", Duration::from_secs(60))
+            .await;
+        println!("{setting}: complete behind a lock: {blocked:?}");
+        match &blocked {
+            Err(e @ StoreError::Unavailable(_)) => {
+                assert!(e.is_retryable());
+                assert_eq!(sqlstate(e).as_deref(), Some(code), "{e:?}");
+            }
+            other => panic!("{setting}: expected Unavailable ({code}), got {other:?}"),
+        }
+        locker.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        store
+            .complete(&lease, b"done", Duration::from_secs(60))
+            .await
+            .unwrap_or_else(|e| panic!("{setting}: the retry: {e}"));
+    }
+}
+
+/// Items 2 and 8: the server ends an idle store connection
+/// (`idle_session_timeout`, 57P05) before the next call is sent: the call
+/// is not lost, it runs on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_the_server_closed_while_idle_costs_no_failed_call() {
+    let app = format!("idem-idle-{:08x}", fastrand::u32(..));
+    let pool = pool_with_settings(
+        2,
+        &[
+            ("idle_session_timeout", "200ms"),
+            ("application_name", &app),
+        ],
+    )
+    .await;
+    let store = PgStore::builder(pool)
+        .call_timeout(Duration::from_secs(10))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let k = key("idle-killed");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    // The server closes every idle session of this application.
+    let monitor = pg::pool(pg::shared_url(), 1).await;
+    for i in 0.. {
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&app)
+                .fetch_one(&monitor)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        if left == 0 {
+            break;
+        }
+        assert!(i < 500, "the server never closed the idle sessions");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let done = store.complete(&lease, b"r", Duration::from_secs(60)).await;
+    println!("complete on a connection the server closed while idle: {done:?}");
+    assert!(done.is_ok(), "{done:?}");
+}
+
+/// Item 3 (review R4): an acquire that waited on a lock past the call
+/// timeout is told "unavailable", and its statement dies on the server
+/// too: no reservation commits after its caller gave up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_that_timed_out_never_commits_a_reservation_later() {
+    let store = store_with_timeout(Duration::from_millis(300)).await;
+    let key = key("ghost");
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+
+    let lease = Duration::from_secs(30);
+    let told = store.acquire(&key, None, lease).await;
+    println!("acquire while the row is locked: {told:?}");
+    assert!(
+        matches!(told, Err(ref e) if e.is_retryable()),
+        "the caller is told the store is unavailable"
+    );
+    // The in-transaction worker fails and rolls back.
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    // Nothing may happen from here on: give a lingering statement the time
+    // to commit if it were still alive.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    println!("record after the caller gave up: {record:?}");
+    assert!(
+        record.is_none(),
+        "a reservation committed after its caller was told 'unavailable'"
+    );
+    assert!(matches!(
+        store.acquire(&key, None, lease).await,
+        Ok(Acquisition::Acquired(l)) if l.attempt == 1
+    ));
+}
+
+/// Item 3 (review R4b): twenty retries of a call blocked by a frozen lock
+/// holder leave no server backend waiting behind them (each statement died
+/// on the server with its call); before, each left one, past the store's
+/// connection limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timed_out_calls_leave_no_server_backend_waiting() {
+    let store = store_with_timeout(Duration::from_millis(200)).await;
+    let key = key("pile");
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &key, "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+    let holder: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..20 {
+        let r = store.acquire(&key, None, Duration::from_secs(30)).await;
+        assert!(matches!(r, Err(ref e) if e.is_retryable()), "{r:?}");
+    }
+    let blocked: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+    )
+    .bind(holder)
+    .fetch_one(store.pool())
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    println!("backends still blocked after 20 timed-out calls: {blocked}");
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(blocked, 0, "{blocked} server backends outlive their calls");
+}
+
+/// Item 7: one transaction claiming the same key twice gets the same
+/// claim (same token, attempt and fence), never a takeover of its own
+/// row; both complete; a claim rolled back with its savepoint is gone.
+#[tokio::test]
+async fn one_transaction_claiming_a_key_twice_gets_the_same_claim() {
+    let store = PgHarness.store().await;
+    let pool = store.pool().clone();
+    let k = key("tx-twice");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(first)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("first claim")
+    };
+    let again = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    let second = match again {
+        Ok(Claim::Acquired(second)) => second,
+        other => panic!("second claim in the same transaction: {other:?}"),
+    };
+    println!(
+        "first: attempt {} fence {}; second: attempt {} fence {}",
+        first.attempt(),
+        first.fence(),
+        second.attempt(),
+        second.fence()
+    );
+    assert_eq!(second.attempt(), 1, "the transaction took its own row over");
+    assert_eq!(second.fence(), first.fence());
+    assert_eq!(second.lease().token, first.lease().token);
+    first
+        .complete(&mut tx, &Receipt { payment_id: 1 })
+        .await
+        .unwrap_or_else(|e| panic!("completing the first claim: {e}"));
+    second
+        .complete(&mut tx, &Receipt { payment_id: 2 })
+        .await
+        .unwrap_or_else(|e| panic!("completing the second claim: {e}"));
+    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let got = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    assert!(
+        matches!(got, Ok(Claim::Replayed(Receipt { payment_id: 1 }))),
+        "{got:?}"
+    );
+    drop(tx);
+
+    // A claim inside a savepoint that is rolled back leaves nothing.
+    let k = key("tx-savepoint");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    {
+        let mut inner = sqlx::Acquire::begin(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let Ok(Claim::Acquired(_)) = store
+            .in_transaction()
+            .claim_with::<Receipt>(&mut inner, &k, None)
+            .await
+        else {
+            panic!("claim in the savepoint")
+        };
+        inner.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    let got = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await;
+    assert!(
+        matches!(&got, Ok(Claim::Acquired(l)) if l.attempt() == 1),
+        "{got:?}"
+    );
+}
+
+/// Item 8: PostgreSQL restarts while the store's connections sit idle;
+/// every one of them is dead, yet no call fails: a call whose connection
+/// the server had already closed runs again on a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_with_warm_idle_connections_fails_no_call() {
+    let server = pg::PgServer::start();
+    let pool = pg::pool(&server.url, 2).await;
+    let store = PgStore::builder(pool.clone())
+        .connections(8)
+        .call_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    // Open all eight: eight acquires wait on an in-transaction claim.
+    let k = key("warm");
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(_)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim")
+    };
+    let waiting: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, k) = (store.clone(), k.clone());
+            tokio::spawn(async move { store.acquire(&k, None, Duration::from_secs(30)).await })
+        })
+        .collect();
+    let monitor = pg::pool(&server.url, 1).await;
+    until_sessions_wait_on_a_lock(&monitor, 8).await;
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    for w in waiting {
+        let got = w.await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(got.is_ok(), "{got:?}");
+    }
+    monitor.close().await;
+    pool.close().await;
+
+    server.stop();
+    server.start_again();
+    let mut failed = Vec::new();
+    for i in 0..16 {
+        if let Err(e) = store.get(&key(&format!("after-restart-{i}"))).await {
+            failed.push(e.to_string());
+        }
+    }
+    println!(
+        "calls failed after a restart with 8 warm idle connections: {}",
+        failed.len()
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+}
+
+/// Item 9: `purge_expired` finds expired rows through the `expires_at`
+/// index (a stable time, not `clock_timestamp()`), so a batch with nothing
+/// to delete does not scan the table.
+#[tokio::test]
+async fn purge_expired_finds_expired_rows_through_the_expires_at_index() {
+    let pool = pg::pool(pg::shared_url(), 2).await;
+    let schema = format!("idem_purge{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(schema.clone())
+        .table("records")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let table = format!("\"{schema}\".\"records\"");
+    exec(
+        &pool,
+        format!(
+            "INSERT INTO {table} (scope, key, status, token, attempt, response, created_at, \
+             completed_at, expires_at) \
+             SELECT 'purge', 'live-' || i, 2, '\\x000102030405060708090a0b0c0d0e0f', 1, 'r', now(), \
+                    now(), now() + interval '1 day' FROM generate_series(1, 50000) i; \
+             INSERT INTO {table} (scope, key, status, token, attempt, response, created_at, \
+             completed_at, expires_at) \
+             SELECT 'purge', 'old-' || i, 2, '\\x000102030405060708090a0b0c0d0e0f', 1, 'r', now(), \
+                    now(), now() - interval '1 second' FROM generate_series(1, 10) i; \
+             ANALYZE {table}"
+        ),
+    )
+    .await;
+    let statement = include_str!("../idem-postgres/sql/purge.sql").replace("{{table}}", &table);
+    let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {statement}")))
+        .bind(1_000i64)
+        .fetch_all(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let plan = plan.join("\n");
+    println!("{plan}");
+    assert!(
+        plan.contains("records_expires_at_idx") && !plan.contains("Seq Scan"),
+        "purge does not use the expires_at index:\n{plan}"
+    );
+    assert_eq!(
+        store
+            .purge_expired(100)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        10
+    );
+    assert_eq!(
+        store
+            .purge_expired(100)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        0
+    );
+}
+
+/// Item 11: the store's own connections are a small set (4 by default)
+/// next to the pool's, opened the way the pool opens its own (its
+/// `after_connect` runs on them), and closed after the pool's
+/// `idle_timeout`. A burst that fills the pool (10) and the store shows at
+/// most 10 + 4 server backends, not 10 + 10.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_connections_are_a_small_set_that_honours_the_pool_options() {
+    let server = pg::PgServer::start();
+    let app = "idem-after-connect";
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(10)
+        .test_before_acquire(false)
+        .idle_timeout(Duration::from_millis(300))
+        .after_connect(move |conn, _meta| {
+            Box::pin(async move {
+                sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "SET application_name = '{app}'"
+                )))
+                .execute(conn)
+                .await
+                .map(|_| ())
+            })
+        })
+        .connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::new(pool.clone());
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let mut monitor = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut holder = <sqlx::PgConnection as sqlx::Connection>::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let count = |sql: &'static str| sqlx::query_scalar::<_, i64>(sql);
+    let backends = "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+                    AND pid <> pg_backend_pid()";
+
+    // Everything waits behind one claim: 10 in-transaction claims on the
+    // pool, 32 plain acquires on the store.
+    let k = key("budget");
+    let mut tx = sqlx::Connection::begin(&mut holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(_)) = store
+        .in_transaction()
+        .claim_with::<Receipt>(&mut tx, &k, None)
+        .await
+    else {
+        panic!("claim")
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (store, pool, k) = (store.clone(), pool.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let _ = store
+                .in_transaction()
+                .claim_with::<Receipt>(&mut tx, &k, None)
+                .await;
+        }));
+    }
+    for _ in 0..32 {
+        let (store, k) = (store.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            let _ = store.acquire(&k, None, Duration::from_secs(30)).await;
+        }));
+    }
+    // Until the number of waiting sessions stops growing.
+    let waiting_sql = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'";
+    let (mut last, mut stable) = (-1, 0);
+    for _ in 0..500 {
+        let now = count(waiting_sql)
+            .fetch_one(&mut monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if now == last && now >= 10 {
+            stable += 1;
+            if stable == 10 {
+                break;
+            }
+        } else {
+            (last, stable) = (now, 0);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let total = count(backends)
+        .fetch_one(&mut monitor)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        - 1; // the holder
+    let without_hook: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend' \
+         AND pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND application_name <> $1",
+    )
+    .bind(app)
+    .fetch_one(&mut monitor)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "server backends of the pool (10) and the store: {total}; waiting without after_connect: {without_hook}"
+    );
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    for t in tasks {
+        t.await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert!(total <= 14, "{total} backends for a pool of 10 and a store");
+    assert_eq!(without_hook, 0, "store connections skipped after_connect");
+
+    // Idle past the pool's idle_timeout: the pool and the store close theirs.
+    let mut left = -1;
+    for _ in 0..300 {
+        left = count(backends)
+            .fetch_one(&mut monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            - 1;
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    println!("backends left after the idle timeout: {left}");
+    assert_eq!(left, 0, "idle connections outlive the pool's idle_timeout");
+}
+
+/// Item 11: the store's connections are counted (`connection_stats` and
+/// the gauge `idem_postgres_connections`), stay within `connections(n)`,
+/// and one past the pool's `max_lifetime` is replaced by a new one.
+#[test]
+fn store_connections_are_counted_and_replaced_after_the_max_lifetime() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let schema = format!("idem_life{:08x}", fastrand::u32(..));
+    let table = format!("{schema}.records");
+    let stats = metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        runtime.block_on(async {
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .test_before_acquire(false)
+                .idle_timeout(None)
+                .max_lifetime(Duration::from_millis(300))
+                .connect(pg::shared_url())
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let store = PgStore::builder(pool)
+                .schema(schema.clone())
+                .table("records")
+                .connections(1)
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"));
+            store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+            assert_eq!(store.connection_stats().max, 1);
+            assert_eq!(store.server_timeout(), Duration::from_secs(5));
+            // A call every 100 ms for a second: the connection outlives
+            // its 300 ms lifetime and is replaced.
+            for i in 0..10 {
+                let got = store.get(&key(&format!("life-{i}"))).await;
+                assert!(matches!(got, Ok(None)), "{got:?}");
+                let stats = store.connection_stats();
+                assert!(stats.open <= 1, "{stats:?}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            store.connection_stats()
+        })
+    });
+    println!("store connections after a second of calls: {stats:?}");
+    assert!(stats.opened >= 3, "connections not replaced: {stats:?}");
+    let gauge = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find(|(k, _, _, _)| {
+            k.key().name() == "idem_postgres_connections"
+                && k.key()
+                    .labels()
+                    .any(|l| l.key() == "table" && l.value() == table)
+        })
+        .map(|(_, _, _, v)| v);
+    assert!(
+        matches!(gauge, Some(DebugValue::Gauge(g)) if g.into_inner() == stats.open as f64),
+        "{gauge:?} for {stats:?}"
+    );
+}

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use idem_core::{
     Acquisition, Codec, CodecError, Fingerprint, IdemError, IdempotencyKey, JsonCodec, Lease,
-    StoreError,
+    LeaseToken, StoreError,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -61,6 +61,18 @@ use crate::PgStore;
 /// Run it at the default READ COMMITTED isolation: under REPEATABLE READ or
 /// SERIALIZABLE a waiting duplicate gets a serialization failure instead of
 /// the replay (reported as the retryable [`StoreError::Unavailable`]).
+///
+/// Claiming a key your transaction already claimed gives the same claim
+/// again (same token, attempt and fence; completing either completes the
+/// key), never a takeover of your own row; a claim rolled back with its
+/// savepoint is gone. Each claim holds a transaction-scoped advisory lock on
+/// its key until your transaction ends (that is what plain acquisitions of
+/// the key wait on, so their leases and fences are taken after your
+/// transaction): a single transaction claiming thousands of keys needs
+/// room in the server's lock table (`max_locks_per_transaction`). The
+/// store's server-side timeouts are not applied to your transaction; set
+/// `lock_timeout` on it if a claim should not wait for long.
+///
 /// Dropping the transaction after an error rolls back the reservation with
 /// everything else; if you commit without completing, the key is left in
 /// progress with its lease already over, so the next delivery takes it over
@@ -149,10 +161,19 @@ impl<C: Codec> InTransaction<C> {
     {
         // No lease: until commit the record is visible to nobody else, and
         // if it is committed unfinished the next delivery may take it over.
+        // A second claim of the key in this transaction gets this claim
+        // again (the token names the transaction).
         let outcome = self
             .store
-            .acquire_on(tx, key, fingerprint.as_ref(), Duration::ZERO)
-            .await?;
+            .acquire_on(
+                tx,
+                key,
+                fingerprint.as_ref(),
+                Duration::ZERO,
+                LeaseToken::random(),
+            )
+            .await
+            .map_err(|f| self.store.fail(f))?;
         match outcome {
             Acquisition::Acquired(lease) => Ok(Claim::Acquired(TxLease {
                 store: self.store.clone(),
@@ -207,18 +228,26 @@ impl<C: Codec> TxLease<C> {
         response: &T,
     ) -> Result<(), IdemError<Infallible>> {
         let bytes = self.codec.encode(response).map_err(IdemError::Codec)?;
-        self.store
-            .complete_on(tx, &self.lease, &bytes, self.retention)
-            .await
-            .map_err(|e| match e {
-                StoreError::LeaseLost => IdemError::LeaseLost,
-                other => IdemError::Store(other),
-            })
+        let done = match self.store.check_response_size(&bytes) {
+            Ok(()) => self
+                .store
+                .complete_on(tx, &self.lease, &bytes, self.retention)
+                .await
+                .map_err(|f| self.store.fail(f)),
+            Err(e) => Err(e),
+        };
+        done.map_err(|e| match e {
+            StoreError::LeaseLost => IdemError::LeaseLost,
+            other => IdemError::Store(other),
+        })
     }
 
     /// Gives the key up inside `tx` (for when you want to commit other work
     /// but let the next delivery run the handler again).
     pub async fn release(self, tx: &mut Transaction<'_, Postgres>) -> Result<(), StoreError> {
-        self.store.release_on(tx, &self.lease).await
+        self.store
+            .release_on(tx, &self.lease)
+            .await
+            .map_err(|f| self.store.fail(f))
     }
 }

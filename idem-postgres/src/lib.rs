@@ -32,7 +32,51 @@
 //!
 //! Expired rows are invisible but stay until deleted: run
 //! [`purge_periodically`](idem_core::purge_periodically) (or call
-//! `purge_expired`) to delete them in bounded batches.
+//! `purge_expired`) to delete them in bounded batches (each found through
+//! the `expires_at` index).
+//!
+//! **Connections.** The store runs its statements on a small set of
+//! connections of its own, at most [`PgStoreBuilder::connections`] (default
+//! [`DEFAULT_CONNECTIONS`], 4, or the pool's `max_connections` if smaller),
+//! **in addition to** the pool's, which `migrate` and the in-transaction
+//! mode use: budget `max_connections + connections` server connections per
+//! store. They are opened the way the pool opens its own (connect options
+//! and `after_connect`), closed after the pool's `idle_timeout` and
+//! `max_lifetime`, and reused without the pool's ping on return (which
+//! would be a second round trip per call). [`PgStore::connection_stats`]
+//! and the gauge `idem_postgres_connections` (label `table`) show them.
+//!
+//! **Timeouts.** A call takes at most `call_timeout` (default 10 s), and
+//! the server enforces it too: the store's connections run with
+//! `statement_timeout` and `lock_timeout` at half of it (or the
+//! connection's own, if lower), set once when a connection is opened, and a
+//! statement is only sent while enough of the call is left for the server
+//! to stop it first. So a statement whose caller was told "unavailable"
+//! never commits later, and callers retrying behind a frozen lock holder
+//! never pile up server backends. Timeouts (57014, 55P03, 57P05),
+//! connection failures and a server shutting down are
+//! [`StoreError::Unavailable`] (retryable).
+//!
+//! **Restarts.** A connection the server closed while it sat idle (a
+//! restart, `idle_session_timeout`, a terminated backend) fails its next
+//! call; the store then runs that call once more on a fresh connection, so
+//! a restart costs no failed call. This is safe whether or not the first
+//! statement reached the server: every statement answers the same when
+//! sent twice (`acquire` keeps its token, `complete` with the same token
+//! changes nothing; a resent `release` answers `LeaseLost` and a resent
+//! `delete` `false` if the first send did the work).
+//!
+//! **Leases and fences under waits.** Every acquisition of a key first
+//! takes a transaction-scoped advisory lock on it (released when its
+//! statement commits; an in-transaction claim holds it until your
+//! transaction ends), then reads the server's clock and takes its fence.
+//! So a lease is counted from after any wait, never from the statement's
+//! start, and the fences of a key strictly increase in the order its rows
+//! are written. If a lock taken on the row by something else delays the
+//! write anyway, the statement reports when it wrote, and an acquisition
+//! that lost more than half its lease to the wait is renewed by a second
+//! run of the statement (same token) before it is handed out: a lease that
+//! is already over is never reported.
 //!
 //! **Fences** come from a sequence (`<table>_fence_seq`, created by
 //! migration 2 next to the table): every acquisition, in a transaction or
@@ -41,6 +85,9 @@
 //! clock. Rows written before migration 2 have fence 0. A completed record
 //! handed out by `acquire` carries its fence and the time it has left,
 //! computed by the server (`expires_at - clock_timestamp()`).
+//!
+//! Requires PostgreSQL 13 or later (`client_connection_check_interval` is
+//! used from 14 on).
 //!
 //! **Durations**: a zero lease (or extension) is refused with
 //! [`StoreError::InvalidArgument`] before anything is sent; leases,
@@ -52,7 +99,10 @@
 
 mod in_tx;
 
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -61,9 +111,9 @@ use idem_core::{
     saturate, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
     LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
-use sqlx::postgres::{PgConnectOptions, PgPool, PgRow};
-use sqlx::Connection;
+use sqlx::postgres::{PgDatabaseError, PgPool, PgRow, PgSeverity};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
+use tokio::time::Instant;
 
 pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
@@ -90,6 +140,9 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 const ACQUIRE_TRIES: usize = 16;
 /// Rows deleted per statement by `purge_expired`.
 const PURGE_BATCH: usize = 1_000;
+/// The store's own connections by default (fewer if the pool allows
+/// fewer).
+pub const DEFAULT_CONNECTIONS: usize = 4;
 
 /// A configuration error: an identifier PostgreSQL would not take as is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -125,6 +178,29 @@ pub struct MissingTable {
 #[error("PostgreSQL did not answer within {0:?}")]
 pub struct CallTimeout(pub Duration);
 
+/// A call that got no connection in time to send its statement (all of
+/// the store's connections busy, or PostgreSQL not accepting connections):
+/// nothing was sent. Comes as the source of [`StoreError::Unavailable`].
+#[derive(Debug, thiserror::Error)]
+#[error("no connection to PostgreSQL within {0:?}; nothing was sent")]
+pub struct NoConnection(pub Duration);
+
+/// The store's own connections, as [`PgStore::connection_stats`] reports
+/// them (also the gauge `idem_postgres_connections`, labelled `table`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionStats {
+    /// Connections open now, lent to a call or idle.
+    pub open: usize,
+    /// Of those, idle.
+    pub idle: usize,
+    /// The most the store opens at once (`PgStoreBuilder::connections`).
+    pub max: usize,
+    /// Connections opened since the store was built (a reconnect after a
+    /// failure, the idle timeout or the maximum lifetime adds one).
+    pub opened: u64,
+}
+
 /// A [`PgStore`] under construction.
 #[derive(Debug, Clone)]
 pub struct PgStoreBuilder {
@@ -137,12 +213,17 @@ pub struct PgStoreBuilder {
 }
 
 impl PgStoreBuilder {
-    /// How many connections the store keeps for its own calls (default:
-    /// the pool's `max_connections`). They are opened lazily with the pool's
-    /// connect options and reused directly, without going back through the
-    /// pool, which pings every connection it takes back (a second round trip
-    /// per call). They are in addition to the pool's own connections.
-    /// `migrate` and the in-transaction mode use the pool.
+    /// How many connections the store keeps for its own calls: at most
+    /// this many are open at once (default [`DEFAULT_CONNECTIONS`], 4, or
+    /// the pool's `max_connections` if that is smaller). They come **in
+    /// addition to the pool's** own connections (which `migrate` and the
+    /// in-transaction mode use), so budget `max_connections + n` server
+    /// connections per store. They are opened on demand the way the pool
+    /// opens its own (its connect options and its `after_connect`
+    /// callback), closed after the pool's `idle_timeout` idle and after its
+    /// `max_lifetime`, and reused directly rather than going back through
+    /// the pool, which pings every connection it takes back (a second round
+    /// trip per call). See [`PgStore::connection_stats`].
     pub fn connections(mut self, n: usize) -> Self {
         self.connections = Some(n.max(1));
         self
@@ -161,9 +242,22 @@ impl PgStoreBuilder {
         self
     }
 
-    /// The longest a store call may take, waiting for a pooled connection
+    /// The longest a store call may take, waiting for a connection
     /// included, before it fails with [`StoreError::Unavailable`]. Default
-    /// 10 s.
+    /// 10 s; saturated to a day; a zero timeout is taken as 1 ms.
+    ///
+    /// The server enforces it too, so a call the client gave up on does not
+    /// go on on the server (a reservation committing after its caller was
+    /// told "unavailable", backends piling up behind a lock): each of the
+    /// store's connections runs with `statement_timeout` and `lock_timeout`
+    /// at half the call timeout (or lower, if the connection's own settings
+    /// are lower), and `client_connection_check_interval` (PostgreSQL 14+)
+    /// so a backend notices a client that went away. A statement is only
+    /// sent while at least 60% of the call timeout is left, so the server
+    /// stops it before the client stops waiting: a call that fails this
+    /// way gets the server's error (55P03, 57014: `Unavailable`) and its
+    /// statement is known to be rolled back. The client's own timer only
+    /// fires when the server does not answer at all.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = timeout;
         self
@@ -198,25 +292,60 @@ impl PgStoreBuilder {
             delete: render(include_str!("../sql/delete.sql")),
             purge: render(include_str!("../sql/purge.sql")),
         };
+        let pool_max = self.pool.options().get_max_connections() as usize;
         let connections = self
             .connections
-            .unwrap_or(self.pool.options().get_max_connections() as usize)
+            .unwrap_or(DEFAULT_CONNECTIONS.min(pool_max))
             .max(1);
+        let timeouts = Timeouts::new(self.call_timeout);
         Ok(PgStore {
             inner: Arc::new(Inner {
-                conns: ConnectionSet::new(
-                    self.pool.connect_options().as_ref().clone(),
+                conns: Arc::new(ConnectionSet::new(
+                    self.pool.clone(),
                     connections,
-                ),
+                    timeouts,
+                    format!("{}.{}", self.schema, self.table),
+                )),
                 pool: self.pool,
                 schema: self.schema,
                 table: self.table,
                 qualified,
                 sql,
-                call_timeout: self.call_timeout,
+                timeouts,
                 max_response_bytes: self.max_response_bytes,
             }),
         })
+    }
+}
+
+/// The time budget of one call, derived from `call_timeout`.
+#[derive(Debug, Clone, Copy)]
+struct Timeouts {
+    /// The whole call, on the client.
+    call: Duration,
+    /// A statement is sent only within this much of the call's start.
+    send_by: Duration,
+    /// `statement_timeout` and `lock_timeout` on the server, in ms.
+    server_ms: u64,
+}
+
+impl Timeouts {
+    /// The longest call timeout taken as given.
+    const MAX_CALL: Duration = Duration::from_secs(86_400);
+
+    fn new(call: Duration) -> Self {
+        let call = call.clamp(Duration::from_millis(1), Self::MAX_CALL);
+        // The server stops a statement after half the call timeout; one is
+        // sent only while 60% of it is left, which leaves a tenth for the
+        // server's answer to come back before the client gives up.
+        let server_ms = u64::try_from((call / 2).as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        Timeouts {
+            call,
+            send_by: call * 2 / 5,
+            server_ms,
+        }
     }
 }
 
@@ -252,12 +381,12 @@ pub struct PgStore {
 
 struct Inner {
     pool: PgPool,
-    conns: ConnectionSet,
+    conns: Arc<ConnectionSet>,
     schema: String,
     table: String,
     qualified: String,
     sql: Statements,
-    call_timeout: Duration,
+    timeouts: Timeouts,
     max_response_bytes: usize,
 }
 
@@ -282,7 +411,9 @@ impl std::fmt::Debug for PgStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStore")
             .field("table", &self.inner.qualified)
-            .field("call_timeout", &self.inner.call_timeout)
+            .field("call_timeout", &self.inner.timeouts.call)
+            .field("server_timeout_ms", &self.inner.timeouts.server_ms)
+            .field("connections", &self.inner.conns.max)
             .finish()
     }
 }
@@ -405,38 +536,115 @@ impl PgStore {
         InTransaction::new(self.clone())
     }
 
+    /// The server-side `statement_timeout` and `lock_timeout` of the
+    /// store's connections: half the call timeout (lower if a connection's
+    /// own settings are lower).
+    pub fn server_timeout(&self) -> Duration {
+        Duration::from_millis(self.inner.timeouts.server_ms)
+    }
+
+    /// The store's own connections now: open, idle, the most it opens at
+    /// once, and how many it opened so far. The same figure is the gauge
+    /// `idem_postgres_connections` (label `table`) of the `metrics` crate.
+    pub fn connection_stats(&self) -> ConnectionStats {
+        self.inner.conns.stats()
+    }
+
     /// Maps a sqlx error to the store's error, keeping the source.
     fn error(&self, e: sqlx::Error) -> StoreError {
         map_error(e, &self.inner.qualified)
     }
 
-    async fn timed<T, F>(&self, call: F) -> Result<T, StoreError>
+    fn fail(&self, f: Failure) -> StoreError {
+        match f {
+            Failure::Sql(e) => self.error(e),
+            Failure::Store(e) => e,
+        }
+    }
+
+    /// Runs `op` on one of the store's connections within the call
+    /// timeout. A statement is sent only while enough of the call is left
+    /// for the server's own timeout to fire first. If the connection turns
+    /// out to have been closed by the server while it sat idle (a restart,
+    /// `idle_session_timeout`, a terminated backend), the call runs once
+    /// more on a fresh connection: every statement of the store gives the
+    /// same answer when sent again (see the note before the
+    /// `IdempotencyStore` impl).
+    async fn call<'a, T, F>(&'a self, op: F) -> Result<T, StoreError>
     where
-        F: std::future::Future<Output = Result<T, StoreError>>,
+        T: Send,
+        F: for<'c> Fn(&'c mut PgConnection, Within<'c, 'a>) -> Op<'c, T> + Send + Sync,
     {
-        match tokio::time::timeout(self.inner.call_timeout, call).await {
+        let t = self.inner.timeouts;
+        let started = Instant::now();
+        let attempt = async {
+            let mut fresh = false;
+            loop {
+                let lent =
+                    tokio::time::timeout_at(started + t.send_by, self.inner.conns.lend(fresh))
+                        .await;
+                let mut lent = match lent {
+                    Ok(Ok(lent)) => lent,
+                    Ok(Err(e)) => return Err(self.error(e)),
+                    Err(_) => {
+                        return Err(StoreError::Unavailable(Box::new(NoConnection(t.send_by))))
+                    }
+                };
+                let result = op(lent.connection(), std::marker::PhantomData).await;
+                match result {
+                    Ok(v) => {
+                        lent.keep();
+                        return Ok(v);
+                    }
+                    Err(Failure::Store(e)) => {
+                        lent.keep();
+                        return Err(e);
+                    }
+                    Err(Failure::Sql(e)) => {
+                        if session_gone(&e) {
+                            if lent.reused() && !fresh {
+                                // Every connection idle as long is suspect:
+                                // after a restart they are all dead.
+                                tracing::debug!(table = %self.inner.qualified, error = %e,
+                                    "a store connection was closed by the server while idle; running the call again on a fresh one");
+                                self.inner.conns.close_idle();
+                                fresh = true;
+                                continue;
+                            }
+                        } else if statement_failed(&e) {
+                            // The server rolled the statement back; the
+                            // session is fine.
+                            lent.keep();
+                        }
+                        return Err(self.error(e));
+                    }
+                }
+            }
+        };
+        match tokio::time::timeout_at(started + t.call, attempt).await {
             Ok(result) => result,
-            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(
-                self.inner.call_timeout,
-            )))),
+            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(t.call)))),
         }
     }
 
     /// The acquire statement on one connection, re-run while a concurrent
-    /// commit was invisible to it.
+    /// commit was invisible to it, or while the lease it got was shortened
+    /// by a wait (then renewed: same token).
     pub(crate) async fn acquire_on(
         &self,
         conn: &mut PgConnection,
         key: &IdempotencyKey,
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
-    ) -> Result<Acquisition, StoreError> {
+        token: LeaseToken,
+    ) -> Result<Acquisition, Failure> {
+        let lease = saturate(lease);
         let lease_us = micros(lease);
         let grace_us = micros(IN_PROGRESS_GRACE);
         let fp = fingerprint.map(|f| f.as_bytes().as_slice());
+        let token_bytes = token.to_bytes();
+        let mut renewed = false;
         for _ in 0..ACQUIRE_TRIES {
-            let token = LeaseToken::random();
-            let token_bytes = token.to_bytes();
             let row = sqlx::query(sql(&self.inner.sql.acquire))
                 .bind(key.scope())
                 .bind(key.id())
@@ -445,21 +653,22 @@ impl PgStore {
                 .bind(lease_us)
                 .bind(grace_us)
                 .fetch_optional(&mut *conn)
-                .await
-                .map_err(|e| self.error(e))?;
+                .await?;
             let Some(row) = row else {
                 continue;
             };
-            if let Some(outcome) = decode_acquire(&row, key, token, fingerprint)? {
-                return Ok(outcome);
+            match decode_acquire(&row, key, fingerprint, lease, renewed)? {
+                Decoded::Done(outcome) => return Ok(outcome),
+                Decoded::Stale => continue,
+                Decoded::Renew => renewed = true,
             }
         }
-        Err(StoreError::Unavailable(
+        Err(Failure::Store(StoreError::Unavailable(
             format!(
                 "acquire of {key} saw the record change {ACQUIRE_TRIES} times in a row; try again"
             )
             .into(),
-        ))
+        )))
     }
 
     pub(crate) async fn complete_on(
@@ -468,13 +677,7 @@ impl PgStore {
         lease: &Lease,
         response: &[u8],
         retention: Duration,
-    ) -> Result<(), StoreError> {
-        if response.len() > self.inner.max_response_bytes {
-            return Err(StoreError::ResponseTooLarge {
-                size: response.len(),
-                limit: self.inner.max_response_bytes,
-            });
-        }
+    ) -> Result<(), Failure> {
         let token = lease.token.to_bytes();
         let done = sqlx::query(sql(&self.inner.sql.complete))
             .bind(lease.key.scope())
@@ -483,12 +686,11 @@ impl PgStore {
             .bind(response)
             .bind(micros(retention))
             .execute(&mut *conn)
-            .await
-            .map_err(|e| self.error(e))?;
+            .await?;
         if done.rows_affected() == 1 {
             Ok(())
         } else {
-            Err(StoreError::LeaseLost)
+            Err(Failure::Store(StoreError::LeaseLost))
         }
     }
 
@@ -496,30 +698,102 @@ impl PgStore {
         &self,
         conn: &mut PgConnection,
         lease: &Lease,
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), Failure> {
         let token = lease.token.to_bytes();
         let done = sqlx::query(sql(&self.inner.sql.release))
             .bind(lease.key.scope())
             .bind(lease.key.id())
             .bind(token.as_slice())
             .execute(&mut *conn)
-            .await
-            .map_err(|e| self.error(e))?;
+            .await?;
         if done.rows_affected() == 1 {
             Ok(())
         } else {
-            Err(StoreError::LeaseLost)
+            Err(Failure::Store(StoreError::LeaseLost))
         }
     }
 
-    /// Lends one of the store's connections for one call. Settle it with
-    /// the call's result: it is reused only if the call ended without a
-    /// connection-level failure; otherwise, or if the call was cancelled
-    /// mid-query, it is closed and a new one is opened next time.
-    async fn lend(&self) -> Result<Lent<'_>, StoreError> {
-        self.inner.conns.lend().await.map_err(|e| self.error(e))
+    pub(crate) fn check_response_size(&self, response: &[u8]) -> Result<(), StoreError> {
+        if response.len() > self.inner.max_response_bytes {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.inner.max_response_bytes,
+            });
+        }
+        Ok(())
     }
 }
+
+/// What a call's statement returns to [`PgStore::call`].
+type Op<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + Send + 'c>>;
+
+/// Says that a connection borrowed for `'c` is borrowed within the call's
+/// own lifetime `'a` (so a statement's future may hold the call's
+/// arguments).
+type Within<'c, 'a> = std::marker::PhantomData<&'c &'a ()>;
+
+/// Why a statement failed: the server or the connection (decides whether
+/// the connection is kept, or the call runs again), or the store's own
+/// verdict on an answer (`LeaseLost`, `Corrupt`, ...).
+#[derive(Debug)]
+pub(crate) enum Failure {
+    Sql(sqlx::Error),
+    Store(StoreError),
+}
+
+impl From<sqlx::Error> for Failure {
+    fn from(e: sqlx::Error) -> Self {
+        Failure::Sql(e)
+    }
+}
+
+impl From<StoreError> for Failure {
+    fn from(e: StoreError) -> Self {
+        Failure::Store(e)
+    }
+}
+
+/// Whether `e` says the session itself is gone: the server ended it
+/// (57P01 admin shutdown, 57P02 crash, 57P05 idle session timeout, 08xxx,
+/// any FATAL) or the socket failed. On a connection that sat idle in the
+/// store this means the server closed it before the statement arrived
+/// (or, if it ended the session while the statement ran, rolled the
+/// statement back); either way sending the statement again is safe.
+fn session_gone(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => true,
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            code.starts_with("08")
+                || matches!(&*code, "57P01" | "57P02" | "57P05")
+                || db.try_downcast_ref::<PgDatabaseError>().is_some_and(|pg| {
+                    matches!(pg.severity(), PgSeverity::Fatal | PgSeverity::Panic)
+                })
+        }
+        _ => false,
+    }
+}
+
+/// Whether `e` is an ERROR the server raised for the statement (it rolled
+/// the statement back and the session goes on): the connection is kept.
+fn statement_failed(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db)
+        if db.try_downcast_ref::<PgDatabaseError>()
+            .is_some_and(|pg| matches!(pg.severity(), PgSeverity::Error)))
+}
+
+// Every statement answers the same when a call is sent again on a fresh
+// connection after its first connection died (`PgStore::call`):
+// - acquire: the same token; a reservation that the first send made is
+//   this call's own and comes back as acquired (renewed), not "in
+//   progress";
+// - complete: completing again with the token that completed the row
+//   matches and changes nothing;
+// - extend: renews from the server's clock again;
+// - release: the token no longer holds the key (`LeaseLost`): true, since
+//   the first send released it;
+// - delete: answers whether a live record was there for the second send;
+// - get, purge: read, or delete expired rows in bounded batches.
 
 #[async_trait]
 impl IdempotencyStore for PgStore {
@@ -534,15 +808,10 @@ impl IdempotencyStore for PgStore {
         if lease.is_zero() {
             return Err(StoreError::zero_lease());
         }
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let result = self
-                .acquire_on(lent.connection(), key, fingerprint, lease)
-                .await;
-            lent.settle(&result);
-            result
-        })
-        .await
+        // One token for the whole call, re-runs and a resend included.
+        let token = LeaseToken::random();
+        self.call(|conn, _| Box::pin(self.acquire_on(conn, key, fingerprint, lease, token)))
+            .await
     }
 
     async fn complete(
@@ -551,25 +820,14 @@ impl IdempotencyStore for PgStore {
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let result = self
-                .complete_on(lent.connection(), lease, response, retention)
-                .await;
-            lent.settle(&result);
-            result
-        })
-        .await
+        self.check_response_size(response)?;
+        self.call(|conn, _| Box::pin(self.complete_on(conn, lease, response, retention)))
+            .await
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let result = self.release_on(lent.connection(), lease).await;
-            lent.settle(&result);
-            result
-        })
-        .await
+        self.call(|conn, _| Box::pin(self.release_on(conn, lease)))
+            .await
     }
 
     async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
@@ -577,22 +835,21 @@ impl IdempotencyStore for PgStore {
         if lease_for.is_zero() {
             return Err(StoreError::zero_lease());
         }
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let conn = lent.connection();
-            let result = async {
+        let lease_us = micros(lease_for);
+        let grace_us = micros(IN_PROGRESS_GRACE);
+        self.call(|conn, _| {
+            Box::pin(async move {
                 let token = lease.token.to_bytes();
                 let row = sqlx::query(sql(&self.inner.sql.extend))
                     .bind(lease.key.scope())
                     .bind(lease.key.id())
                     .bind(token.as_slice())
-                    .bind(micros(lease_for))
-                    .bind(micros(IN_PROGRESS_GRACE))
+                    .bind(lease_us)
+                    .bind(grace_us)
                     .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.error(e))?;
+                    .await?;
                 let Some(row) = row else {
-                    return Err(StoreError::LeaseLost);
+                    return Err(Failure::Store(StoreError::LeaseLost));
                 };
                 let key = &lease.key;
                 let attempt = attempt_of(column(&row, 0, key)?, key)?;
@@ -601,53 +858,38 @@ impl IdempotencyStore for PgStore {
                 Ok(Lease::new(key.clone(), lease.token, attempt, until)
                     .with_fence(fence)
                     .with_fingerprint(lease.fingerprint))
-            }
-            .await;
-            lent.settle(&result);
-            result
+            })
         })
         .await
     }
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let conn = lent.connection();
-            let result = async {
+        self.call(|conn, _| {
+            Box::pin(async move {
                 let row = sqlx::query(sql(&self.inner.sql.get))
                     .bind(key.scope())
                     .bind(key.id())
                     .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.error(e))?;
+                    .await?;
                 match row {
-                    Some(row) => decode_record(&row, key),
+                    Some(row) => Ok(decode_record(&row, key)?),
                     None => Ok(None),
                 }
-            }
-            .await;
-            lent.settle(&result);
-            result
+            })
         })
         .await
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.timed(async {
-            let mut lent = self.lend().await?;
-            let conn = lent.connection();
-            let result = async {
+        self.call(|conn, _| {
+            Box::pin(async move {
                 let live: Option<bool> = sqlx::query_scalar(sql(&self.inner.sql.delete))
                     .bind(key.scope())
                     .bind(key.id())
                     .fetch_optional(&mut *conn)
-                    .await
-                    .map_err(|e| self.error(e))?;
+                    .await?;
                 Ok(live.unwrap_or(false))
-            }
-            .await;
-            lent.settle(&result);
-            result
+            })
         })
         .await
     }
@@ -657,23 +899,18 @@ impl IdempotencyStore for PgStore {
         while (purged as usize) < max {
             let batch = (max - purged as usize).min(PURGE_BATCH);
             let done = self
-                .timed(async {
-                    let mut lent = self.lend().await?;
-                    let conn = lent.connection();
-                    let result = async {
-                        sqlx::query(sql(&self.inner.sql.purge))
+                .call(|conn, _| {
+                    Box::pin(async move {
+                        let done = sqlx::query(sql(&self.inner.sql.purge))
                             .bind(batch as i64)
                             .execute(&mut *conn)
-                            .await
-                            .map_err(|e| self.error(e))
-                    }
-                    .await;
-                    lent.settle(&result);
-                    result
+                            .await?;
+                        Ok(done.rows_affected())
+                    })
                 })
                 .await?;
-            purged += done.rows_affected();
-            if (done.rows_affected() as usize) < batch {
+            purged += done;
+            if (done as usize) < batch {
                 break;
             }
         }
@@ -681,48 +918,243 @@ impl IdempotencyStore for PgStore {
     }
 }
 
-/// The store's own connections: at most `max` lent at once, idle ones kept
-/// for reuse, new ones opened on demand with the pool's connect options.
+/// The store's own connections: at most `max` open at once, idle ones kept
+/// for reuse (newest first), new ones opened on demand the way the pool
+/// opens its own: through a private sqlx pool built from the pool's
+/// options (so its `after_connect` runs), taken out of it at once. Each
+/// new connection gets the server-side timeouts in one statement before
+/// its first call. Idle connections past the pool's `idle_timeout`, and
+/// connections past its `max_lifetime`, are closed: when a call would take
+/// them, and by a task that wakes up for it.
 struct ConnectionSet {
-    options: PgConnectOptions,
-    idle: std::sync::Mutex<Vec<PgConnection>>,
+    pool: PgPool,
+    factory: OnceLock<PgPool>,
+    idle: Mutex<Vec<IdleConnection>>,
     slots: tokio::sync::Semaphore,
+    max: usize,
+    open: AtomicUsize,
+    opened: AtomicU64,
+    idle_timeout: Option<Duration>,
+    max_lifetime: Option<Duration>,
+    timeouts: Timeouts,
+    table: String,
+    reaper: AtomicBool,
 }
 
-/// A connection lent for one call; back to the idle set only if `keep`.
+struct IdleConnection {
+    conn: PgConnection,
+    born: Instant,
+    since: Instant,
+}
+
+/// A connection lent for one call; back to the idle set only if kept.
 struct Lent<'a> {
     set: &'a ConnectionSet,
     conn: Option<PgConnection>,
+    born: Instant,
+    reused: bool,
     keep: bool,
     _slot: tokio::sync::SemaphorePermit<'a>,
 }
 
 impl ConnectionSet {
-    fn new(options: PgConnectOptions, max: usize) -> Self {
+    fn new(pool: PgPool, max: usize, timeouts: Timeouts, table: String) -> Self {
+        let options = pool.options();
         ConnectionSet {
-            options,
-            idle: std::sync::Mutex::new(Vec::with_capacity(max)),
+            idle_timeout: options.get_idle_timeout(),
+            max_lifetime: options.get_max_lifetime(),
+            pool,
+            factory: OnceLock::new(),
+            idle: Mutex::new(Vec::with_capacity(max)),
             slots: tokio::sync::Semaphore::new(max),
+            max,
+            open: AtomicUsize::new(0),
+            opened: AtomicU64::new(0),
+            timeouts,
+            table,
+            reaper: AtomicBool::new(false),
         }
     }
 
-    async fn lend(&self) -> Result<Lent<'_>, sqlx::Error> {
+    fn stats(&self) -> ConnectionStats {
+        ConnectionStats {
+            open: self.open.load(Ordering::SeqCst),
+            idle: self.idle_list().len(),
+            max: self.max,
+            opened: self.opened.load(Ordering::SeqCst),
+        }
+    }
+
+    fn idle_list(&self) -> std::sync::MutexGuard<'_, Vec<IdleConnection>> {
+        self.idle.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn gauge(&self) {
+        metrics::gauge!("idem_postgres_connections", "table" => self.table.clone())
+            .set(self.open.load(Ordering::SeqCst) as f64);
+    }
+
+    fn closed(&self, n: usize) {
+        if n > 0 {
+            self.open.fetch_sub(n, Ordering::SeqCst);
+            self.gauge();
+        }
+    }
+
+    /// Whether a connection born at `born`, idle since `since`, is past the
+    /// pool's `max_lifetime` or `idle_timeout`.
+    fn stale(&self, born: Instant, since: Option<Instant>) -> bool {
+        self.max_lifetime.is_some_and(|max| born.elapsed() > max)
+            || matches!((self.idle_timeout, since), (Some(max), Some(since)) if since.elapsed() > max)
+    }
+
+    /// Closes every idle connection.
+    fn close_idle(&self) {
+        let gone = std::mem::take(&mut *self.idle_list());
+        self.closed(gone.len());
+    }
+
+    /// Closes idle connections past the idle timeout or the lifetime.
+    fn reap(&self) {
+        let mut gone = Vec::new();
+        {
+            let mut idle = self.idle_list();
+            let mut i = 0;
+            while i < idle.len() {
+                if self.stale(idle[i].born, Some(idle[i].since)) {
+                    gone.push(idle.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+        }
+        self.closed(gone.len());
+    }
+
+    /// Starts the task that closes stale idle connections, once, if the
+    /// pool has an idle timeout or a maximum lifetime. It holds the set
+    /// weakly and ends with the store.
+    fn start_reaper(self: &Arc<Self>) {
+        let period = match (self.idle_timeout, self.max_lifetime) {
+            (Some(a), Some(b)) => a.min(b),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => return,
+        };
+        if self.reaper.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let period = (period / 2).max(Duration::from_millis(10));
+        let set: Weak<Self> = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(period).await;
+                match set.upgrade() {
+                    Some(set) => set.reap(),
+                    None => return,
+                }
+            }
+        });
+    }
+
+    /// The private pool new connections come from: the pool's options
+    /// (after_connect included), taken out of it as soon as they are open.
+    fn factory(&self) -> &PgPool {
+        self.factory.get_or_init(|| {
+            self.pool
+                .options()
+                .clone()
+                .max_connections(u32::try_from(self.max).unwrap_or(u32::MAX))
+                .min_connections(0)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .test_before_acquire(false)
+                .acquire_timeout(self.timeouts.call)
+                .connect_lazy_with(self.pool.connect_options().as_ref().clone())
+        })
+    }
+
+    /// A connection for one call: an idle one unless `fresh`, or a new one.
+    async fn lend(self: &Arc<Self>, fresh: bool) -> Result<Lent<'_>, sqlx::Error> {
         let slot = self
             .slots
             .acquire()
             .await
             .map_err(|_| sqlx::Error::PoolClosed)?;
-        let idle = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let conn = match idle {
-            Some(conn) => conn,
-            None => PgConnection::connect_with(&self.options).await?,
-        };
-        Ok(Lent {
+        self.start_reaper();
+        if !fresh {
+            loop {
+                let Some(idle) = self.idle_list().pop() else {
+                    break;
+                };
+                if self.stale(idle.born, Some(idle.since)) {
+                    self.closed(1);
+                    continue;
+                }
+                return Ok(Lent {
+                    set: self,
+                    conn: Some(idle.conn),
+                    born: idle.born,
+                    reused: true,
+                    keep: false,
+                    _slot: slot,
+                });
+            }
+        }
+        // The pool's current connect options (a rotated password, say).
+        let factory = self.factory();
+        factory.set_connect_options(self.pool.connect_options().as_ref().clone());
+        let mut conn = factory.acquire().await?.detach();
+        self.open.fetch_add(1, Ordering::SeqCst);
+        self.opened.fetch_add(1, Ordering::SeqCst);
+        self.gauge();
+        let mut lent = Lent {
             set: self,
-            conn: Some(conn),
+            conn: None,
+            born: Instant::now(),
+            reused: false,
             keep: false,
             _slot: slot,
-        })
+        };
+        let setup = self.session_setup(conn.server_version_num().unwrap_or(0));
+        sqlx::raw_sql(AssertSqlSafe(setup))
+            .execute(&mut conn)
+            .await?;
+        lent.conn = Some(conn);
+        Ok(lent)
+    }
+
+    /// One statement for a new connection: `statement_timeout` and
+    /// `lock_timeout` at the server timeout, or the connection's own
+    /// setting where it is lower; `client_connection_check_interval`
+    /// (PostgreSQL 14+) unless set.
+    fn session_setup(&self, server_version: u32) -> String {
+        let ms = self.timeouts.server_ms.min(i32::MAX as u64);
+        let capped = |setting: &str| {
+            format!(
+                "set_config('{setting}', (CASE WHEN s.{setting} > 0 AND s.{setting} < {ms} \
+                 THEN s.{setting} ELSE {ms} END)::text || 'ms', false)"
+            )
+        };
+        let mut sql = format!(
+            "SELECT {}, {}",
+            capped("statement_timeout"),
+            capped("lock_timeout")
+        );
+        if server_version >= 140_000 {
+            let check = (ms / 4).clamp(10, 1_000);
+            sql.push_str(&format!(
+                ", CASE WHEN current_setting('client_connection_check_interval') = '0' \
+                 THEN set_config('client_connection_check_interval', '{check}ms', false) END"
+            ));
+        }
+        sql.push_str(
+            " FROM (SELECT \
+             ceil(extract(epoch FROM current_setting('statement_timeout')::interval) * 1000)::int8 \
+             AS statement_timeout, \
+             ceil(extract(epoch FROM current_setting('lock_timeout')::interval) * 1000)::int8 \
+             AS lock_timeout) s",
+        );
+        sql
     }
 }
 
@@ -734,26 +1166,35 @@ impl Lent<'_> {
         }
     }
 
-    /// Marks the connection for reuse unless `result` says the connection
-    /// itself may be broken.
-    fn settle<T>(&mut self, result: &Result<T, StoreError>) {
-        self.keep = !matches!(
-            result,
-            Err(StoreError::Unavailable(_) | StoreError::Backend(_))
-        );
+    /// Whether the connection sat idle in the set before this call.
+    fn reused(&self) -> bool {
+        self.reused
+    }
+
+    /// Back to the idle set after the call (unless too old by then).
+    fn keep(&mut self) {
+        self.keep = true;
     }
 }
 
 impl Drop for Lent<'_> {
     fn drop(&mut self) {
-        if let (true, Some(conn)) = (self.keep, self.conn.take()) {
-            self.set
-                .idle
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(conn);
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        if self.keep && !self.set.stale(self.born, None) {
+            self.set.idle_list().push(IdleConnection {
+                conn,
+                born: self.born,
+                since: Instant::now(),
+            });
+        } else {
+            // Dropped: its socket closes. A call cancelled mid-statement
+            // ends here too; the server stops the statement within its
+            // timeout, or sooner once it notices the client left.
+            drop(conn);
+            self.set.closed(1);
         }
-        // Otherwise the connection is dropped, which closes its socket.
     }
 }
 
@@ -761,18 +1202,29 @@ fn map_error(e: sqlx::Error, table: &str) -> StoreError {
     match &e {
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(e)),
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             // 08: connection exceptions; 57P01-03: server shutting down or
-            // starting; 53300: too many connections; 40001/40P01: a
-            // serialization failure or deadlock, which a retry resolves.
+            // starting; 57P05: idle session timeout; 57014: statement
+            // timeout or cancelled; 55P03: lock timeout; 53300: too many
+            // connections; 40001/40P01: a serialization failure or
+            // deadlock. Each is resolved by trying again.
             if code.starts_with("08")
                 || matches!(
                     code.as_str(),
-                    "57P01" | "57P02" | "57P03" | "53300" | "40001" | "40P01"
+                    "57P01"
+                        | "57P02"
+                        | "57P03"
+                        | "57P05"
+                        | "57014"
+                        | "55P03"
+                        | "53300"
+                        | "40001"
+                        | "40P01"
                 )
             {
                 StoreError::Unavailable(Box::new(e))
@@ -855,23 +1307,50 @@ fn status_of(status: i16, key: &IdempotencyKey) -> Result<i16, StoreError> {
     }
 }
 
-/// Decodes the acquire statement's row; `None` means the row was a stale
-/// view (see acquire.sql) and the statement must run again.
+/// What one run of the acquire statement came to.
+enum Decoded {
+    Done(Acquisition),
+    /// The row was a stale view (see acquire.sql): run again.
+    Stale,
+    /// Acquired, but a wait shortened the lease: run again with the same
+    /// token, which renews it from the server's clock.
+    Renew,
+}
+
+/// Decodes the acquire statement's row for a call that asked for `lease`
+/// (zero: the in-transaction mode), `renewed` if it already renewed once.
 fn decode_acquire(
     row: &PgRow,
     key: &IdempotencyKey,
-    token: LeaseToken,
     given: Option<&Fingerprint>,
-) -> Result<Option<Acquisition>, StoreError> {
+    lease: Duration,
+    renewed: bool,
+) -> Result<Decoded, StoreError> {
     let acquired: bool = column(row, 0, key)?;
     let attempt = attempt_of(column(row, 3, key)?, key)?;
     let lease_until: Option<i64> = column(row, 4, key)?;
     let fence = fence_of(column(row, 9, key)?, key)?;
+    let token_of = |row: &PgRow| -> Result<LeaseToken, StoreError> {
+        let bytes: Vec<u8> = column(row, 11, key)?;
+        LeaseToken::from_slice(&bytes)
+            .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", bytes.len())))
+    };
+    // For an acquisition: when the row was written; otherwise when the
+    // statement read it. Both by the server's clock.
+    let now = time_of(column(row, 8, key)?, key, "clock")?;
     if acquired {
         let until = time_of(lease_until, key, "lease_until")?;
+        if !lease.is_zero() {
+            // Never hand out a lease a wait has eaten: over half of it
+            // gone (a lock wait), renew; after a renewal, anything left.
+            let left = until.duration_since(now).unwrap_or(Duration::ZERO);
+            if left.is_zero() || (!renewed && left < lease / 2) {
+                return Ok(Decoded::Renew);
+            }
+        }
         let stored = fingerprint_of(column(row, 2, key)?, key)?;
-        return Ok(Some(Acquisition::Acquired(
-            Lease::new(key.clone(), token, attempt, until)
+        return Ok(Decoded::Done(Acquisition::Acquired(
+            Lease::new(key.clone(), token_of(row)?, attempt, until)
                 .with_fence(fence)
                 .with_fingerprint(stored),
         )));
@@ -879,14 +1358,24 @@ fn decode_acquire(
     let status = status_of(column(row, 1, key)?, key)?;
     let stored = fingerprint_of(column(row, 2, key)?, key)?;
     let expires = time_of(column(row, 7, key)?, key, "expires_at")?;
-    let now = time_of(column(row, 8, key)?, key, "clock")?;
     if expires <= now {
-        return Ok(None);
+        return Ok(Decoded::Stale);
     }
     if let (Some(stored), Some(given)) = (stored, given) {
         if stored != *given {
-            return Ok(Some(Acquisition::Mismatch));
+            return Ok(Decoded::Done(Acquisition::Mismatch));
         }
+    }
+    let mine: bool = column(row, 12, key)?;
+    if mine {
+        // A claim of this same transaction (the in-transaction mode): the
+        // same claim again, never a takeover of its own row.
+        let until = time_of(lease_until, key, "lease_until")?;
+        return Ok(Decoded::Done(Acquisition::Acquired(
+            Lease::new(key.clone(), token_of(row)?, attempt, until)
+                .with_fence(fence)
+                .with_fingerprint(stored),
+        )));
     }
     if status == 2 {
         let response: Option<Vec<u8>> = column(row, 5, key)?;
@@ -895,7 +1384,7 @@ fn decode_acquire(
         // expires_at minus the server's clock, computed by the server.
         let ttl_us: Option<i64> = column(row, 10, key)?;
         let ttl = Duration::from_micros(ttl_us.and_then(|us| u64::try_from(us).ok()).unwrap_or(0));
-        return Ok(Some(Acquisition::Completed(
+        return Ok(Decoded::Done(Acquisition::Completed(
             CompletedRecord::new(
                 key.clone(),
                 Bytes::from(response),
@@ -910,14 +1399,14 @@ fn decode_acquire(
     }
     let until = time_of(lease_until, key, "lease_until")?;
     match until.duration_since(now) {
-        Ok(left) if !left.is_zero() => Ok(Some(Acquisition::InProgress {
+        Ok(left) if !left.is_zero() => Ok(Decoded::Done(Acquisition::InProgress {
             lease_expires_at: until,
             retry_after: left,
             attempt,
         })),
         // The lease is over, yet the takeover did not happen: a newer
         // version of the row exists that this snapshot did not see.
-        _ => Ok(None),
+        _ => Ok(Decoded::Stale),
     }
 }
 
