@@ -1758,3 +1758,313 @@ fn store_connections_are_counted_and_replaced_after_the_max_lifetime() {
         "{gauge:?} for {stats:?}"
     );
 }
+
+// ------------------------------------------------------------------
+// Review 2 findings (R2-1, R2-2, R2-5, R2-6, R2-7): regression tests
+// ------------------------------------------------------------------
+
+/// Review 2, R2-1. DESIGN 5: "a call the client gave up on dies on the
+/// server too (never a reservation that commits after its caller was told
+/// 'unavailable')". The 60% rule only bounds the *first* send of a call:
+/// `acquire_on` re-runs its statement (a row committed after the
+/// statement's snapshot, the usual result of waiting on the key's advisory
+/// lock) with no check of the time left, and each re-run gets a fresh
+/// `statement_timeout`/`lock_timeout` of half the call timeout. So a call
+/// that got its connection late (all store connections busy: sent at 35%
+/// of the call), waited on an in-transaction claim, and re-ran, has its
+/// second statement still waiting on the server when the client gives up;
+/// the lock comes free a moment later and the reservation commits with the
+/// caller's token: nobody holds it, the key answers "in progress" for the
+/// whole lease, and the next delivery then runs as attempt 2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_free() {
+    use std::time::Instant;
+    let pool = pg::pool(pg::shared_url(), 8).await;
+    let store = PgStore::builder(pool.clone())
+        .call_timeout(Duration::from_secs(2))
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let (k, hog_key) = (key("rerun-late"), key("rerun-hog"));
+    let lease = Duration::from_secs(30);
+    let intx = store.in_transaction();
+
+    // T0 holds another key; T1 holds k (both in-transaction claims).
+    let mut t0 = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let c0 = intx.claim_with::<String>(&mut t0, &hog_key, None).await;
+    assert!(matches!(c0, Ok(Claim::Acquired(_))));
+    let mut t1 = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let c1 = intx.claim_with::<String>(&mut t1, &k, None).await;
+    assert!(matches!(c1, Ok(Claim::Acquired(_))));
+
+    // Another call occupies the store's only connection, waiting on T0.
+    let hog = {
+        let (store, hog_key) = (store.clone(), hog_key.clone());
+        tokio::spawn(async move { store.acquire(&hog_key, None, lease).await })
+    };
+    until_sessions_wait_on_a_lock(&pool, 1).await;
+
+    // The call under test: waits for the connection, then for T1.
+    let started = Instant::now();
+    let b = {
+        let (store, k) = (store.clone(), k.clone());
+        tokio::spawn(async move { store.acquire(&k, None, lease).await })
+    };
+    tokio::time::sleep(Duration::from_millis(650)).await;
+    t0.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    let hogged = hog.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(hogged, Ok(Acquisition::Acquired(_))), "{hogged:?}");
+    until_sessions_wait_on_a_lock(&pool, 1).await;
+    println!("acquire sent at {:?} (send_by is 800 ms)", started.elapsed());
+
+    // T2, another in-transaction worker, queues behind it for k.
+    let (release_t2, t2_go) = tokio::sync::oneshot::channel::<()>();
+    let t2 = {
+        let (pool, store, k) = (pool.clone(), store.clone(), k.clone());
+        tokio::spawn(async move {
+            let mut t2 = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let c = store
+                .in_transaction()
+                .claim_with::<String>(&mut t2, &k, None)
+                .await;
+            println!("T2 claim: {:?}", c.as_ref().map(|_| "claimed"));
+            let _ = t2_go.await;
+            t2.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        })
+    };
+    until_sessions_wait_on_a_lock(&pool, 2).await;
+
+    // T1 commits without completing (DESIGN: the key is left in progress
+    // with its lease over, for the next delivery to take over).
+    tokio::time::sleep(Duration::from_millis(1400).saturating_sub(started.elapsed())).await;
+    t1.commit().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let told = b.await.unwrap_or_else(|e| panic!("{e}"));
+    let at = started.elapsed();
+    // The caller was told the store is unavailable; T2 gives up at once.
+    let _ = release_t2.send(());
+    t2.await.unwrap_or_else(|e| panic!("{e}"));
+    println!("caller told after {at:?}: {told:?}");
+    assert!(
+        matches!(told, Err(ref e) if e.is_retryable()),
+        "expected Unavailable, got {told:?}"
+    );
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let record = store.get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    let now = server_now(&pool).await;
+    println!("record after the caller gave up: {record:?}\nserver clock: {now:?}");
+    // Nobody holds k: T1 left it with its lease over, T2 rolled back, and
+    // the call above was told "unavailable". The retry must acquire it.
+    let retry = store.acquire(&k, None, lease).await;
+    println!("the caller's retry: {retry:?}");
+    assert!(
+        matches!(retry, Ok(Acquisition::Acquired(_))),
+        "a reservation committed after its caller was told 'unavailable': the retry got {retry:?}"
+    );
+}
+
+/// Review 2, R2-2. DESIGN 4: "Configuration never panics". The store's own
+/// connection set is sized by `PgStoreBuilder::connections(n)` with no
+/// bound: `build()` allocates `Vec::with_capacity(n)` idle slots up front
+/// and a `Semaphore::new(n)`, so a large `n` ("as many as the pool allows",
+/// `usize::MAX`) panics in `build()` (capacity overflow, or tokio's
+/// MAX_PERMITS), and a merely big one (say 10^8) asks the allocator for
+/// gigabytes before any connection exists.
+#[tokio::test]
+async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy(pg::shared_url())
+        .unwrap_or_else(|e| panic!("{e}"));
+    for n in [usize::MAX, usize::MAX >> 2] {
+        let builder = PgStore::builder(pool.clone()).connections(n);
+        let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            builder.build().map(|s| s.connection_stats())
+        }));
+        println!("connections({n}): {:?}", built.as_ref().map_err(|p| {
+            p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        }));
+        assert!(built.is_ok(), "PgStoreBuilder::connections({n}).build() panicked");
+    }
+}
+
+/// The shared server's address, and a URL to it through a new proxy that
+/// can lose replies.
+async fn proxied_shared_server() -> (support::proxy::CountingProxy, String) {
+    let url = pg::shared_url();
+    let host_port = url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("cannot parse {url}"));
+    let upstream: std::net::SocketAddr = tokio::net::lookup_host(host_port)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or_else(|| panic!("cannot resolve {host_port}"));
+    PgHarness.store().await; // migrated
+    let proxy = support::proxy::CountingProxy::start(upstream).await;
+    let proxied = url.replacen(&upstream.to_string(), &proxy.addr.to_string(), 1);
+    let proxied = if proxied.contains(&proxy.addr.to_string()) {
+        proxied
+    } else {
+        format!("postgres://postgres@{}/postgres", proxy.addr)
+    };
+    (proxy, proxied)
+}
+
+/// Review 2, R2-5. The store resends a call whose connection died only if
+/// that connection had been used before (`lent.reused()`); the crate docs
+/// argue a resend is safe either way ("acquire keeps its token"). On a
+/// fresh connection (the store's first call, or the first after the
+/// pool's idle timeout or max lifetime closed the old ones), an acquire
+/// whose reply is lost after the server committed it is reported
+/// `Unavailable` with no resend: the reservation stays, held by a token
+/// nobody has, and every retry is "in progress" for the whole lease, then
+/// attempt 2 though nothing ran. The same loss on a reused connection is
+/// resent and answers "acquired" (shown first, for contrast). DESIGN 5
+/// (Redis: "a resent script is harmless: acquire with the token that
+/// already holds the key answers acquired"; issue 13 items 3 and 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
+    let (proxy, url) = proxied_shared_server().await;
+    let lease = Duration::from_secs(30);
+
+    // Reused connection: warmed by one call first.
+    let store = PgStore::builder(pg::pool(&url, 1).await)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _ = store.get(&key("warm")).await;
+    let k1 = key("lost-reused");
+    proxy.lose_replies_to(k1.id().as_bytes(), 1, 1);
+    let reused = store.acquire(&k1, None, lease).await;
+    println!("reply lost on a reused connection: {reused:?} (lost {})", proxy.lost());
+    assert!(matches!(reused, Ok(Acquisition::Acquired(_))), "{reused:?}");
+
+    // Fresh connection: a new store, this is its first call.
+    let store = PgStore::builder(pg::pool(&url, 1).await)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let k2 = key("lost-fresh");
+    proxy.lose_replies_to(k2.id().as_bytes(), 1, 1);
+    let fresh = store.acquire(&k2, None, lease).await;
+    println!("reply lost on a fresh connection: {fresh:?} (lost {})", proxy.lost());
+    let record = store.get(&k2).await.unwrap_or_else(|e| panic!("{e}"));
+    let retry = store.acquire(&k2, None, lease).await;
+    println!("record: {record:?}\nthe caller's retry: {retry:?}");
+    assert!(
+        matches!(fresh, Ok(Acquisition::Acquired(_)))
+            || matches!(retry, Ok(Acquisition::Acquired(_))),
+        "told {fresh:?}, yet the key is held by nobody for the lease: the retry got {retry:?}"
+    );
+}
+
+/// Review 2, R2-6. `connection_stats().open` and the gauge
+/// `idem_postgres_connections` count a connection as open before its
+/// session setup (the `set_config` of the server timeouts) succeeds; when
+/// the setup fails (the connection dies right after it was opened), the
+/// connection is dropped but never subtracted (`Lent::drop` returns early
+/// when it holds no connection). Each such failure leaves the count one
+/// higher for good: after three, the store reports 3 open connections
+/// (over its maximum of 1) while it has none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_session_setup_is_not_counted_as_an_open_connection() {
+    let (proxy, url) = proxied_shared_server().await;
+    let store = PgStore::builder(pg::pool(&url, 1).await)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxy.lose_replies_to(b"set_config('statement_timeout'", 1, 3);
+    for i in 0..3 {
+        let r = store.get(&key(&format!("setup-{i}"))).await;
+        println!("call {i}: {r:?}");
+    }
+    let stats = store.connection_stats();
+    println!("lost {} setup replies; stats {stats:?}", proxy.lost());
+    assert_eq!(proxy.lost(), 3);
+    assert!(
+        stats.open <= stats.max && stats.open == stats.idle,
+        "the store counts connections it does not have: {stats:?}"
+    );
+}
+
+/// Review 2, R2-7. The store resends a call whose (reused) connection died,
+/// on the argument that "every statement answers the same when sent
+/// twice"; for `delete` the crate says the resend "answers whether a live
+/// record was there for the second send". But `delete` is the one
+/// statement with no token: the second send deletes whatever record holds
+/// the key *then*. The first send deleted the completed record (its reply
+/// was lost); while the resend waits for a fresh connection (queued behind
+/// other calls, or a slow connect: here the pool's `after_connect` takes
+/// 500 ms), a delivery acquires the key and starts its handler; the resend
+/// then deletes that live reservation, and the next delivery acquires the
+/// key again and runs the handler a second time while the first still
+/// runs (and the first's completion is LeaseLost). DESIGN 4: nothing but
+/// the handler's own Err/panic lets a key run again before its lease ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservation() {
+    let (proxy, url) = proxied_shared_server().await;
+    // The deleting store (an admin task, or a TieredStore's source) goes
+    // through the proxy; connecting takes 500 ms (a remote server, TLS).
+    let slow_pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .after_connect(|_conn, _meta| {
+            Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Ok(())
+            })
+        })
+        .connect_lazy(&url)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let admin = PgStore::builder(slow_pool)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The workers talk to the server directly.
+    let store = PgHarness.store().await;
+    let lease = Duration::from_secs(30);
+    let k = key("resent-delete");
+    let Ok(Acquisition::Acquired(old)) = store.acquire(&k, None, lease).await else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&old, b"old", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _ = admin.get(&key("warm")).await; // the admin's connection is reused
+
+    proxy.lose_replies_to(k.id().as_bytes(), 1, 1);
+    let delete = {
+        let (admin, k) = (admin.clone(), k.clone());
+        tokio::spawn(async move { admin.delete(&k).await })
+    };
+    // The first send deleted the record.
+    for i in 0.. {
+        if matches!(store.get(&k).await, Ok(None)) {
+            break;
+        }
+        assert!(i < 200, "the delete never landed");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // A delivery acquires the key: its handler starts.
+    let first = store.acquire(&k, None, lease).await;
+    println!("delivery 1 after the delete: {first:?}");
+    let Ok(Acquisition::Acquired(first)) = first else {
+        panic!("not acquired")
+    };
+    let deleted = delete.await.unwrap_or_else(|e| panic!("{e}"));
+    println!("the admin's delete (reply lost once): {deleted:?}; lost {}", proxy.lost());
+    // A redelivery while delivery 1's handler runs (well inside its lease).
+    let second = store.acquire(&k, None, lease).await;
+    println!("delivery 2 while delivery 1 runs: {second:?}");
+    let done = store.complete(&first, b"first", Duration::from_secs(600)).await;
+    println!("delivery 1 completes: {done:?}");
+    assert!(
+        matches!(second, Ok(Acquisition::InProgress { .. })),
+        "a live reservation was deleted by a resent delete: the key ran twice ({second:?})"
+    );
+}
