@@ -171,6 +171,7 @@ impl<C: Codec> InTransaction<C> {
                 fingerprint.as_ref(),
                 Duration::ZERO,
                 LeaseToken::random(),
+                None,
             )
             .await
             .map_err(|f| self.store.fail(f))?;

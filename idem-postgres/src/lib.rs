@@ -43,28 +43,43 @@
 //! store. They are opened the way the pool opens its own (connect options
 //! and `after_connect`), closed after the pool's `idle_timeout` and
 //! `max_lifetime`, and reused without the pool's ping on return (which
-//! would be a second round trip per call). [`PgStore::connection_stats`]
-//! and the gauge `idem_postgres_connections` (label `table`) show them.
+//! would be a second round trip per call). `connections` is taken up to
+//! [`MAX_CONNECTIONS`] (10,000; larger values are clamped). A connection
+//! counts as open once its session setup succeeded (one whose setup fails
+//! is closed and never counted): [`PgStore::connection_stats`] and the
+//! gauge `idem_postgres_connections` (label `table`) show them.
 //!
 //! **Timeouts.** A call takes at most `call_timeout` (default 10 s), and
 //! the server enforces it too: the store's connections run with
 //! `statement_timeout` and `lock_timeout` at half of it (or the
 //! connection's own, if lower), set once when a connection is opened, and a
-//! statement is only sent while enough of the call is left for the server
-//! to stop it first. So a statement whose caller was told "unavailable"
+//! statement (a first send, a resend, or a re-run of `acquire`) is only
+//! sent while enough of the call is left for the server to stop it first. So a statement whose caller was told "unavailable"
 //! never commits later, and callers retrying behind a frozen lock holder
 //! never pile up server backends. Timeouts (57014, 55P03, 57P05),
 //! connection failures and a server shutting down are
 //! [`StoreError::Unavailable`] (retryable).
 //!
-//! **Restarts.** A connection the server closed while it sat idle (a
-//! restart, `idle_session_timeout`, a terminated backend) fails its next
-//! call; the store then runs that call once more on a fresh connection, so
-//! a restart costs no failed call. This is safe whether or not the first
-//! statement reached the server: every statement answers the same when
-//! sent twice (`acquire` keeps its token, `complete` with the same token
-//! changes nothing; a resent `release` answers `LeaseLost` and a resent
-//! `delete` `false` if the first send did the work).
+//! **Restarts and lost replies.** When a call's connection fails, fresh
+//! or reused (the server closed it while it sat idle, a restart,
+//! `idle_session_timeout`, a terminated backend, a reply lost on the
+//! network), the store sends the call once more on a fresh connection,
+//! under the same time rule as the first send, so a restart costs no
+//! failed call and a lost `acquire` reply leaves no reservation that
+//! nobody holds. This is safe whether or not the first statement ran:
+//! `acquire`, `complete`, `extend` and `release` carry the call's token
+//! (`acquire` with the token that holds the key answers "acquired",
+//! `complete` with the same token changes nothing, a resent `release`
+//! answers `LeaseLost` if the first send did the work), and `get` and
+//! `purge_expired` only read or delete expired rows.
+//!
+//! **`delete` is never resent**: it has no token, so a second send would
+//! delete whatever holds the key by then (a reservation made after the
+//! first send deleted the record, whose handler would then run twice). A
+//! connection failure during `delete` is [`StoreError::Unavailable`], and
+//! the delete **may or may not have happened**; calling it again is safe
+//! for an operator who decides to (it deletes the key's record as it is
+//! then).
 //!
 //! **Leases and fences under waits.** Every acquisition of a key first
 //! takes a transaction-scoped advisory lock on it (released when its
@@ -76,7 +91,11 @@
 //! write anyway, the statement reports when it wrote, and an acquisition
 //! that lost more than half its lease to the wait is renewed by a second
 //! run of the statement (same token) before it is handed out: a lease that
-//! is already over is never reported.
+//! is already over is never reported. A re-run (this renewal, or a new
+//! snapshot after a row committed during the wait) obeys the same time
+//! rule as the first send: too late in the call, an acquisition is handed
+//! out with what is left of its lease, or, if nothing is, the call is
+//! `Unavailable`, as is one whose statement had written nothing.
 //!
 //! **Fences** come from a sequence (`<table>_fence_seq`, created by
 //! migration 2 next to the table): every acquisition, in a transaction or
@@ -143,6 +162,10 @@ const PURGE_BATCH: usize = 1_000;
 /// The store's own connections by default (fewer if the pool allows
 /// fewer).
 pub const DEFAULT_CONNECTIONS: usize = 4;
+/// The most connections a store keeps of its own: a larger
+/// [`PgStoreBuilder::connections`] (say `usize::MAX`, "as many as allowed")
+/// is taken as this. Nothing is allocated per possible connection.
+pub const MAX_CONNECTIONS: usize = 10_000;
 
 /// A configuration error: an identifier PostgreSQL would not take as is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -224,8 +247,12 @@ impl PgStoreBuilder {
     /// `max_lifetime`, and reused directly rather than going back through
     /// the pool, which pings every connection it takes back (a second round
     /// trip per call). See [`PgStore::connection_stats`].
+    ///
+    /// `n` is taken between 1 and [`MAX_CONNECTIONS`] (10,000): a larger
+    /// one is clamped, never a panic, and nothing is allocated up front per
+    /// possible connection.
     pub fn connections(mut self, n: usize) -> Self {
-        self.connections = Some(n.max(1));
+        self.connections = Some(n.clamp(1, MAX_CONNECTIONS));
         self
     }
 
@@ -296,7 +323,7 @@ impl PgStoreBuilder {
         let connections = self
             .connections
             .unwrap_or(DEFAULT_CONNECTIONS.min(pool_max))
-            .max(1);
+            .clamp(1, MAX_CONNECTIONS);
         let timeouts = Timeouts::new(self.call_timeout);
         Ok(PgStore {
             inner: Arc::new(Inner {
@@ -563,14 +590,26 @@ impl PgStore {
     }
 
     /// Runs `op` on one of the store's connections within the call
-    /// timeout. A statement is sent only while enough of the call is left
-    /// for the server's own timeout to fire first. If the connection turns
-    /// out to have been closed by the server while it sat idle (a restart,
-    /// `idle_session_timeout`, a terminated backend), the call runs once
-    /// more on a fresh connection: every statement of the store gives the
-    /// same answer when sent again (see the note before the
-    /// `IdempotencyStore` impl).
+    /// timeout, resending it once on a connection-level failure (see
+    /// [`PgStore::run`]).
     async fn call<'a, T, F>(&'a self, op: F) -> Result<T, StoreError>
+    where
+        T: Send,
+        F: for<'c> Fn(&'c mut PgConnection, Within<'c, 'a>) -> Op<'c, T> + Send + Sync,
+    {
+        self.run(Resend::Once, op).await
+    }
+
+    /// Runs `op` on one of the store's connections within the call
+    /// timeout. A statement is sent only while enough of the call is left
+    /// for the server's own timeout to fire first. If the connection fails
+    /// (the server closed it while it sat idle, a restart, a terminated
+    /// backend, a reply lost on the network), fresh or reused, and `resend`
+    /// allows it, the call runs once more on a fresh connection, under the
+    /// same rule for the time left: those statements give the same answer
+    /// when sent again (see the note before the `IdempotencyStore` impl).
+    /// Without a failure, one round trip.
+    async fn run<'a, T, F>(&'a self, resend: Resend, op: F) -> Result<T, StoreError>
     where
         T: Send,
         F: for<'c> Fn(&'c mut PgConnection, Within<'c, 'a>) -> Op<'c, T> + Send + Sync,
@@ -602,12 +641,16 @@ impl PgStore {
                     }
                     Err(Failure::Sql(e)) => {
                         if session_gone(&e) {
-                            if lent.reused() && !fresh {
+                            if lent.reused() {
                                 // Every connection idle as long is suspect:
                                 // after a restart they are all dead.
-                                tracing::debug!(table = %self.inner.qualified, error = %e,
-                                    "a store connection was closed by the server while idle; running the call again on a fresh one");
                                 self.inner.conns.close_idle();
+                            }
+                            if matches!(resend, Resend::Once) && !fresh {
+                                tracing::debug!(table = %self.inner.qualified, error = %e,
+                                    reused = lent.reused(),
+                                    "a store connection failed during a call; sending it again on a fresh one");
+                                drop(lent);
                                 fresh = true;
                                 continue;
                             }
@@ -630,6 +673,14 @@ impl PgStore {
     /// The acquire statement on one connection, re-run while a concurrent
     /// commit was invisible to it, or while the lease it got was shortened
     /// by a wait (then renewed: same token).
+    ///
+    /// A re-run is sent only before `send_by` (the same rule as the call's
+    /// first send: the server's timeout must fire before the client gives
+    /// up; `None` in the in-transaction mode, whose caller owns the
+    /// transaction). Past it: a run that wrote nothing (a stale view) ends
+    /// in `Unavailable`; a reservation whose lease a wait shortened is
+    /// handed out as it is if any of its lease is left, else `Unavailable`
+    /// (its lease is over: anyone may take the key over).
     pub(crate) async fn acquire_on(
         &self,
         conn: &mut PgConnection,
@@ -637,6 +688,7 @@ impl PgStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
         token: LeaseToken,
+        send_by: Option<Instant>,
     ) -> Result<Acquisition, Failure> {
         let lease = saturate(lease);
         let lease_us = micros(lease);
@@ -644,7 +696,23 @@ impl PgStore {
         let fp = fingerprint.map(|f| f.as_bytes().as_slice());
         let token_bytes = token.to_bytes();
         let mut renewed = false;
+        // What to answer if a re-run is due but too late to send.
+        let mut late = None;
         for _ in 0..ACQUIRE_TRIES {
+            if let Some(late) = late.take() {
+                if send_by.is_some_and(|by| Instant::now() >= by) {
+                    return match late {
+                        Some(shortened) => Ok(shortened),
+                        None => Err(Failure::Store(StoreError::Unavailable(
+                            format!(
+                                "acquire of {key} must run again (a concurrent commit) but too \
+                                 little of the call is left to send it; nothing was written"
+                            )
+                            .into(),
+                        ))),
+                    };
+                }
+            }
             let row = sqlx::query(sql(&self.inner.sql.acquire))
                 .bind(key.scope())
                 .bind(key.id())
@@ -654,13 +722,18 @@ impl PgStore {
                 .bind(grace_us)
                 .fetch_optional(&mut *conn)
                 .await?;
+            // A stale view wrote nothing (no row from `fresh` or `taken`).
             let Some(row) = row else {
+                late = Some(None);
                 continue;
             };
             match decode_acquire(&row, key, fingerprint, lease, renewed)? {
                 Decoded::Done(outcome) => return Ok(outcome),
-                Decoded::Stale => continue,
-                Decoded::Renew => renewed = true,
+                Decoded::Stale => late = Some(None),
+                Decoded::Renew(shortened) => {
+                    renewed = true;
+                    late = Some(shortened.map(Acquisition::Acquired));
+                }
             }
         }
         Err(Failure::Store(StoreError::Unavailable(
@@ -724,6 +797,17 @@ impl PgStore {
     }
 }
 
+/// Whether [`PgStore::run`] may send a call again after its connection
+/// failed.
+#[derive(Debug, Clone, Copy)]
+enum Resend {
+    /// Once, on a fresh connection: the statement answers the same when
+    /// sent twice.
+    Once,
+    /// Never (`delete`, which has no token): the failure is `Unavailable`.
+    Never,
+}
+
 /// What a call's statement returns to [`PgStore::call`].
 type Op<'c, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + Send + 'c>>;
 
@@ -782,8 +866,10 @@ fn statement_failed(e: &sqlx::Error) -> bool {
             .is_some_and(|pg| matches!(pg.severity(), PgSeverity::Error)))
 }
 
-// Every statement answers the same when a call is sent again on a fresh
-// connection after its first connection died (`PgStore::call`):
+// A call whose connection failed (fresh or reused; the statement may or may
+// not have run) is sent once more on a fresh connection (`PgStore::run`),
+// within the same time rule, because these statements answer the same
+// when sent twice:
 // - acquire: the same token; a reservation that the first send made is
 //   this call's own and comes back as acquired (renewed), not "in
 //   progress";
@@ -792,8 +878,11 @@ fn statement_failed(e: &sqlx::Error) -> bool {
 // - extend: renews from the server's clock again;
 // - release: the token no longer holds the key (`LeaseLost`): true, since
 //   the first send released it;
-// - delete: answers whether a live record was there for the second send;
 // - get, purge: read, or delete expired rows in bounded batches.
+// Except `delete`, which has no token: sent again, it would delete whatever
+// holds the key then (a reservation made after the first send deleted the
+// record: a second run of a live handler). A connection failure of delete
+// is `Unavailable`; the delete may or may not have happened.
 
 #[async_trait]
 impl IdempotencyStore for PgStore {
@@ -810,8 +899,12 @@ impl IdempotencyStore for PgStore {
         }
         // One token for the whole call, re-runs and a resend included.
         let token = LeaseToken::random();
-        self.call(|conn, _| Box::pin(self.acquire_on(conn, key, fingerprint, lease, token)))
-            .await
+        // The call's own rule for sending (see `PgStore::run`), for re-runs.
+        let send_by = Instant::now() + self.inner.timeouts.send_by;
+        self.call(|conn, _| {
+            Box::pin(self.acquire_on(conn, key, fingerprint, lease, token, Some(send_by)))
+        })
+        .await
     }
 
     async fn complete(
@@ -881,7 +974,9 @@ impl IdempotencyStore for PgStore {
     }
 
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        self.call(|conn, _| {
+        // Never resent: a second send would delete a reservation made after
+        // the first one did its work (see the note above).
+        self.run(Resend::Never, |conn, _| {
             Box::pin(async move {
                 let live: Option<bool> = sqlx::query_scalar(sql(&self.inner.sql.delete))
                     .bind(key.scope())
@@ -947,9 +1042,11 @@ struct IdleConnection {
     since: Instant,
 }
 
-/// A connection lent for one call; back to the idle set only if kept.
+/// A connection lent for one call (counted as open; its session set up);
+/// back to the idle set only if kept.
 struct Lent<'a> {
     set: &'a ConnectionSet,
+    /// Present until dropped.
     conn: Option<PgConnection>,
     born: Instant,
     reused: bool,
@@ -965,7 +1062,7 @@ impl ConnectionSet {
             max_lifetime: options.get_max_lifetime(),
             pool,
             factory: OnceLock::new(),
-            idle: Mutex::new(Vec::with_capacity(max)),
+            idle: Mutex::new(Vec::new()),
             slots: tokio::sync::Semaphore::new(max),
             max,
             open: AtomicUsize::new(0),
@@ -1104,23 +1201,24 @@ impl ConnectionSet {
         let factory = self.factory();
         factory.set_connect_options(self.pool.connect_options().as_ref().clone());
         let mut conn = factory.acquire().await?.detach();
-        self.open.fetch_add(1, Ordering::SeqCst);
+        let born = Instant::now();
         self.opened.fetch_add(1, Ordering::SeqCst);
-        self.gauge();
-        let mut lent = Lent {
-            set: self,
-            conn: None,
-            born: Instant::now(),
-            reused: false,
-            keep: false,
-            _slot: slot,
-        };
+        // Counted as open only once its session is set up: a connection
+        // whose setup fails (or is cancelled) is dropped here, uncounted.
         let setup = self.session_setup(conn.server_version_num().unwrap_or(0));
         sqlx::raw_sql(AssertSqlSafe(setup))
             .execute(&mut conn)
             .await?;
-        lent.conn = Some(conn);
-        Ok(lent)
+        self.open.fetch_add(1, Ordering::SeqCst);
+        self.gauge();
+        Ok(Lent {
+            set: self,
+            conn: Some(conn),
+            born,
+            reused: false,
+            keep: false,
+            _slot: slot,
+        })
     }
 
     /// One statement for a new connection: `statement_timeout` and
@@ -1313,8 +1411,9 @@ enum Decoded {
     /// The row was a stale view (see acquire.sql): run again.
     Stale,
     /// Acquired, but a wait shortened the lease: run again with the same
-    /// token, which renews it from the server's clock.
-    Renew,
+    /// token, which renews it from the server's clock. With the lease as
+    /// written if any of it is left.
+    Renew(Option<Lease>),
 }
 
 /// Decodes the acquire statement's row for a call that asked for `lease`
@@ -1345,7 +1444,17 @@ fn decode_acquire(
             // gone (a lock wait), renew; after a renewal, anything left.
             let left = until.duration_since(now).unwrap_or(Duration::ZERO);
             if left.is_zero() || (!renewed && left < lease / 2) {
-                return Ok(Decoded::Renew);
+                let shortened = if left.is_zero() {
+                    None
+                } else {
+                    let stored = fingerprint_of(column(row, 2, key)?, key)?;
+                    Some(
+                        Lease::new(key.clone(), token_of(row)?, attempt, until)
+                            .with_fence(fence)
+                            .with_fingerprint(stored),
+                    )
+                };
+                return Ok(Decoded::Renew(shortened));
             }
         }
         let stored = fingerprint_of(column(row, 2, key)?, key)?;
