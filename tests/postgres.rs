@@ -1765,17 +1765,16 @@ fn store_connections_are_counted_and_replaced_after_the_max_lifetime() {
 
 /// Review 2, R2-1. DESIGN 5: "a call the client gave up on dies on the
 /// server too (never a reservation that commits after its caller was told
-/// 'unavailable')". The 60% rule only bounds the *first* send of a call:
-/// `acquire_on` re-runs its statement (a row committed after the
+/// 'unavailable')". An acquire re-run (a row committed after the
 /// statement's snapshot, the usual result of waiting on the key's advisory
-/// lock) with no check of the time left, and each re-run gets a fresh
-/// `statement_timeout`/`lock_timeout` of half the call timeout. So a call
-/// that got its connection late (all store connections busy: sent at 35%
-/// of the call), waited on an in-transaction claim, and re-ran, has its
-/// second statement still waiting on the server when the client gives up;
-/// the lock comes free a moment later and the reservation commits with the
-/// caller's token: nobody holds it, the key answers "in progress" for the
-/// whole lease, and the next delivery then runs as attempt 2.
+/// lock) obeys the same rule as the first send: only while enough of the
+/// call is left for the server's timeout to fire first. Here the call got
+/// its connection late (sent at ~35% of the call), waited on an
+/// in-transaction claim past the send-by point, and needs a re-run: it is
+/// not sent, the caller is told `Unavailable` (the first run wrote
+/// nothing), and the key stays free for the retry. (Before the fix the
+/// re-run was sent, committed after the caller gave up, and the retry got
+/// "in progress" for the whole lease.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_free() {
     use std::time::Instant;
@@ -1816,7 +1815,10 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
     let hogged = hog.await.unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(hogged, Ok(Acquisition::Acquired(_))), "{hogged:?}");
     until_sessions_wait_on_a_lock(&pool, 1).await;
-    println!("acquire sent at {:?} (send_by is 800 ms)", started.elapsed());
+    println!(
+        "acquire sent at {:?} (send_by is 800 ms)",
+        started.elapsed()
+    );
 
     // T2, another in-transaction worker, queues behind it for k.
     let (release_t2, t2_go) = tokio::sync::oneshot::channel::<()>();
@@ -1865,13 +1867,10 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
     );
 }
 
-/// Review 2, R2-2. DESIGN 4: "Configuration never panics". The store's own
-/// connection set is sized by `PgStoreBuilder::connections(n)` with no
-/// bound: `build()` allocates `Vec::with_capacity(n)` idle slots up front
-/// and a `Semaphore::new(n)`, so a large `n` ("as many as the pool allows",
-/// `usize::MAX`) panics in `build()` (capacity overflow, or tokio's
-/// MAX_PERMITS), and a merely big one (say 10^8) asks the allocator for
-/// gigabytes before any connection exists.
+/// Review 2, R2-2. DESIGN 4: "Configuration never panics".
+/// `PgStoreBuilder::connections(n)` is clamped to `MAX_CONNECTIONS` and
+/// nothing is allocated per possible connection, so `usize::MAX` builds a
+/// store (it used to panic: capacity overflow / tokio's MAX_PERMITS).
 #[tokio::test]
 async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -1883,10 +1882,18 @@ async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
         let built = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             builder.build().map(|s| s.connection_stats())
         }));
-        println!("connections({n}): {:?}", built.as_ref().map_err(|p| {
-            p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-        }));
-        assert!(built.is_ok(), "PgStoreBuilder::connections({n}).build() panicked");
+        println!(
+            "connections({n}): {:?}",
+            built.as_ref().map_err(|p| {
+                p.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            })
+        );
+        let Ok(Ok(stats)) = built else {
+            panic!("PgStoreBuilder::connections({n}).build() panicked or failed")
+        };
+        assert_eq!(stats.max, idem::postgres::MAX_CONNECTIONS, "{stats:?}");
     }
 }
 
@@ -1915,18 +1922,13 @@ async fn proxied_shared_server() -> (support::proxy::CountingProxy, String) {
     (proxy, proxied)
 }
 
-/// Review 2, R2-5. The store resends a call whose connection died only if
-/// that connection had been used before (`lent.reused()`); the crate docs
-/// argue a resend is safe either way ("acquire keeps its token"). On a
-/// fresh connection (the store's first call, or the first after the
-/// pool's idle timeout or max lifetime closed the old ones), an acquire
-/// whose reply is lost after the server committed it is reported
-/// `Unavailable` with no resend: the reservation stays, held by a token
-/// nobody has, and every retry is "in progress" for the whole lease, then
-/// attempt 2 though nothing ran. The same loss on a reused connection is
-/// resent and answers "acquired" (shown first, for contrast). DESIGN 5
-/// (Redis: "a resent script is harmless: acquire with the token that
-/// already holds the key answers acquired"; issue 13 items 3 and 4).
+/// Review 2, R2-5. An acquire whose reply is lost after the server
+/// committed it is sent again (same token, so it answers "acquired")
+/// whether its connection was reused or fresh (the store's first call, or
+/// the first after the pool's idle timeout or max lifetime). Before the
+/// fix only a reused connection was resent: on a fresh one the caller got
+/// `Unavailable` and the reservation stayed, held by a token nobody has,
+/// "in progress" for the whole lease.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     let (proxy, url) = proxied_shared_server().await;
@@ -1941,7 +1943,10 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     let k1 = key("lost-reused");
     proxy.lose_replies_to(k1.id().as_bytes(), 1, 1);
     let reused = store.acquire(&k1, None, lease).await;
-    println!("reply lost on a reused connection: {reused:?} (lost {})", proxy.lost());
+    println!(
+        "reply lost on a reused connection: {reused:?} (lost {})",
+        proxy.lost()
+    );
     assert!(matches!(reused, Ok(Acquisition::Acquired(_))), "{reused:?}");
 
     // Fresh connection: a new store, this is its first call.
@@ -1952,25 +1957,28 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     let k2 = key("lost-fresh");
     proxy.lose_replies_to(k2.id().as_bytes(), 1, 1);
     let fresh = store.acquire(&k2, None, lease).await;
-    println!("reply lost on a fresh connection: {fresh:?} (lost {})", proxy.lost());
+    println!(
+        "reply lost on a fresh connection: {fresh:?} (lost {})",
+        proxy.lost()
+    );
     let record = store.get(&k2).await.unwrap_or_else(|e| panic!("{e}"));
     let retry = store.acquire(&k2, None, lease).await;
     println!("record: {record:?}\nthe caller's retry: {retry:?}");
     assert!(
-        matches!(fresh, Ok(Acquisition::Acquired(_)))
-            || matches!(retry, Ok(Acquisition::Acquired(_))),
-        "told {fresh:?}, yet the key is held by nobody for the lease: the retry got {retry:?}"
+        matches!(fresh, Ok(Acquisition::Acquired(_))),
+        "a lost reply on a fresh connection was not resent: {fresh:?}"
+    );
+    assert!(
+        matches!(retry, Ok(Acquisition::InProgress { .. })),
+        "the resent acquisition holds the key: another call is in progress, got {retry:?}"
     );
 }
 
 /// Review 2, R2-6. `connection_stats().open` and the gauge
-/// `idem_postgres_connections` count a connection as open before its
-/// session setup (the `set_config` of the server timeouts) succeeds; when
-/// the setup fails (the connection dies right after it was opened), the
-/// connection is dropped but never subtracted (`Lent::drop` returns early
-/// when it holds no connection). Each such failure leaves the count one
-/// higher for good: after three, the store reports 3 open connections
-/// (over its maximum of 1) while it has none.
+/// `idem_postgres_connections` count a connection only once its session
+/// setup (the `set_config` of the server timeouts) succeeded; one whose
+/// setup fails is dropped uncounted. Before the fix each such failure left
+/// the count one higher for good (3 open, over a maximum of 1, with none).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_session_setup_is_not_counted_as_an_open_connection() {
     let (proxy, url) = proxied_shared_server().await;
@@ -1992,19 +2000,14 @@ async fn a_failed_session_setup_is_not_counted_as_an_open_connection() {
     );
 }
 
-/// Review 2, R2-7. The store resends a call whose (reused) connection died,
-/// on the argument that "every statement answers the same when sent
-/// twice"; for `delete` the crate says the resend "answers whether a live
-/// record was there for the second send". But `delete` is the one
-/// statement with no token: the second send deletes whatever record holds
-/// the key *then*. The first send deleted the completed record (its reply
-/// was lost); while the resend waits for a fresh connection (queued behind
-/// other calls, or a slow connect: here the pool's `after_connect` takes
-/// 500 ms), a delivery acquires the key and starts its handler; the resend
-/// then deletes that live reservation, and the next delivery acquires the
-/// key again and runs the handler a second time while the first still
-/// runs (and the first's completion is LeaseLost). DESIGN 4: nothing but
-/// the handler's own Err/panic lets a key run again before its lease ends.
+/// Review 2, R2-7. `delete` has no token, so it is never resent: a
+/// connection failure during it is `Unavailable` (the delete may or may not
+/// have happened). Before the fix a delete whose reply was lost was resent
+/// on a fresh connection (here a slow one: `after_connect` takes 500 ms);
+/// meanwhile a delivery acquired the key, and the resend deleted that live
+/// reservation, so a redelivery ran the handler a second time while the
+/// first still ran (DESIGN 4: nothing but the handler's own Err/panic lets
+/// a key run again before its lease ends).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservation() {
     let (proxy, url) = proxied_shared_server().await;
@@ -2057,11 +2060,20 @@ async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservat
         panic!("not acquired")
     };
     let deleted = delete.await.unwrap_or_else(|e| panic!("{e}"));
-    println!("the admin's delete (reply lost once): {deleted:?}; lost {}", proxy.lost());
+    println!(
+        "the admin's delete (reply lost once): {deleted:?}; lost {}",
+        proxy.lost()
+    );
+    assert!(
+        matches!(deleted, Err(StoreError::Unavailable(_))),
+        "a delete whose reply was lost must be Unavailable: {deleted:?}"
+    );
     // A redelivery while delivery 1's handler runs (well inside its lease).
     let second = store.acquire(&k, None, lease).await;
     println!("delivery 2 while delivery 1 runs: {second:?}");
-    let done = store.complete(&first, b"first", Duration::from_secs(600)).await;
+    let done = store
+        .complete(&first, b"first", Duration::from_secs(600))
+        .await;
     println!("delivery 1 completes: {done:?}");
     assert!(
         matches!(second, Ok(Acquisition::InProgress { .. })),
