@@ -887,6 +887,12 @@ async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
 /// handler; the resent `DEL` removes that live reservation, and the next
 /// delivery acquires the key and runs the handler a second time while the
 /// first still runs. DESIGN 4/5: a resend must be harmless.
+///
+/// Now `delete` is a script (`delete.lua`) that leaves a marker under a
+/// random request id in the record's slot: the resend finds it and answers
+/// the first answer without deleting. The lost reply is the script's
+/// (its SHA, loaded on the node beforehand so the first send is an
+/// EVALSHA).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() {
     use idem::redis::redis::AsyncCommands;
@@ -920,7 +926,13 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
 
-    proxies[owner].lose_replies_to(b"$3\r\nDEL\r\n", 1, 1);
+    let sha: String = idem::redis::redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(include_str!("../idem-redis/scripts/delete.lua"))
+        .query_async(&mut direct.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxies[owner].lose_replies_to(sha.as_bytes(), 1, 1);
     let delete = {
         let (admin, k) = (admin.clone(), k.clone());
         tokio::spawn(async move { admin.delete(&k).await })
@@ -941,9 +953,18 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
     };
     let deleted = delete.await.unwrap_or_else(|e| panic!("{e}"));
     println!(
-        "the admin's delete (reply lost {}): {deleted:?}; DEL ran {} times on the node",
+        "the admin's delete (reply lost {}): {deleted:?}; EVALSHA (every script) ran {} times on the node",
         proxies[owner].lost(),
-        redis_server::command_calls(&servers[owner], "del")
+        redis_server::command_calls(&servers[owner], "evalsha")
+    );
+    assert_eq!(
+        proxies[owner].lost(),
+        1,
+        "no reply was lost: the test proves nothing"
+    );
+    assert!(
+        matches!(deleted, Ok(true)),
+        "the resend answers the first answer: {deleted:?}"
     );
     let second = workers.acquire(&k, None, lease).await;
     println!("delivery 2 while delivery 1 runs: {second:?}");
@@ -967,6 +988,11 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
 /// both handlers run. PgStore refuses this ("a lease that is already over
 /// is never reported", issue 13 item 1); RedisStore neither re-checks nor
 /// bounds WAIT by the lease.
+///
+/// Now an acquisition's WAIT lasts at most half the lease and a TIME in
+/// the same pipeline checks the lease is not over: both deliveries here
+/// are told `Unavailable` (their reservations released), and once the
+/// replica is back a third delivery runs the handler: once in all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -1013,5 +1039,17 @@ async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
     thaw.await.unwrap_or_else(|e| panic!("{e}"));
     let n = runs.load(Ordering::SeqCst);
     println!("delivery 1: {first:?}\ndelivery 2: {second:?}\nhandler executions: {n}");
+    assert!(n <= 1, "the handler ran {n} times for one key");
+    for d in [&first, &second] {
+        assert!(
+            matches!(d, Ok(Processed::Executed(_)))
+                || matches!(d, Err(IdemError::Store(StoreError::Unavailable(_)))),
+            "{d:?}"
+        );
+    }
+    wait_for_replication(&primary, &replica);
+    let third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));
+    let n = runs.load(Ordering::SeqCst);
+    println!("delivery 3: {third:?}\nhandler executions: {n}");
     assert_eq!(n, 1, "the handler ran {n} times for one key");
 }
