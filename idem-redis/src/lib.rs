@@ -30,8 +30,8 @@
 //!   completion acknowledged by a primary that fails before replicating it
 //!   is lost, and a redelivery can run again. [`RedisStore::wait_for_replicas`]
 //!   narrows that window (`WAIT n ms` after each acquire and completion, one
-//!   more round trip each; an acquisition whose `WAIT` fails is released, so
-//!   its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
+//!   more round trip each; an acquisition whose `WAIT` fails, or outlasts
+//!   its lease, is released, so its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
 //!   as its source of truth, closes it.
 //! - **Timeouts**: every call is bounded by the store's settings
 //!   ([`RedisStore::call_timeout`], and for `WAIT` its timeout on top), not by
@@ -60,7 +60,19 @@
 //!   ([`StoreError::InvalidArgument`]): no record is ever half written.
 //! - **Resent calls**: an `acquire` that reaches Redis twice (a retry
 //!   after a lost reply) finds its own token holding the key and answers
-//!   "acquired" with the same fence.
+//!   "acquired" with the same fence. `delete` is a script (`delete.lua`,
+//!   one round trip) that deletes the record and leaves a marker under a
+//!   random id of the call, in the record's cluster slot
+//!   (`{prefix}delete/{n}/{id}`, where the hash tag `{n}` maps to that
+//!   slot; `{n}{prefix}delete/{id}` if the prefix has a hash tag of its
+//!   own), for `max(2 × call timeout, 60 s)`: a resend finds the marker and
+//!   returns the first answer without deleting again (a plain `DEL` resent
+//!   would delete a reservation made since, and its key would run twice).
+//! - **`WAIT` and leases**: an acquisition's `WAIT` lasts at most half the
+//!   lease, and a `TIME` in the same pipeline checks that the lease is not
+//!   over by the server's clock; a lease that ended while waiting (it may
+//!   be taken over already) is released and answered
+//!   [`StoreError::Unavailable`], never handed out.
 #![deny(missing_docs)]
 
 pub mod streams;
@@ -174,7 +186,8 @@ impl RedisStore<ConnectionManager> {
 
 impl RedisStore<ClusterConnection> {
     /// Connects to a Redis Cluster given some of its nodes. Every script
-    /// touches one key, so every slot works and no hash tags are needed.
+    /// touches one key (`delete` also its marker, in the same slot), so
+    /// every slot works and no hash tags are needed in your keys.
     pub async fn connect_cluster<I, T>(nodes: I) -> Result<Self, StoreError>
     where
         I: IntoIterator<Item = T>,
@@ -294,6 +307,16 @@ where
     ///
     /// The `WAIT` call may take `timeout` plus the
     /// [`call_timeout`](Self::call_timeout) before the client gives up.
+    ///
+    /// **After an acquisition, `WAIT` never outlasts the lease**: its
+    /// timeout is `min(timeout, lease / 2)` (at least 1 ms), and a `TIME`
+    /// sent in the same pipeline (run when `WAIT` returns) checks the
+    /// lease's deadline, which the acquire script computed by the same
+    /// server clock. A lease that is over by then (a takeover may already
+    /// hold the key) is never reported: the acquisition is released and
+    /// the caller gets [`StoreError::Unavailable`]. Under a replica lag
+    /// longer than half the lease, acquisitions fail with `Unavailable`
+    /// until the replica catches up; give a longer lease to wait longer.
     /// An acquisition whose `WAIT` fails is released before the error is
     /// returned (one more round trip, on that path only), so the retry can
     /// acquire the key; if the release fails too, the key stays in
@@ -578,8 +601,8 @@ where
         decode_record(fields, key)
     }
 
-    /// One script, one round trip, harmless to resend: see
-    /// [`delete_marker`] and `scripts/delete.lua`.
+    // One script, one round trip, harmless to resend: see `delete_marker`
+    // and `scripts/delete.lua`.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let redis_key = self.redis_key(key);
         let mut conn = self.conn.clone();

@@ -40,6 +40,7 @@
 //! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
 //! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
+//! | a field name that is not UTF-8, or that appears twice in the entry | dead-lettered at once, its fields copied byte for byte; the handler never runs ([`StreamEntry::fields`] is a map by `String` name: such names would be merged) |
 //! | the executor's configuration is refused (a zero lease or retention) | left pending, and `run` fails: nothing could succeed |
 //!
 //! Dead-lettering adds the entry to the dead-letter stream (default
@@ -49,6 +50,14 @@
 //! it. The two are separate commands (the streams may live on different
 //! cluster slots): a crash between them dead-letters the entry again on its
 //! next delivery.
+//!
+//! # Scopes
+//!
+//! The keys' scope is `stream.{stream}` by default, or for a stream name
+//! that is not a valid scope `stream:` and a hash of the name
+//! ([`default_scope`]): two streams never share keys. (Before, every such
+//! stream shared the scope `stream`: set [`scope`](StreamConsumer::scope)
+//! `("stream")` to keep those keys.)
 //!
 //! # Handlers run detached
 //!
