@@ -877,3 +877,179 @@ async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
         "{dup:?}"
     );
 }
+
+/// Review 2, R2-8 (the Redis Cluster side of R2-7). The cluster client now
+/// resends a call up to 6 times after a lost reply, on the argument that
+/// every script is safe to run twice. `delete` is a plain `DEL` with no
+/// token: its resend (at least `min_wait_time`, 1.28 s, later) deletes
+/// whatever holds the key *then*. The first `DEL` removed the completed
+/// record (its reply was lost); a delivery acquires the key and starts its
+/// handler; the resent `DEL` removes that live reservation, and the next
+/// delivery acquires the key and runs the handler a second time while the
+/// first still runs. DESIGN 4/5: a resend must be harmless.
+///
+/// Now `delete` is a script (`delete.lua`) that leaves a marker under a
+/// random request id in the record's slot: the resend finds it and answers
+/// the first answer without deleting. The lost reply is the script's
+/// (its SHA, loaded on the node beforehand so the first send is an
+/// EVALSHA).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() {
+    use idem::redis::redis::AsyncCommands;
+    let (servers, proxies) = redis_server::start_cluster_behind_proxies().await;
+    let admin = RedisStore::connect_cluster(
+        proxies
+            .iter()
+            .map(|p| format!("redis://{}/", p.addr))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .call_timeout(Duration::from_secs(10));
+    let k = testkit::unique_key("cluster-resent-delete");
+    let rk = admin.redis_key(&k);
+    let owner = redis_server::owner_of(&servers, &rk);
+    // The workers reach the key's node directly (single-key scripts).
+    let direct =
+        idem::redis::redis::Client::open(format!("redis://127.0.0.1:{}/", servers[owner].port))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    let workers = RedisStore::new(direct.clone());
+    let lease = Duration::from_secs(30);
+    let Ok(Acquisition::Acquired(old)) = admin.acquire(&k, None, lease).await else {
+        panic!("not acquired")
+    };
+    admin
+        .complete(&old, b"old", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let sha: String = idem::redis::redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(include_str!("../idem-redis/scripts/delete.lua"))
+        .query_async(&mut direct.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxies[owner].lose_replies_to(sha.as_bytes(), 1, 1);
+    let delete = {
+        let (admin, k) = (admin.clone(), k.clone());
+        tokio::spawn(async move { admin.delete(&k).await })
+    };
+    let mut probe = direct.clone();
+    for i in 0.. {
+        let exists: bool = probe.exists(&rk).await.unwrap_or_else(|e| panic!("{e}"));
+        if !exists {
+            break;
+        }
+        assert!(i < 2000, "the delete never landed");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let first = workers.acquire(&k, None, lease).await;
+    println!("delivery 1 after the delete: {first:?}");
+    let Ok(Acquisition::Acquired(first)) = first else {
+        panic!("not acquired")
+    };
+    let deleted = delete.await.unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "the admin's delete (reply lost {}): {deleted:?}; EVALSHA (every script) ran {} times on the node",
+        proxies[owner].lost(),
+        redis_server::command_calls(&servers[owner], "evalsha")
+    );
+    assert_eq!(
+        proxies[owner].lost(),
+        1,
+        "no reply was lost: the test proves nothing"
+    );
+    assert!(
+        matches!(deleted, Ok(true)),
+        "the resend answers the first answer: {deleted:?}"
+    );
+    let second = workers.acquire(&k, None, lease).await;
+    println!("delivery 2 while delivery 1 runs: {second:?}");
+    let done = workers
+        .complete(&first, b"first", Duration::from_secs(600))
+        .await;
+    println!("delivery 1 completes: {done:?}");
+    assert!(
+        matches!(second, Ok(Acquisition::InProgress { .. })),
+        "a live reservation was deleted by a resent DEL: the key ran twice ({second:?})"
+    );
+}
+
+/// Review 2, R2-9. With `wait_for_replicas`, `acquire` runs the script (the
+/// lease starts on the server's clock), then blocks in `WAIT` for up to its
+/// timeout, which the store now honours in full (issue 13 item 5). A WAIT
+/// that outlasts the lease (a replica lagging, here 2.5 s, under a WAIT
+/// timeout of 4 s and a lease of 1 s) hands out a lease that is already
+/// over: meanwhile a redelivery took the key over (attempt 2), and its own
+/// WAIT returns at the same moment, so both callers get "acquired" and
+/// both handlers run. PgStore refuses this ("a lease that is already over
+/// is never reported", issue 13 item 1); RedisStore neither re-checks nor
+/// bounds WAIT by the lease.
+///
+/// Now an acquisition's WAIT lasts at most half the lease and a TIME in
+/// the same pipeline checks the lease is not over: both deliveries here
+/// are told `Unavailable` (their reservations released), and once the
+/// replica is back a third delivery runs the handler: once in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let primary = RedisServer::start(&[]);
+    let replica = Arc::new(RedisServer::start(&[
+        "--replicaof",
+        "127.0.0.1",
+        &primary.port.to_string(),
+    ]));
+    wait_for_replication(&primary, &replica);
+    let store = RedisStore::connect(&primary.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .call_timeout(Duration::from_secs(10))
+        .wait_for_replicas(1, Duration::from_secs(4));
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let k = testkit::unique_key("wait-over-lease");
+    let runs = Arc::new(AtomicU64::new(0));
+    let deliver = |tag: &'static str| {
+        let (idem, k, runs) = (idem.clone(), k.clone(), runs.clone());
+        tokio::spawn(async move {
+            idem.process(&k, "payload", move |_| async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                Ok::<_, std::io::Error>(tag.to_owned())
+            })
+            .await
+        })
+    };
+    // The replica lags 2.5 s.
+    replica.signal("STOP");
+    let thaw = {
+        let replica = replica.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(2500)).await;
+            replica.signal("CONT");
+        })
+    };
+    let first = deliver("first");
+    tokio::time::sleep(Duration::from_millis(1300)).await; // past the lease
+    let second = deliver("second");
+    let first = first.await.unwrap_or_else(|e| panic!("{e}"));
+    let second = second.await.unwrap_or_else(|e| panic!("{e}"));
+    thaw.await.unwrap_or_else(|e| panic!("{e}"));
+    let n = runs.load(Ordering::SeqCst);
+    println!("delivery 1: {first:?}\ndelivery 2: {second:?}\nhandler executions: {n}");
+    assert!(n <= 1, "the handler ran {n} times for one key");
+    for d in [&first, &second] {
+        assert!(
+            matches!(d, Ok(Processed::Executed(_)))
+                || matches!(d, Err(IdemError::Store(StoreError::Unavailable(_)))),
+            "{d:?}"
+        );
+    }
+    wait_for_replication(&primary, &replica);
+    let third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));
+    let n = runs.load(Ordering::SeqCst);
+    println!("delivery 3: {third:?}\nhandler executions: {n}");
+    assert_eq!(n, 1, "the handler ran {n} times for one key");
+}

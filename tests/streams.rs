@@ -954,3 +954,176 @@ async fn a_consumer_takes_an_existing_standalone_or_cluster_connection() {
         "{stats:?}"
     );
 }
+
+/// Review 2, R2-3. The consumer's default scope is `stream.{stream}`, so
+/// that one stream's keys never meet another's; but a stream whose name is
+/// not a valid scope (a `/`, a space, over 57 bytes) silently fell back to
+/// the one scope `stream`, shared by every such stream. Two consumers of
+/// one app (same store, same key field) on `orders/eu` and `refunds/eu`
+/// then share keys: the refund whose message ID equals an order's is never
+/// run. With the same fields it is "replayed" (the order's result is
+/// returned and the entry acked); with other fields it is a payload
+/// mismatch, dead-lettered without running. DESIGN 2: `scope` names the
+/// operation and the pair is unique; a consumer must not merge two
+/// streams' operations behind the user's back (refuse the name, or make a
+/// valid, distinct scope from it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_streams_whose_names_are_not_scopes_never_share_keys() {
+    // Now each gets `stream:` and a hash of its name (`default_scope`).
+    let tag = format!("{:08x}", fastrand::u32(..));
+    let (orders, refunds) = (format!("orders/eu-{tag}"), format!("refunds/eu-{tag}"));
+    let idem = Idempotency::new(redis_store().await);
+    let id = format!("msg-{tag}");
+    // Same message ID on both streams: one with the same fields, one not.
+    xadd(&orders, &[("message_id", &id), ("amount", "10")]).await;
+    xadd(&refunds, &[("message_id", &id), ("amount", "10")]).await;
+    let id2 = format!("msg2-{tag}");
+    xadd(&orders, &[("message_id", &id2), ("amount", "20")]).await;
+    xadd(&refunds, &[("message_id", &id2), ("amount", "5")]).await;
+
+    let mut runs = Vec::new();
+    for stream in [&orders, &refunds] {
+        let consumer = consumer_on(stream, "c", idem.clone())
+            .await
+            .block(Duration::from_millis(50));
+        let n = Arc::new(AtomicU64::new(0));
+        let done = {
+            let stream = stream.to_string();
+            move || {
+                let stream = stream.clone();
+                Box::pin(async move { pending(&stream, "g").await == 0 })
+                    as futures::future::BoxFuture<'static, bool>
+            }
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let stats = run_until(&consumer, counting(&n), Duration::from_secs(10), done)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        println!(
+            "{stream}: handler ran {} times; {stats:?}",
+            n.load(Ordering::SeqCst)
+        );
+        runs.push(n.load(Ordering::SeqCst));
+    }
+    let dead = entries_of(&format!("{refunds}:dead")).await;
+    println!("refunds dead letter: {dead:?}");
+    assert_eq!(
+        runs,
+        vec![2, 2],
+        "each stream has two distinct messages; the refunds' handler ran {} times",
+        runs[1]
+    );
+}
+
+/// Review 2, R2-4. Stream field names are binary-safe in Redis, but the
+/// consumer turned each name into a `String` with `from_utf8_lossy`: two
+/// distinct non-UTF-8 names became the same "\u{FFFD}". So (a) an entry
+/// with two such fields reached the handler with one of them gone, and
+/// (b) with `key_from_content`, two different messages got one key and
+/// one fingerprint: the second was "replayed" and its handler never ran.
+/// Now such an entry is never merged: it is dead-lettered at once, with
+/// the reason and its fields byte for byte, and its handler never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn entries_with_non_utf8_field_names_are_dead_lettered_never_merged() {
+    let stream = format!("binary-{:08x}", fastrand::u32(..));
+    let tag = format!("{:08x}", fastrand::u32(..));
+    for name in [&b"\xffname"[..], &b"\xfename"[..]] {
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg(name)
+            .arg(tag.as_bytes())
+            .query_async(&mut conn().await)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let _: String = redis::cmd("XADD")
+        .arg(&stream)
+        .arg("*")
+        .arg(&b"\xffa"[..])
+        .arg("1")
+        .arg(&b"\xfea"[..])
+        .arg("2")
+        .query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = StreamConsumer::connect(
+        support::redis_server::shared_url(),
+        &stream,
+        "g",
+        "c",
+        Idempotency::new(redis_store().await),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_from_content()
+    .block(Duration::from_millis(50));
+    let seen = Arc::new(Mutex::new(Vec::<usize>::new()));
+    let handler = {
+        let seen = seen.clone();
+        move |entry: StreamEntry| {
+            let seen = seen.clone();
+            async move {
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(entry.fields.len());
+                Ok::<_, std::io::Error>(format!("{:?}", entry.fields))
+            }
+        }
+    };
+    let done = {
+        let stream = stream.clone();
+        move || {
+            let stream = stream.clone();
+            Box::pin(async move { pending(&stream, "g").await == 0 })
+                as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(10), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    println!("field counts seen by the handler: {seen:?}; {stats:?}");
+    assert!(
+        seen.is_empty(),
+        "an entry with merged field names reached the handler: {seen:?}"
+    );
+    assert_eq!(stats.dead_lettered, 3, "{stats:?}");
+    // The dead letters carry the reason and every field, byte for byte.
+    let dead: redis::Value = redis::cmd("XRANGE")
+        .arg(format!("{stream}:dead"))
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    fn flat(v: &redis::Value, out: &mut Vec<Vec<u8>>) {
+        match v {
+            redis::Value::BulkString(b) => out.push(b.clone()),
+            redis::Value::Array(items) => items.iter().for_each(|i| flat(i, out)),
+            redis::Value::Map(pairs) => pairs.iter().for_each(|(k, v)| {
+                flat(k, out);
+                flat(v, out)
+            }),
+            _ => {}
+        }
+    }
+    let mut words = Vec::new();
+    flat(&dead, &mut words);
+    let reasons = words
+        .iter()
+        .filter(|w| String::from_utf8_lossy(w).contains("is not UTF-8"))
+        .count();
+    assert_eq!(reasons, 3, "{words:?}");
+    for name in [
+        &b"\xffname"[..],
+        &b"\xfename"[..],
+        &b"\xffa"[..],
+        &b"\xfea"[..],
+    ] {
+        assert!(
+            words.iter().any(|w| w == name),
+            "{name:?} is not in the dead letters: {words:?}"
+        );
+    }
+}

@@ -30,8 +30,8 @@
 //!   completion acknowledged by a primary that fails before replicating it
 //!   is lost, and a redelivery can run again. [`RedisStore::wait_for_replicas`]
 //!   narrows that window (`WAIT n ms` after each acquire and completion, one
-//!   more round trip each; an acquisition whose `WAIT` fails is released, so
-//!   its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
+//!   more round trip each; an acquisition whose `WAIT` fails, or outlasts
+//!   its lease, is released, so its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
 //!   as its source of truth, closes it.
 //! - **Timeouts**: every call is bounded by the store's settings
 //!   ([`RedisStore::call_timeout`], and for `WAIT` its timeout on top), not by
@@ -60,12 +60,24 @@
 //!   ([`StoreError::InvalidArgument`]): no record is ever half written.
 //! - **Resent calls**: an `acquire` that reaches Redis twice (a retry
 //!   after a lost reply) finds its own token holding the key and answers
-//!   "acquired" with the same fence.
+//!   "acquired" with the same fence. `delete` is a script (`delete.lua`,
+//!   one round trip) that deletes the record and leaves a marker under a
+//!   random id of the call, in the record's cluster slot
+//!   (`{prefix}delete/{n}/{id}`, where the hash tag `{n}` maps to that
+//!   slot; `{n}{prefix}delete/{id}` if the prefix has a hash tag of its
+//!   own), for `max(2 × call timeout, 60 s)`: a resend finds the marker and
+//!   returns the first answer without deleting again (a plain `DEL` resent
+//!   would delete a reservation made since, and its key would run twice).
+//! - **`WAIT` and leases**: an acquisition's `WAIT` lasts at most half the
+//!   lease, and a `TIME` in the same pipeline checks that the lease is not
+//!   over by the server's clock; a lease that ended while waiting (it may
+//!   be taken over already) is released and answered
+//!   [`StoreError::Unavailable`], never handed out.
 #![deny(missing_docs)]
 
 pub mod streams;
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
@@ -99,6 +111,7 @@ struct Scripts {
     complete: Script,
     release: Script,
     extend: Script,
+    delete: Script,
 }
 
 impl Scripts {
@@ -108,6 +121,7 @@ impl Scripts {
             complete: Script::new(include_str!("../scripts/complete.lua")),
             release: Script::new(include_str!("../scripts/release.lua")),
             extend: Script::new(include_str!("../scripts/extend.lua")),
+            delete: Script::new(include_str!("../scripts/delete.lua")),
         }
     }
 }
@@ -172,7 +186,8 @@ impl RedisStore<ConnectionManager> {
 
 impl RedisStore<ClusterConnection> {
     /// Connects to a Redis Cluster given some of its nodes. Every script
-    /// touches one key, so every slot works and no hash tags are needed.
+    /// touches one key (`delete` also its marker, in the same slot), so
+    /// every slot works and no hash tags are needed in your keys.
     pub async fn connect_cluster<I, T>(nodes: I) -> Result<Self, StoreError>
     where
         I: IntoIterator<Item = T>,
@@ -275,6 +290,15 @@ where
         self
     }
 
+    /// How long a `delete` call's marker lives: longer than any resend of
+    /// that call (the client resends only within the call, bounded by the
+    /// call timeout), at least a minute.
+    fn delete_marker_ttl(&self) -> Duration {
+        self.call_timeout
+            .saturating_mul(2)
+            .max(Duration::from_secs(60))
+    }
+
     /// After each acquisition and completion, wait until `replicas` replicas
     /// acknowledged it (`WAIT`), for at most `timeout`; fewer acknowledgements
     /// give [`StoreError::Unavailable`]. Narrows, but cannot close, the
@@ -283,6 +307,16 @@ where
     ///
     /// The `WAIT` call may take `timeout` plus the
     /// [`call_timeout`](Self::call_timeout) before the client gives up.
+    ///
+    /// **After an acquisition, `WAIT` never outlasts the lease**: its
+    /// timeout is `min(timeout, lease / 2)` (at least 1 ms), and a `TIME`
+    /// sent in the same pipeline (run when `WAIT` returns) checks the
+    /// lease's deadline, which the acquire script computed by the same
+    /// server clock. A lease that is over by then (a takeover may already
+    /// hold the key) is never reported: the acquisition is released and
+    /// the caller gets [`StoreError::Unavailable`]. Under a replica lag
+    /// longer than half the lease, acquisitions fail with `Unavailable`
+    /// until the replica catches up; give a longer lease to wait longer.
     /// An acquisition whose `WAIT` fails is released before the error is
     /// returned (one more round trip, on that path only), so the retry can
     /// acquire the key; if the release fails too, the key stays in
@@ -357,9 +391,23 @@ where
         }
     }
 
-    async fn wait_replicas(&self, redis_key: &str) -> Result<(), StoreError> {
-        let Some((replicas, timeout)) = self.wait else {
+    /// `WAIT`s for the replicas. For an acquisition (`lease`: its length
+    /// and its deadline, by the server's clock, as the script returned
+    /// it), the `WAIT` lasts at most half the lease, and a `TIME` in the
+    /// same pipeline (run when `WAIT` returns) checks that the lease is
+    /// not over by the server's clock: a lease that ended while waiting
+    /// may already be taken over, and is never reported.
+    async fn wait_replicas(
+        &self,
+        redis_key: &str,
+        lease: Option<(Duration, SystemTime)>,
+    ) -> Result<(), StoreError> {
+        let Some((replicas, configured)) = self.wait else {
             return Ok(());
+        };
+        let timeout = match lease {
+            Some((length, _)) => configured.min((length / 2).max(Duration::from_millis(1))),
+            None => configured,
         };
         let mut conn = self.conn.clone();
         // Routed by the key, so a cluster sends it to the primary that owns it.
@@ -367,14 +415,23 @@ where
         cmd.arg(replicas).arg(millis(timeout));
         // WAIT itself may take `timeout`: the client's limit is on top.
         let limit = timeout.saturating_add(self.call_timeout);
-        let acked: i64 = self
+        let (acked, now): (i64, Option<Duration>) = self
             .timed_for(limit, async {
                 let mut pipe = redis::pipe();
                 // An EXISTS on the key in front routes the pipeline to the
                 // key's node in a cluster; WAIT's reply is the second.
                 pipe.cmd("EXISTS").arg(redis_key).ignore().add_command(cmd);
-                let (acked,): (i64,) = pipe.query_async(&mut conn).await?;
-                Ok(acked)
+                if lease.is_some() {
+                    pipe.cmd("TIME");
+                    let (acked, (secs, micros)): (i64, (u64, u64)) =
+                        pipe.query_async(&mut conn).await?;
+                    let now =
+                        Duration::from_secs(secs).saturating_add(Duration::from_micros(micros));
+                    Ok((acked, Some(now)))
+                } else {
+                    let (acked,): (i64,) = pipe.query_async(&mut conn).await?;
+                    Ok((acked, None))
+                }
             })
             .await?;
         if acked < i64::from(replicas) {
@@ -382,6 +439,18 @@ where
                 format!("WAIT: {acked} of {replicas} replicas acknowledged within {timeout:?}")
                     .into(),
             ));
+        }
+        if let (Some((_, until)), Some(now)) = (lease, now) {
+            let until = until.duration_since(UNIX_EPOCH).unwrap_or_default();
+            if now >= until {
+                return Err(StoreError::Unavailable(
+                    format!(
+                        "the lease ended while waiting for the replicas ({:?} past its deadline by the server's clock)",
+                        now - until
+                    )
+                    .into(),
+                ));
+            }
         }
         Ok(())
     }
@@ -403,6 +472,7 @@ where
             return Err(StoreError::zero_lease());
         }
         let redis_key = self.redis_key(key);
+        let lease_length = lease;
         let token = LeaseToken::random();
         let token_bytes = token.to_bytes();
         let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
@@ -417,10 +487,15 @@ where
         let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
         let outcome = decode_acquire(reply, key, token)?;
         if let Acquisition::Acquired(lease) = &outcome {
-            if let Err(e) = self.wait_replicas(&redis_key).await {
-                // Not durable enough: the caller is told Unavailable and
-                // will not run the handler, so the reservation goes too,
-                // or the retry would find the key in progress for a lease.
+            if let Err(e) = self
+                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)))
+                .await
+            {
+                // Not durable enough, or the lease ended meanwhile: the
+                // caller is told Unavailable and will not run the handler,
+                // so the reservation goes too, or the retry would find the
+                // key in progress for a lease. (A lease taken over answers
+                // LeaseLost: the new holder keeps the key.)
                 if let Err(released) = self.release(lease).await {
                     tracing::warn!(
                         key = %redis_key, error = %released,
@@ -458,7 +533,7 @@ where
         if done != 1 {
             return Err(StoreError::LeaseLost);
         }
-        self.wait_replicas(&redis_key).await
+        self.wait_replicas(&redis_key, None).await
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
@@ -526,17 +601,34 @@ where
         decode_record(fields, key)
     }
 
+    // One script, one round trip, harmless to resend: see `delete_marker`
+    // and `scripts/delete.lua`.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let redis_key = self.redis_key(key);
         let mut conn = self.conn.clone();
-        let removed: i64 = self
-            .timed(async {
-                redis::cmd("DEL")
-                    .arg(&redis_key)
-                    .query_async(&mut conn)
-                    .await
-            })
-            .await?;
+        let request = LeaseToken::random().to_hex();
+        let removed: i64 = match delete_marker(&self.prefix, &redis_key, &request) {
+            Some(marker) => {
+                let mut invocation = self.scripts.delete.prepare_invoke();
+                invocation
+                    .key(&redis_key)
+                    .key(&marker)
+                    .arg(millis(self.delete_marker_ttl()));
+                self.timed(invocation.invoke_async(&mut conn)).await?
+            }
+            // Unreachable (a marker in the record's slot always exists);
+            // kept so that a bug there degrades to the old plain DEL.
+            None => {
+                tracing::warn!(key = %redis_key, "no delete marker in the record's slot: plain DEL, not safe to resend");
+                self.timed(async {
+                    redis::cmd("DEL")
+                        .arg(&redis_key)
+                        .query_async(&mut conn)
+                        .await
+                })
+                .await?
+            }
+        };
         Ok(removed > 0)
     }
 
@@ -544,6 +636,86 @@ where
     async fn purge_expired(&self, _max: usize) -> Result<u64, StoreError> {
         Ok(0)
     }
+}
+
+/// The number of Redis Cluster hash slots.
+const SLOTS: u16 = 16384;
+
+/// CRC16 (XMODEM), the hash of Redis Cluster's key slots.
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in data {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+/// The cluster slot of a key: of its hash tag (the bytes between the first
+/// `{` and the first `}` after it, when not empty), else of the whole key.
+fn slot_of(key: &[u8]) -> u16 {
+    let hashed = key
+        .iter()
+        .position(|&c| c == b'{')
+        .and_then(|open| {
+            let rest = &key[open + 1..];
+            let len = rest.iter().position(|&c| c == b'}')?;
+            (len > 0).then(|| &rest[..len])
+        })
+        .unwrap_or(key);
+    crc16(hashed) % SLOTS
+}
+
+/// For every slot, the smallest number whose decimal digits hash to it:
+/// a hash tag `{n}` that puts a key in that slot. Made once (about 170,000
+/// CRCs of a few bytes).
+fn slot_tags() -> &'static [u32] {
+    static TAGS: OnceLock<Vec<u32>> = OnceLock::new();
+    TAGS.get_or_init(|| {
+        let mut tags = vec![u32::MAX; usize::from(SLOTS)];
+        let mut left = usize::from(SLOTS);
+        let mut n: u32 = 0;
+        while left > 0 && n < u32::MAX {
+            let slot = usize::from(slot_of(n.to_string().as_bytes()));
+            if tags[slot] == u32::MAX {
+                tags[slot] = n;
+                left -= 1;
+            }
+            n += 1;
+        }
+        tags
+    })
+}
+
+/// The key of one `delete` call's marker (`request` is its random id): in
+/// the record's hash slot, so the script touching both works on Redis
+/// Cluster. `{prefix}delete/{n}/{request}`, where the hash tag `{n}` maps
+/// to the record's slot; if the prefix holds a hash tag of its own (then
+/// the record key's tag too), `{n}{prefix}delete/{request}`. Checked
+/// against the `redis` crate's own slot computation; `None` (never seen:
+/// the table covers every slot) means no such key was found.
+fn delete_marker(prefix: &str, redis_key: &str, request: &str) -> Option<String> {
+    let slot = slot_of(redis_key.as_bytes());
+    let tag = *slot_tags().get(usize::from(slot))?;
+    if tag == u32::MAX {
+        return None;
+    }
+    let same_slot = |marker: &str| {
+        redis::cluster_routing::Slot::for_key(marker)
+            == redis::cluster_routing::Slot::for_key(redis_key)
+    };
+    [
+        format!("{prefix}delete/{{{tag}}}/{request}"),
+        format!("{{{tag}}}{prefix}delete/{request}"),
+    ]
+    .into_iter()
+    .find(|marker| same_slot(marker))
 }
 
 /// `d` in whole milliseconds for a script: saturated to
@@ -833,6 +1005,36 @@ mod tests {
         assert_eq!(
             millis(Duration::MAX),
             idem_core::MAX_DURATION.as_millis() as u64
+        );
+    }
+
+    #[test]
+    fn delete_markers_live_in_the_record_slot() {
+        // Known values: CRC16/XMODEM("123456789") = 0x31C3; Redis's
+        // `CLUSTER KEYSLOT foo` = 12182.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot_of(b"foo"), 12182);
+        assert_eq!(slot_of(b"{foo}bar"), 12182);
+        assert_eq!(slot_of(b"a{}foo"), slot_of(b"a{}foo"));
+        assert!(
+            slot_tags().iter().all(|&t| t != u32::MAX),
+            "a slot without a tag"
+        );
+        for prefix in ["idem:", "", "{app}:", "a{", "}{", "{}", "x{y"] {
+            for id in ["k", "{k}", "}", "{", "a{b}c", "{}x"] {
+                let record = format!("{prefix}scope/{id}");
+                let marker = delete_marker(prefix, &record, "00ff")
+                    .unwrap_or_else(|| panic!("no marker for {record:?}"));
+                assert_eq!(
+                    slot_of(marker.as_bytes()),
+                    slot_of(record.as_bytes()),
+                    "{record:?} {marker:?}"
+                );
+                assert!(marker.contains("00ff"));
+            }
+        }
+        assert!(
+            delete_marker("idem:", "idem:s/k", "r").is_some_and(|m| m.starts_with("idem:delete/{"))
         );
     }
 

@@ -40,6 +40,7 @@
 //! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
 //! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
+//! | a field name that is not UTF-8, or that appears twice in the entry | dead-lettered at once, its fields copied byte for byte; the handler never runs ([`StreamEntry::fields`] is a map by `String` name: such names would be merged) |
 //! | the executor's configuration is refused (a zero lease or retention) | left pending, and `run` fails: nothing could succeed |
 //!
 //! Dead-lettering adds the entry to the dead-letter stream (default
@@ -49,6 +50,14 @@
 //! it. The two are separate commands (the streams may live on different
 //! cluster slots): a crash between them dead-letters the entry again on its
 //! next delivery.
+//!
+//! # Scopes
+//!
+//! The keys' scope is `stream.{stream}` by default, or for a stream name
+//! that is not a valid scope `stream:` and a hash of the name
+//! ([`default_scope`]): two streams never share keys. (Before, every such
+//! stream shared the scope `stream`: set [`scope`](StreamConsumer::scope)
+//! `("stream")` to keep those keys.)
 //!
 //! # Handlers run detached
 //!
@@ -246,7 +255,8 @@ where
     /// or reads fail with `Unavailable`.
     ///
     /// Defaults: key from the field `id`, scope `stream.{stream}` (when
-    /// valid, else `stream`), batches of 32, 8 entries at once, reads
+    /// valid, else `stream:` and a hash of the name: [`default_scope`]),
+    /// batches of 32, 8 entries at once, reads
     /// blocking for 500 ms, entries reclaimed after 30 s idle (set
     /// `claim_idle` longer than your handler's longest run), 5 s call
     /// timeout, dead-lettered to `{stream}:dead` after
@@ -258,12 +268,7 @@ where
         consumer: &str,
         idem: Idempotency<S, C>,
     ) -> Result<Self, StoreError> {
-        let scope = format!("stream.{stream}");
-        let scope = if IdempotencyKey::new(scope.clone(), "x").is_ok() {
-            scope
-        } else {
-            "stream".to_owned()
-        };
+        let scope = default_scope(stream);
         let this = StreamConsumer {
             conn,
             stream: stream.to_owned(),
@@ -310,7 +315,9 @@ where
         self
     }
 
-    /// The scope of the keys (default `stream.{stream}`).
+    /// The scope of the keys (default `stream.{stream}`, or
+    /// `stream:{hash}` for a stream name that is not a valid scope: see
+    /// [`default_scope`]).
     pub fn scope(mut self, scope: impl Into<String>) -> Self {
         self.scope = scope.into();
         self
@@ -482,10 +489,7 @@ where
         let reply: Value = self.call(&cmd, self.call_timeout).await?;
         Ok(read_reply(reply)?
             .into_iter()
-            .map(|entry| Delivery {
-                entry,
-                first: false,
-            })
+            .map(|read| Delivery::new(read, false))
             .collect())
     }
 
@@ -507,10 +511,7 @@ where
             .fetch_add(entries.len() as u64, Ordering::Relaxed);
         Ok(entries
             .into_iter()
-            .map(|entry| Delivery {
-                entry,
-                first: false,
-            })
+            .map(|read| Delivery::new(read, false))
             .collect())
     }
 
@@ -548,7 +549,7 @@ where
         };
         Ok(read_reply(reply)?
             .into_iter()
-            .map(|entry| Delivery { entry, first: true })
+            .map(|read| Delivery::new(read, true))
             .collect())
     }
 
@@ -586,7 +587,10 @@ where
         let mut chains: Vec<Vec<(Delivery, Result<IdempotencyKey, String>)>> = Vec::new();
         let mut chain_of: HashMap<IdempotencyKey, usize> = HashMap::new();
         for delivery in deliveries {
-            let key = self.key_of(&delivery.entry);
+            let key = match &delivery.unusable {
+                Some(unusable) => Err(unusable.reason.clone()),
+                None => self.key_of(&delivery.entry),
+            };
             match &key {
                 Ok(k) => match chain_of.get(k) {
                     Some(&i) => chains[i].push((delivery, key)),
@@ -603,6 +607,9 @@ where
                 let mut done = Vec::with_capacity(chain.len());
                 for (delivery, key) in chain {
                     let outcome = match key {
+                        // Its fields cannot be given to the handler as they
+                        // are: never merged, never run.
+                        Err(reason) if delivery.unusable.is_some() => Outcome::Dead(reason),
                         // XADD needs a field: an entry without any was
                         // deleted from the stream while pending.
                         _ if delivery.entry.fields.is_empty() => Outcome::Deleted,
@@ -809,8 +816,18 @@ where
                 .arg(count)
                 .arg("idem.reason")
                 .arg(reason);
-            for (name, value) in &delivery.entry.fields {
-                cmd.arg(name).arg(value.as_slice());
+            match &delivery.unusable {
+                // Its fields as read, byte for byte.
+                Some(unusable) => {
+                    for (name, value) in &unusable.raw {
+                        cmd.arg(name.as_slice()).arg(value.as_slice());
+                    }
+                }
+                None => {
+                    for (name, value) in &delivery.entry.fields {
+                        cmd.arg(name).arg(value.as_slice());
+                    }
+                }
             }
         }
         match self.call_pipeline(&pipe).await {
@@ -860,6 +877,47 @@ where
 struct Delivery {
     entry: StreamEntry,
     first: bool,
+    unusable: Option<Unusable>,
+}
+
+impl Delivery {
+    fn new(read: Read, first: bool) -> Self {
+        Delivery {
+            entry: read.entry,
+            first,
+            unusable: read.unusable,
+        }
+    }
+}
+
+/// An entry as parsed from a reply.
+struct Read {
+    entry: StreamEntry,
+    unusable: Option<Unusable>,
+}
+
+/// Why an entry's fields cannot be given to the handler as a
+/// [`StreamEntry`] (a field name that is not UTF-8, or a name that appears
+/// twice: a map by `String` name would merge them), with its fields as
+/// read, for the dead-letter stream.
+struct Unusable {
+    reason: String,
+    raw: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// The default scope of a stream's keys: `stream.{stream}` when that is a
+/// valid scope, else `stream:` followed by the first 24 bytes of the
+/// SHA-256 of the name in hex (55 bytes in all). The two forms differ at
+/// their 7th byte (`.` or `:`), and different names give different
+/// `stream.{stream}` scopes and (but for a SHA-256 collision) different
+/// hashes, so two streams never share a default scope.
+pub fn default_scope(stream: &str) -> String {
+    let scope = format!("stream.{stream}");
+    if IdempotencyKey::new(scope.clone(), "x").is_ok() {
+        return scope;
+    }
+    let hash = Fingerprint::of_bytes(stream.as_bytes()).to_hex();
+    format!("stream:{}", &hash[..48])
 }
 
 /// What to do with an entry after processing it.
@@ -909,7 +967,7 @@ fn bytes(v: Value) -> Vec<u8> {
 
 /// `[id, [field, value, ...]]`, or `[id, nil]` for an entry deleted from
 /// the stream while pending (returned with no fields).
-fn entry_of(v: Value) -> Result<StreamEntry, StoreError> {
+fn entry_of(v: Value) -> Result<Read, StoreError> {
     let Value::Array(mut parts) = v else {
         return Err(unexpected("a stream entry", &v));
     };
@@ -919,26 +977,58 @@ fn entry_of(v: Value) -> Result<StreamEntry, StoreError> {
     let raw_fields = parts.pop().unwrap_or(Value::Nil);
     let id_value = parts.pop().unwrap_or(Value::Nil);
     let id = text(id_value.clone()).ok_or_else(|| unexpected("an entry ID", &id_value))?;
-    let mut fields = BTreeMap::new();
-    match raw_fields {
-        Value::Nil => {}
+    let raw: Vec<(Vec<u8>, Vec<u8>)> = match raw_fields {
+        Value::Nil => Vec::new(),
         Value::Array(items) => {
+            let mut raw = Vec::with_capacity(items.len() / 2);
             let mut it = items.into_iter();
             while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                fields.insert(String::from_utf8_lossy(&bytes(k)).into_owned(), bytes(v));
+                raw.push((bytes(k), bytes(v)));
             }
+            raw
         }
-        Value::Map(pairs) => {
-            for (k, v) in pairs {
-                fields.insert(String::from_utf8_lossy(&bytes(k)).into_owned(), bytes(v));
-            }
-        }
+        Value::Map(pairs) => pairs
+            .into_iter()
+            .map(|(k, v)| (bytes(k), bytes(v)))
+            .collect(),
         other => return Err(unexpected("the fields of an entry", &other)),
+    };
+    // Names are kept exactly or the entry is refused: never merged.
+    let mut fields = BTreeMap::new();
+    let mut problem = None;
+    for (name, value) in &raw {
+        match std::str::from_utf8(name) {
+            Ok(text) => {
+                if fields.insert(text.to_owned(), value.clone()).is_some() {
+                    problem.get_or_insert_with(|| {
+                        format!("the field name {text:?} appears more than once")
+                    });
+                }
+            }
+            Err(_) => {
+                problem.get_or_insert_with(|| {
+                    format!("the field name 0x{} is not UTF-8", hex_of(name))
+                });
+            }
+        }
     }
-    Ok(StreamEntry { id, fields })
+    let unusable = problem.map(|reason| Unusable {
+        reason: format!(
+            "{reason}: the entry cannot be given to the handler without merging or dropping fields"
+        ),
+        raw,
+    });
+    Ok(Read {
+        entry: StreamEntry { id, fields },
+        unusable,
+    })
 }
 
-fn entries_of(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
+fn hex_of(b: &[u8]) -> String {
+    b.iter().map(|c| format!("{c:02x}")).collect()
+}
+
+fn entries_of(v: Value) -> Result<Vec<Read>, StoreError> {
     match v {
         Value::Array(items) => items
             .into_iter()
@@ -952,7 +1042,7 @@ fn entries_of(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
 
 /// The entries of an `XREADGROUP` reply for one stream: nil (nothing
 /// new), `[[stream, entries]]` (RESP2) or `{stream: entries}` (RESP3).
-fn read_reply(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
+fn read_reply(v: Value) -> Result<Vec<Read>, StoreError> {
     match v {
         Value::Nil => Ok(Vec::new()),
         Value::Array(streams) => {
@@ -980,7 +1070,7 @@ fn read_reply(v: Value) -> Result<Vec<StreamEntry>, StoreError> {
 
 /// `[next cursor, entries, deleted IDs]` of `XAUTOCLAIM`. Entries deleted
 /// from the stream are dropped from the pending list by Redis itself.
-fn autoclaim_reply(v: Value) -> Result<(String, Vec<StreamEntry>), StoreError> {
+fn autoclaim_reply(v: Value) -> Result<(String, Vec<Read>), StoreError> {
     let Value::Array(items) = v else {
         return Err(unexpected("XAUTOCLAIM", &v));
     };
@@ -1030,8 +1120,9 @@ mod tests {
         for reply in [resp2, resp3] {
             let got = read_reply(reply).unwrap_or_else(|e| panic!("{e}"));
             assert_eq!(got.len(), 2);
-            assert_eq!(got[0].text("id"), Some("a"));
-            assert!(got[1].fields.is_empty());
+            assert_eq!(got[0].entry.text("id"), Some("a"));
+            assert!(got[0].unusable.is_none());
+            assert!(got[1].entry.fields.is_empty());
         }
         assert!(read_reply(Value::Nil).is_ok_and(|e| e.is_empty()));
         let claim = Value::Array(vec![
@@ -1049,5 +1140,40 @@ mod tests {
         assert_eq!(pending_count(pending), Some(("1-0".to_owned(), 3)));
         assert_eq!(pending_count(Value::Array(vec![])), None);
         assert!(read_reply(Value::Int(1)).is_err());
+    }
+
+    #[test]
+    fn binary_or_repeated_field_names_are_refused_not_merged() {
+        let raw = |k: &[u8], v: &str| [Value::BulkString(k.to_vec()), bulk(v)];
+        for (fields, what) in [
+            ([raw(b"\xffa", "1"), raw(b"\xfea", "2")], "not UTF-8"),
+            ([raw(b"a", "1"), raw(b"a", "2")], "more than once"),
+        ] {
+            let entry = Value::Array(vec![
+                bulk("1-0"),
+                Value::Array(fields.into_iter().flatten().collect()),
+            ]);
+            let read = entry_of(entry).unwrap_or_else(|e| panic!("{e}"));
+            let unusable = read.unusable.unwrap_or_else(|| panic!("{what}: accepted"));
+            assert!(unusable.reason.contains(what), "{}", unusable.reason);
+            assert_eq!(
+                unusable.raw.len(),
+                2,
+                "every field kept for the dead letter"
+            );
+        }
+    }
+
+    #[test]
+    fn default_scopes_are_distinct_and_valid() {
+        assert_eq!(default_scope("orders"), "stream.orders");
+        let (a, b) = (default_scope("orders/eu"), default_scope("refunds/eu"));
+        assert_ne!(a, b);
+        for s in [&a, &b] {
+            assert!(s.starts_with("stream:") && s.len() == 55, "{s}");
+            assert!(IdempotencyKey::new(s.clone(), "x").is_ok(), "{s}");
+        }
+        let long = "x".repeat(100);
+        assert!(IdempotencyKey::new(default_scope(&long), "x").is_ok());
     }
 }
