@@ -2080,3 +2080,28 @@ async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservat
         "a live reservation was deleted by a resent delete: the key ran twice ({second:?})"
     );
 }
+
+/// Third review: a `complete` whose reply is lost after the server
+/// committed it is resent; with a short retention the completed row is
+/// already past its expiry when the resend arrives. The resend must still
+/// answer Ok (the row was completed by this very token; nobody took it
+/// over), not `LeaseLost`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_complete_past_a_short_retention_is_not_lease_lost() {
+    let (proxy, url) = proxied_shared_server().await;
+    let store = PgStore::builder(pg::pool(&url, 1).await)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let k = key("resent-complete-short");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    proxy.lose_replies_to(b"resent-complete-reply", 1, 1);
+    let done = store
+        .complete(&lease, b"resent-complete-reply", Duration::from_millis(5))
+        .await;
+    assert_eq!(proxy.lost(), 1, "no reply was lost: proves nothing");
+    assert!(matches!(done, Ok(())), "{done:?}");
+}
