@@ -268,10 +268,7 @@ async fn every_operation_is_one_round_trip() {
     };
     // One connection, so every call below reuses it (and its prepared
     // statements); nothing else talks through the proxy.
-    let store = PgStore::builder(pg::pool(&url, 1).await)
-        .connections(1)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = one_connection_store(&url).await;
     let long = Duration::from_secs(60);
 
     // Warm up: the first use of each statement on a connection prepares it.
@@ -1935,10 +1932,7 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     let lease = Duration::from_secs(30);
 
     // Reused connection: warmed by one call first.
-    let store = PgStore::builder(pg::pool(&url, 1).await)
-        .connections(1)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = one_connection_store(&url).await;
     let _ = store.get(&key("warm")).await;
     let k1 = key("lost-reused");
     proxy.lose_replies_to(k1.id().as_bytes(), 1, 1);
@@ -1950,10 +1944,7 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     assert!(matches!(reused, Ok(Acquisition::Acquired(_))), "{reused:?}");
 
     // Fresh connection: a new store, this is its first call.
-    let store = PgStore::builder(pg::pool(&url, 1).await)
-        .connections(1)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = one_connection_store(&url).await;
     let k2 = key("lost-fresh");
     proxy.lose_replies_to(k2.id().as_bytes(), 1, 1);
     let fresh = store.acquire(&k2, None, lease).await;
@@ -1982,10 +1973,7 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_session_setup_is_not_counted_as_an_open_connection() {
     let (proxy, url) = proxied_shared_server().await;
-    let store = PgStore::builder(pg::pool(&url, 1).await)
-        .connections(1)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = one_connection_store(&url).await;
     proxy.lose_replies_to(b"set_config('statement_timeout'", 1, 3);
     for i in 0..3 {
         let r = store.get(&key(&format!("setup-{i}"))).await;
@@ -2089,10 +2077,7 @@ async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservat
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resent_complete_past_a_short_retention_is_not_lease_lost() {
     let (proxy, url) = proxied_shared_server().await;
-    let store = PgStore::builder(pg::pool(&url, 1).await)
-        .connections(1)
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let store = one_connection_store(&url).await;
     let k = key("resent-complete-short");
     let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
     else {
@@ -2104,4 +2089,13 @@ async fn a_resent_complete_past_a_short_retention_is_not_lease_lost() {
         .await;
     assert_eq!(proxy.lost(), 1, "no reply was lost: proves nothing");
     assert!(matches!(done, Ok(())), "{done:?}");
+}
+
+/// A PgStore with one connection of its own, over a pool of one, on `url`
+/// (a proxied server in the resend tests).
+async fn one_connection_store(url: &str) -> PgStore {
+    PgStore::builder(pg::pool(url, 1).await)
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
 }
