@@ -448,28 +448,9 @@ fn ran_and_nothing_pending(
 /// and the entry that arrives after 6 s idle is processed and acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_read_blocking_longer_than_five_seconds_waits_on_an_idle_stream() {
-    let stream = format!("idle-long-{:08x}", fastrand::u32(..));
-    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
-        .await
-        .block(Duration::from_secs(8))
-        .claim_idle(Duration::from_secs(60));
-    let producer = {
-        let stream = stream.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(6)).await; // the stream stays idle
-            xadd(&stream, &[("message_id", "late")]).await
-        })
-    };
-    let runs = Arc::new(AtomicU64::new(0));
-    let stats = run_until(
-        &consumer,
-        counting(&runs),
-        Duration::from_secs(30),
-        ran_and_nothing_pending(&stream, &runs, 1),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    let stats =
+        late_entry_on_an_idle_stream("idle-long", Duration::from_secs(8), Duration::from_secs(60))
+            .await;
     assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
 }
 
@@ -479,30 +460,9 @@ async fn a_read_blocking_longer_than_five_seconds_waits_on_an_idle_stream() {
 /// stayed pending), and the entry is processed and acked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn block_zero_waits_for_entries_without_a_time_limit() {
-    let stream = format!("idle-zero-{:08x}", fastrand::u32(..));
-    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
-        .await
-        .block(Duration::ZERO)
-        .claim_idle(Duration::from_secs(4));
-    let producer = {
-        let stream = stream.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_secs(6)).await; // the stream stays idle
-            xadd(&stream, &[("message_id", "late")]).await
-        })
-    };
-    let runs = Arc::new(AtomicU64::new(0));
-    let stats = run_until(
-        &consumer,
-        counting(&runs),
-        Duration::from_secs(30),
-        ran_and_nothing_pending(&stream, &runs, 1),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    let stats =
+        late_entry_on_an_idle_stream("idle-zero", Duration::ZERO, Duration::from_secs(4)).await;
     assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
-    assert_eq!(pending(&stream, "g").await, 0);
 }
 
 /// Item 10 (d): two deliveries of one message in the same batch: the second
@@ -1126,4 +1086,38 @@ async fn entries_with_non_utf8_field_names_are_dead_lettered_never_merged() {
             "{name:?} is not in the dead letters: {words:?}"
         );
     }
+}
+
+/// A consumer with `block` and `claim_idle` reads a stream that stays idle
+/// for 6 s before one entry arrives; returns its stats once the entry ran
+/// and nothing is pending (checked by `ran_and_nothing_pending`).
+async fn late_entry_on_an_idle_stream(
+    tag: &str,
+    block: Duration,
+    claim_idle: Duration,
+) -> idem::redis::streams::ConsumerStats {
+    let stream = format!("{tag}-{:08x}", fastrand::u32(..));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(block)
+        .claim_idle(claim_idle);
+    let producer = {
+        let stream = stream.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(6)).await; // the stream stays idle
+            xadd(&stream, &[("message_id", "late")]).await
+        })
+    };
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(30),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(pending(&stream, "g").await, 0);
+    stats
 }
