@@ -36,9 +36,31 @@ apt_install() {
   command -v "$1" >/dev/null 2>&1 || apt_package "$2"
 }
 
-# free_port: a TCP port on 127.0.0.1 that nothing listens on now.
+# free_port [BUS]: a TCP port on 127.0.0.1 that nothing listens on now,
+# drawn from IDEM_PORT_MIN..IDEM_PORT_MAX (default 20000..55000, the rule of
+# tests/support too: below the kernel's ephemeral range, and low enough
+# that a cluster node's bus port, port + 10000, exists). With BUS, port +
+# 10000 must be free as well.
 free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1]); s.close()'
+  python3 - "${IDEM_PORT_MIN:-20000}" "${IDEM_PORT_MAX:-55000}" "${1:-}" <<'PY'
+import random, socket, sys
+lo, hi, bus = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "BUS"
+if not 1024 <= lo <= hi <= (55535 if bus else 65535):
+    sys.exit(f"free_port: bad range {lo}..{hi}" + (" (a cluster node needs port + 10000 <= 65535)" if bus else ""))
+def free(p):
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", p)); return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+for _ in range(1000):
+    p = random.randint(lo, hi)
+    if free(p) and (not bus or free(p + 10000)):
+        print(p); sys.exit(0)
+sys.exit(f"free_port: no free port in {lo}..{hi}")
+PY
 }
 
 # wait_until SECONDS DESCRIPTION COMMAND...: retry COMMAND until it succeeds.
@@ -113,7 +135,7 @@ server_redis_cluster() {
   apt_install redis-server redis-server
   apt_install redis-cli redis-tools
   for _ in 1 2 3; do
-    port=$(free_port)
+    port=$(free_port BUS)
     dir="$WORK_DIR/redis-cluster-$port"
     mkdir -p "$dir"
     redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" --save "" --appendonly no \
