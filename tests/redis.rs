@@ -30,7 +30,7 @@ async fn cluster() -> RedisStore<ClusterConnection> {
         .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"))
 }
 
-/// Overwrites a record with a plain string: not a hash, so undecodable.
+/// Overwrites a record with a plain string far shorter than a record header.
 async fn clobber<C>(store: &RedisStore<C>, conn: &mut impl ConnectionLike, key: &IdempotencyKey)
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
@@ -135,13 +135,17 @@ async fn undecodable_records_are_corrupt_never_absent() {
         .get_multiplexed_async_connection()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let damage: [&[&str]; 4] = [
-        &["HSET", "s", "9"],
-        &["HDEL", "a"],
-        &["HSET", "t", "short"],
-        &["HSET", "f", "not-32-bytes"],
+    // (what, offset, bytes written over the stored record; see
+    // idem-redis/scripts/acquire.lua for the layout)
+    let damage: [(&str, isize, &[u8]); 5] = [
+        ("status", 0, b"x"),
+        ("fingerprint flag", 1, b"7"),
+        ("attempt 0", 50, &[0, 0, 0, 0]),
+        ("fence over 2^53", 54, &[0xff; 8]),
+        ("truncated", -1, b"c1"),
     ];
-    for (i, change) in damage.iter().enumerate() {
+    for (i, (what, offset, bytes)) in damage.iter().enumerate() {
+        let change = what;
         let k = testkit::unique_key(&format!("damaged-{i}"));
         let fp = idem::Fingerprint::of_bytes(b"p");
         let Ok(Acquisition::Acquired(l)) =
@@ -153,9 +157,17 @@ async fn undecodable_records_are_corrupt_never_absent() {
             .complete(&l, b"r", Duration::from_secs(600))
             .await
             .is_ok());
-        let mut cmd = idem::redis::redis::cmd(change[0]);
-        cmd.arg(store.redis_key(&k)).arg(&change[1..]);
-        let _: i64 = cmd
+        let mut cmd = if *offset < 0 {
+            // A string shorter than the header, with the expiry kept.
+            let mut cmd = idem::redis::redis::cmd("SET");
+            cmd.arg(store.redis_key(&k)).arg(*bytes).arg("KEEPTTL");
+            cmd
+        } else {
+            let mut cmd = idem::redis::redis::cmd("SETRANGE");
+            cmd.arg(store.redis_key(&k)).arg(*offset).arg(*bytes);
+            cmd
+        };
+        let _: idem::redis::redis::Value = cmd
             .query_async(&mut conn)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
@@ -164,15 +176,11 @@ async fn undecodable_records_are_corrupt_never_absent() {
             matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
             "get after {change:?}: {got:?}"
         );
-        // The fingerprint of a completed record is checked on replay; the
-        // token is not read by acquire.
-        if change[1] != "t" {
-            let got = store.acquire(&k, None, Duration::from_secs(30)).await;
-            assert!(
-                matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
-                "acquire after {change:?}: {got:?}"
-            );
-        }
+        let got = store.acquire(&k, None, Duration::from_secs(30)).await;
+        assert!(
+            matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
+            "acquire after {change:?}: {got:?}"
+        );
     }
 }
 
@@ -510,14 +518,12 @@ async fn scripts_refuse_bad_arguments_before_writing() {
         let rk = rk.clone();
         let mut conn = conn.clone();
         async move {
-            let fields: Vec<(Vec<u8>, Vec<u8>)> = idem::redis::redis::cmd("HGETALL")
+            let record: Vec<u8> = idem::redis::redis::cmd("GET")
                 .arg(&rk)
                 .query_async(&mut conn)
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
-            let mut fields = fields;
-            fields.sort();
-            fields
+            record
         }
     };
     let before = snapshot(&mut conn).await;
@@ -625,10 +631,11 @@ async fn fence_exceeds_a_stored_fence_ahead_of_the_clock() {
     };
     // A fence an hour ahead of the clock.
     let ahead = first.fence + 3_600_000_000;
-    let _: i64 = idem::redis::redis::cmd("HSET")
+    // The fence: 8 big-endian bytes at offset 54 of the stored record.
+    let _: i64 = idem::redis::redis::cmd("SETRANGE")
         .arg(store.redis_key(&k))
-        .arg("n")
-        .arg(ahead)
+        .arg(54)
+        .arg(&ahead.to_be_bytes()[..])
         .query_async(&mut conn)
         .await
         .unwrap_or_else(|e| panic!("{e}"));

@@ -1,23 +1,39 @@
 -- acquire: every outcome in one call.
--- KEYS[1] the record (a hash). ARGV: [1] fingerprint (32 bytes, or ""),
+-- KEYS[1] the record. ARGV: [1] fingerprint (32 bytes, or ""),
 -- [2] new token (16 bytes), [3] lease ms (1 ..= MAX_MS), [4] in-progress
 -- grace ms (0 ..= MAX_MS).
 -- Returns {"acquired", attempt, lease_until_ms, stored fingerprint or "", fence}
---       | {"completed", response, fingerprint, attempt, completed_ms, expires_ms,
---          fence, ttl_ms}
+--       | {"completed", record, ttl_ms}   (the record as stored; the client
+--                                          decodes it)
 --       | {"in_progress", lease_until_ms, attempt, now_ms}
 --       | {"mismatch"}
 --       | {"corrupt", detail}
 -- or an error reply "IDEM_INVALID ..." for a bad argument, before any write.
--- Fields: s status (1 in progress, 2 completed), f fingerprint, t token,
--- a attempt, n fence, l lease until, r response, c created, d completed,
--- e expires (all times in ms by the server's TIME).
+--
+-- The record is one string (format 2): a 94-byte header, then the response
+-- of a completed record. Header (integers big-endian, times in ms by the
+-- server's TIME, fence in us):
+--   [1] status 'p' in progress | 'c' completed
+--   [2] '1' if a fingerprint is stored, else '0'
+--   [3..34] fingerprint (zeros if none)   [35..50] token
+--   [51..54] attempt (u32)   [55..62] fence   [63..70] lease until (0 once
+--   completed)   [71..78] created   [79..86] expires   [87..94] completed
+--   (0 while in progress)
+-- The key's PEXPIREAT is always `expires`.
+--
+-- A duplicate of a completed record (the path idem exists for) costs one
+-- GET and one PTTL: the key exists, so Redis holds it unexpired (time
+-- stands still inside a script), and PTTL is its time left by the
+-- server's clock.
 --
 -- The fence is TIME in microseconds, or the stored fence + 1 if that is
 -- higher: it increases across takeovers even if the clock stalls, and
--- after a release, a delete or an expiry (the hash is gone) it rests on
+-- after a release, a delete or an expiry (the key is gone) it rests on
 -- the server's clock alone.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
+local HEADER_LEN = 94
+local NO_FP = string.rep('\0', 32)
 
 local function invalid(detail)
   return redis.error_reply('IDEM_INVALID ' .. detail)
@@ -30,18 +46,8 @@ local function ms(v, min)
   end
   return n
 end
--- Numbers are written as plain integers, never in exponent notation.
 local function int(n)
   return string.format('%.0f', n)
-end
-
--- A stored integer in [0, 2^53 - 1], or nil.
-local function stored(v)
-  local n = tonumber(v)
-  if n == nil or n ~= n or n ~= math.floor(n) or n < 0 or n > 9007199254740991 then
-    return nil
-  end
-  return n
 end
 
 if #KEYS ~= 1 or #ARGV ~= 4 then return invalid('acquire takes 1 key and 4 arguments') end
@@ -53,30 +59,48 @@ if #token ~= 16 then return invalid('token must be 16 bytes') end
 if not lease then return invalid('lease must be an integer number of ms in 1..=' .. int(MAX_MS)) end
 if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
 
+local v = redis.pcall('GET', key)
+if type(v) == 'table' then
+  return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
+end
+
+-- The fast path: a completed record, replayed as stored.
+if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
+  local hasfp = string.byte(v, 2)
+  if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+    return {'mismatch'}
+  end
+  local ttl = redis.call('PTTL', key)
+  if (hasfp == 48 or hasfp == 49) and ttl > 0 then
+    return {'completed', v, ttl}
+  end
+  -- No expiry (someone PERSISTed it), its last ms, or a bad header: the
+  -- general path below decides.
+end
+
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
 local until_ms = now + lease
 
-local kind = redis.call('TYPE', key).ok
-if kind ~= 'none' and kind ~= 'hash' then
-  return {'corrupt', 'the record is a ' .. kind .. ', not a hash'}
-end
-
-local s, f, t, a, l, e, n = nil, nil, nil, nil, nil, nil, nil
-if kind == 'hash' then
-  local v = redis.call('HMGET', key, 's', 'f', 't', 'a', 'l', 'e', 'n')
-  s, f, t, a, l, e = v[1], v[2], v[3], stored(v[4]), stored(v[5]), stored(v[6])
-  if s ~= '1' and s ~= '2' then
-    return {'corrupt', 'unknown status ' .. tostring(s)}
+local s, f, t, a, n, l, c, e, d = nil, nil, nil, nil, nil, nil, nil, nil, nil
+if v then
+  if #v < HEADER_LEN then
+    return {'corrupt', 'record of ' .. #v .. ' bytes, shorter than its header'}
   end
-  if not a or a < 1 or a > 4294967295 or not e or (s == '1' and not l) then
-    return {'corrupt', 'missing or out-of-range attempt, lease or expiry'}
+  local hasfp
+  s, hasfp, f, t, a, n, l, c, e, d = struct.unpack(HEADER, v)
+  if s ~= 'p' and s ~= 'c' then
+    return {'corrupt', 'unknown status ' .. string.format('%q', s)}
   end
-  -- Records written before fences existed have none: 0.
-  n = stored(v[7] or '0')
-  if not n then
-    return {'corrupt', 'non-numeric or out-of-range fence'}
+  if hasfp == '0' then
+    f = nil
+  elseif hasfp ~= '1' then
+    return {'corrupt', 'bad fingerprint flag'}
+  end
+  if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+      or (s == 'p' and l == 0) then
+    return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
   end
 end
 
@@ -85,19 +109,26 @@ end
 local fence = now_us
 if n and n >= fence then fence = n + 1 end
 
+local function write(status, fp_stored, attempt, created)
+  local has = '1'
+  if not fp_stored then has, fp_stored = '0', NO_FP end
+  redis.call('SET', key,
+    struct.pack(HEADER, status, has, fp_stored, token, attempt, fence, until_ms, created,
+      until_ms + grace, 0),
+    'PXAT', int(until_ms + grace))
+end
+
 -- Absent, or expired (Redis removes it at `e`; this guards the same ms).
-if kind == 'none' or e <= now then
-  redis.call('DEL', key)
-  redis.call('HSET', key, 's', '1', 't', token, 'a', '1', 'n', int(fence),
-    'l', int(until_ms), 'c', int(now), 'e', int(until_ms + grace))
-  if fp ~= '' then redis.call('HSET', key, 'f', fp) end
-  redis.call('PEXPIREAT', key, int(until_ms + grace))
+if not v or e <= now then
+  local stored_fp = nil
+  if fp ~= '' then stored_fp = fp end
+  write('p', stored_fp, 1, now)
   return {'acquired', 1, until_ms, fp, fence}
 end
 
 -- The same call again (a client retry after a lost reply): this token
 -- already holds the key, so it is still acquired, with its fence.
-if s == '1' and t == token then
+if s == 'p' and t == token then
   return {'acquired', a, l, f or '', n}
 end
 
@@ -105,12 +136,8 @@ if f and fp ~= '' and f ~= fp then
   return {'mismatch'}
 end
 
-if s == '2' then
-  local v = redis.call('HMGET', key, 'r', 'd')
-  if not v[1] or not tonumber(v[2]) then
-    return {'corrupt', 'completed without a response or completion time'}
-  end
-  return {'completed', v[1], f or '', a, tonumber(v[2]), e, n, e - now}
+if s == 'c' then
+  return {'completed', v, e - now}
 end
 
 if l > now then
@@ -120,8 +147,6 @@ end
 -- Takeover: the holder's lease is over. Fingerprint and attempt carry over
 -- (the attempt saturates at u32::MAX).
 if a < 4294967295 then a = a + 1 end
-redis.call('HSET', key, 't', token, 'a', int(a), 'n', int(fence),
-  'l', int(until_ms), 'e', int(until_ms + grace))
-if not f and fp ~= '' then redis.call('HSET', key, 'f', fp) end
-redis.call('PEXPIREAT', key, int(until_ms + grace))
-return {'acquired', a, until_ms, f or fp, fence}
+if not f and fp ~= '' then f = fp end
+write('p', f, a, c)
+return {'acquired', a, until_ms, f or '', fence}

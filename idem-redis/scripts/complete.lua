@@ -5,7 +5,10 @@
 -- error reply "IDEM_INVALID ..." for a bad argument, before any write.
 -- Completing again with the token that completed the record returns 1 and
 -- changes nothing: a retry after a lost reply must not look like a loss.
+-- The record's format: see acquire.lua.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
+local HEADER_LEN = 94
 
 local function invalid(detail)
   return redis.error_reply('IDEM_INVALID ' .. detail)
@@ -24,15 +27,16 @@ if retention == nil or retention ~= retention or retention ~= math.floor(retenti
   return invalid('retention must be an integer number of ms in 0..=' .. int(MAX_MS))
 end
 
-if redis.call('TYPE', key).ok ~= 'hash' then return 0 end
-local v = redis.call('HMGET', key, 's', 't')
-if v[2] ~= token then return 0 end
-if v[1] == '2' then return 1 end
-if v[1] ~= '1' then return 0 end
+local v = redis.pcall('GET', key)
+if type(v) ~= 'string' or #v < HEADER_LEN then return 0 end
+if string.sub(v, 35, 50) ~= token then return 0 end
+local s = string.byte(v, 1)
+if s == 99 then return 1 end
+if s ~= 112 then return 0 end
+local _, hasfp, f, t, a, n, _, c = struct.unpack(HEADER, v)
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local expires = now + retention
-redis.call('HSET', key, 's', '2', 'r', response, 'd', int(now), 'e', int(expires))
-redis.call('HDEL', key, 'l')
-redis.call('PEXPIREAT', key, int(expires))
+redis.call('SET', key, struct.pack(HEADER, 'c', hasfp, f, t, a, n, 0, c, expires, now) .. response,
+  'PXAT', int(expires))
 return 1

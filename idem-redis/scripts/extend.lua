@@ -3,8 +3,10 @@
 -- grace ms (0 ..= MAX_MS).
 -- Returns {attempt, lease_until_ms, fence}, or 0 if the token no longer
 -- holds it, or an error reply "IDEM_INVALID ..." for a bad argument, before
--- any write.
+-- any write. The record's format: see acquire.lua.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
+local HEADER_LEN = 94
 
 local function invalid(detail)
   return redis.error_reply('IDEM_INVALID ' .. detail)
@@ -28,15 +30,15 @@ if #token ~= 16 then return invalid('token must be 16 bytes') end
 if not lease then return invalid('lease must be an integer number of ms in 1..=' .. int(MAX_MS)) end
 if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
 
-if redis.call('TYPE', key).ok ~= 'hash' then return 0 end
-local v = redis.call('HMGET', key, 's', 't', 'a', 'n')
-if v[1] ~= '1' or v[2] ~= token then return 0 end
+local v = redis.pcall('GET', key)
+if type(v) ~= 'string' or #v < HEADER_LEN then return 0 end
+if string.byte(v, 1) ~= 112 or string.sub(v, 35, 50) ~= token then return 0 end
+local s, hasfp, f, t, a, n, _, c = struct.unpack(HEADER, v)
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
 local until_ms = now + lease
 local expires = until_ms + grace
-redis.call('HSET', key, 'l', int(until_ms), 'e', int(expires))
-redis.call('PEXPIREAT', key, int(expires))
--- Attempt and fence as stored (the client reports a bad one as corrupt);
--- records written before fences existed have none: 0.
-return {v[3] or '0', until_ms, v[4] or '0'}
+redis.call('SET', key, struct.pack(HEADER, s, hasfp, f, t, a, n, until_ms, c, expires, 0),
+  'PXAT', int(expires))
+-- Attempt and fence as stored (the client reports a bad one as corrupt).
+return {a, until_ms, n}

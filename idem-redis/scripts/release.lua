@@ -1,14 +1,15 @@
 -- release: compare-and-set delete. KEYS[1] the record, ARGV[1] the token
 -- (16 bytes). Returns 1, or 0 if the token no longer holds the key
 -- (LeaseLost), or an error reply "IDEM_INVALID ..." for a bad argument.
+-- The record's format: see acquire.lua.
 if #KEYS ~= 1 or #ARGV ~= 1 then
   return redis.error_reply('IDEM_INVALID release takes 1 key and 1 argument')
 end
 local key = KEYS[1]
 local token = ARGV[1]
 if #token ~= 16 then return redis.error_reply('IDEM_INVALID token must be 16 bytes') end
-if redis.call('TYPE', key).ok ~= 'hash' then return 0 end
-local v = redis.call('HMGET', key, 's', 't')
-if v[1] ~= '1' or v[2] ~= token then return 0 end
+local v = redis.pcall('GET', key)
+if type(v) ~= 'string' or #v < 94 then return 0 end
+if string.byte(v, 1) ~= 112 or string.sub(v, 35, 50) ~= token then return 0 end
 redis.call('DEL', key)
 return 1

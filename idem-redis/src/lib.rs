@@ -1,12 +1,16 @@
 //! Redis and Redis Cluster store for [idem](https://docs.rs/idem).
 //!
-//! [`RedisStore`] keeps one hash per idempotency key, `{prefix}{scope}/{id}`
+//! [`RedisStore`] keeps one string per idempotency key, `{prefix}{scope}/{id}`
 //! (default prefix `idem:`), and runs every operation as one Lua script, one
 //! round trip: `acquire` returns every outcome (acquired, completed with its
 //! response, in progress with its deadline, mismatch) in its single call.
 //! Lease deadlines come from Redis `TIME` inside the scripts, never from the
-//! client's clock. Retention is a `PEXPIREAT` on the hash, so there is no
-//! cleanup job. Tokens are random 128-bit values made by the client: no
+//! client's clock. Retention is the key's expiry (`PXAT`), so there is no
+//! cleanup job. The record is a 94-byte header then the response (layout in
+//! `scripts/acquire.lua`); a completed record with a 200-byte response takes
+//! about 370 bytes of Redis memory (`MEMORY USAGE`), and a duplicate costs
+//! the script one `GET` and one `PTTL`. Format 2: records written by the
+//! unreleased format 1 (a hash per key) read as `Corrupt`, never as absent. Tokens are random 128-bit values made by the client: no
 //! shared counter, so no hot key and nothing cross-slot in a cluster.
 //!
 //! ```no_run
@@ -43,7 +47,7 @@
 //!   server's `TIME` in microseconds, or the record's stored fence + 1 if
 //!   that is higher. While the record exists (in progress, completed, or
 //!   taken over) fences strictly increase whatever the clock does. After a
-//!   release, a `delete` or the record's expiry the hash is gone, and the
+//!   release, a `delete` or the record's expiry the record is gone, and the
 //!   next fence rests on the server's clock alone: it is higher as long as
 //!   that clock does not go back. A failover to a replica whose clock is
 //!   behind the old primary's (or a clock stepped backwards) can hand out a
@@ -75,6 +79,7 @@
 //!   [`StoreError::Unavailable`], never handed out.
 #![deny(missing_docs)]
 
+mod format;
 pub mod streams;
 
 use std::sync::{Arc, OnceLock};
@@ -585,20 +590,21 @@ where
         let mut conn = self.conn.clone();
         let reply = self
             .timed(async {
-                redis::cmd("HGETALL")
+                redis::cmd("GET")
                     .arg(&redis_key)
                     .query_async::<Value>(&mut conn)
                     .await
             })
             .await;
-        let fields = match reply {
-            Ok(v) => v,
+        match reply {
+            Ok(Value::Nil) => Ok(None),
+            Ok(Value::BulkString(raw)) => decode_record(Bytes::from(raw), key).map(Some),
+            Ok(other) => Err(unexpected(format!("GET returned {other:?}"))),
             Err(StoreError::Backend(e)) if is_wrong_type(&*e) => {
-                return Err(corrupt(key, "the record is not a hash"))
+                Err(corrupt(key, "the record is not a string"))
             }
-            Err(e) => return Err(e),
-        };
-        decode_record(fields, key)
+            Err(e) => Err(e),
+        }
     }
 
     // One script, one round trip, harmless to resend: see `delete_marker`
@@ -801,6 +807,11 @@ fn time_of(ms: i64, key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
         .map_err(|_| corrupt(key, format!("time {ms} ms is before 1970")))
 }
 
+/// A stored time in ms (decoded as u64, at most 2^53 - 1: no overflow).
+fn time_ms(ms: u64, _key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
+    Ok(UNIX_EPOCH + Duration::from_millis(ms))
+}
+
 fn fence_of(n: i64, key: &IdempotencyKey) -> Result<u64, StoreError> {
     u64::try_from(n).map_err(|_| corrupt(key, format!("fence {n} is negative")))
 }
@@ -849,26 +860,31 @@ fn decode_acquire(
                     .with_fingerprint(fingerprint_of(&stored, key)?),
             ))
         }
-        (b"completed", 7) => {
-            let attempt = attempt_of(int(&rest[2], key)?, key)?;
-            let completed = time_of(int(&rest[3], key)?, key)?;
-            let expires = time_of(int(&rest[4], key)?, key)?;
-            let fence = fence_of(int(&rest[5], key)?, key)?;
-            // Time left by the server's clock (expiry minus its TIME).
-            let ttl = Duration::from_millis(u64::try_from(int(&rest[6], key)?).unwrap_or(0));
+        (b"completed", 2) => {
             let mut rest = rest.into_iter();
-            let response = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
-            let fp = rest.next().map(bytes_of).transpose()?.unwrap_or_default();
+            let raw = match rest.next() {
+                Some(Value::BulkString(b)) => Bytes::from(b),
+                other => return Err(unexpected(format!("acquire returned a record {other:?}"))),
+            };
+            // Time left by the server's clock (its PTTL, or expiry minus TIME).
+            let ttl = match rest.next() {
+                Some(v) => Duration::from_millis(u64::try_from(int(&v, key)?).unwrap_or(0)),
+                None => Duration::ZERO,
+            };
+            let stored = format::decode(raw).map_err(|detail| corrupt(key, detail))?;
+            if !stored.completed {
+                return Err(unexpected("acquire replayed a record in progress".into()));
+            }
             Ok(Acquisition::Completed(
                 CompletedRecord::new(
                     key.clone(),
-                    Bytes::from(response),
-                    fingerprint_of(&fp, key)?,
-                    attempt,
-                    completed,
-                    expires,
+                    stored.response,
+                    stored.fingerprint.map(Fingerprint::from_array),
+                    stored.attempt,
+                    time_ms(stored.completed_ms, key)?,
+                    time_ms(stored.expires_ms, key)?,
                 )
-                .with_fence(fence)
+                .with_fence(stored.fence)
                 .with_ttl(ttl),
             ))
         }
@@ -899,90 +915,28 @@ fn decode_acquire(
     }
 }
 
-fn decode_record(reply: Value, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-    let mut pairs: Vec<(Vec<u8>, Value)> = match reply {
-        Value::Array(items) if items.is_empty() => return Ok(None),
-        Value::Map(pairs) if pairs.is_empty() => return Ok(None),
-        Value::Array(items) => {
-            if items.len() % 2 != 0 {
-                return Err(unexpected(
-                    "HGETALL returned an odd number of values".into(),
-                ));
-            }
-            let mut pairs = Vec::with_capacity(items.len() / 2);
-            let mut it = items.into_iter();
-            while let (Some(k), Some(v)) = (it.next(), it.next()) {
-                pairs.push((bytes_of(k)?, v));
-            }
-            pairs
+fn decode_record(raw: Bytes, key: &IdempotencyKey) -> Result<Record, StoreError> {
+    let stored = format::decode(raw).map_err(|detail| corrupt(key, detail))?;
+    let state = if stored.completed {
+        RecordState::Completed {
+            response: stored.response,
+            completed_at: time_ms(stored.completed_ms, key)?,
         }
-        Value::Map(pairs) => pairs
-            .into_iter()
-            .map(|(k, v)| Ok((bytes_of(k)?, v)))
-            .collect::<Result<_, StoreError>>()?,
-        other => return Err(unexpected(format!("HGETALL returned {other:?}"))),
-    };
-    let mut field = |name: &[u8]| -> Option<Value> {
-        pairs
-            .iter()
-            .position(|(k, _)| k == name)
-            .map(|i| pairs.swap_remove(i).1)
-    };
-    let status = field(b"s").map(bytes_of).transpose()?;
-    let fingerprint = field(b"f").map(bytes_of).transpose()?.unwrap_or_default();
-    let token = field(b"t").map(bytes_of).transpose()?.unwrap_or_default();
-    let attempt = field(b"a");
-    let fence = field(b"n");
-    let lease_until = field(b"l");
-    let response = field(b"r").map(bytes_of).transpose()?;
-    let created = field(b"c");
-    let completed = field(b"d");
-    let expires = field(b"e");
-    let need = |v: Option<Value>, what: &str| -> Result<i64, StoreError> {
-        match v {
-            Some(v) => int(&v, key),
-            None => Err(corrupt(key, format!("field {what} is missing"))),
+    } else {
+        RecordState::InProgress {
+            lease_expires_at: time_ms(stored.lease_until_ms, key)?,
         }
     };
-    let token = LeaseToken::from_slice(&token)
-        .ok_or_else(|| corrupt(key, format!("token is {} bytes, not 16", token.len())))?;
-    let attempt = attempt_of(need(attempt, "attempt")?, key)?;
-    // Records written before fences existed have none: 0.
-    let fence = match fence {
-        Some(v) => fence_of(int(&v, key)?, key)?,
-        None => 0,
-    };
-    let created = time_of(need(created, "created")?, key)?;
-    let expires = time_of(need(expires, "expires")?, key)?;
-    let state = match status.as_deref() {
-        Some(b"1") => RecordState::InProgress {
-            lease_expires_at: time_of(need(lease_until, "lease")?, key)?,
-        },
-        Some(b"2") => RecordState::Completed {
-            response: Bytes::from(
-                response.ok_or_else(|| corrupt(key, "completed without a response"))?,
-            ),
-            completed_at: time_of(need(completed, "completed")?, key)?,
-        },
-        other => {
-            return Err(corrupt(
-                key,
-                format!("unknown status {:?}", other.map(String::from_utf8_lossy)),
-            ))
-        }
-    };
-    Ok(Some(
-        Record::new(
-            key.clone(),
-            state,
-            fingerprint_of(&fingerprint, key)?,
-            token,
-            attempt,
-            created,
-            expires,
-        )
-        .with_fence(fence),
-    ))
+    Ok(Record::new(
+        key.clone(),
+        state,
+        stored.fingerprint.map(Fingerprint::from_array),
+        LeaseToken::from_u128(u128::from_be_bytes(stored.token)),
+        stored.attempt,
+        time_ms(stored.created_ms, key)?,
+        time_ms(stored.expires_ms, key)?,
+    )
+    .with_fence(stored.fence))
 }
 
 #[cfg(test)]
