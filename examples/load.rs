@@ -94,6 +94,11 @@ struct Args {
     /// Unmeasured seconds before the measurement.
     #[arg(long, default_value_t = 1.0)]
     warmup: f64,
+    /// Size of the recorded response in bytes (the peer comparison uses
+    /// 200): `--via store` completes with that many bytes, `--via process`
+    /// returns a string whose JSON is that long.
+    #[arg(long, default_value_t = 2)]
+    response_bytes: usize,
     /// Runtime worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
@@ -122,9 +127,29 @@ enum Target {
     Store(
         Arc<dyn IdempotencyStore>,
         Arc<Idempotency<dyn IdempotencyStore>>,
+        Arc<Response>,
     ),
     #[cfg(feature = "postgres")]
     PgTx(idem::postgres::PgStore),
+}
+
+/// What a delivery records: the raw bytes (`--via store`, with the
+/// fingerprint of the payload, as `process` sends it) or the handler's
+/// string (`--via process`).
+struct Response {
+    bytes: Vec<u8>,
+    text: String,
+    fingerprint: Fingerprint,
+}
+
+impl Response {
+    fn new(size: usize) -> Result<Self, BoxError> {
+        Ok(Response {
+            bytes: vec![b'x'; size],
+            text: "x".repeat(size.saturating_sub(2)),
+            fingerprint: Fingerprint::of(&42u64)?,
+        })
+    }
 }
 
 const LEASE: Duration = Duration::from_secs(60);
@@ -134,13 +159,14 @@ const DUPLICATE_KEYS: u64 = 1024;
 impl Target {
     async fn deliver(&self, via: Via, key: &IdempotencyKey) -> Result<Outcome, BoxError> {
         match self {
-            Target::Store(store, idem) => match via {
+            Target::Store(store, idem, response) => match via {
                 Via::Process => {
+                    let text = response.text.clone();
                     let out = idem
                         .process(
                             key,
                             &42u64,
-                            |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                            |_| async move { Ok::<_, std::io::Error>(text) },
                         )
                         .await;
                     match out {
@@ -151,9 +177,12 @@ impl Target {
                         Err(e) => Err(e.into()),
                     }
                 }
-                Via::Store => match store.acquire(key, None, LEASE).await? {
+                Via::Store => match store
+                    .acquire(key, Some(&response.fingerprint), LEASE)
+                    .await?
+                {
                     Acquisition::Acquired(lease) => {
-                        store.complete(&lease, b"43", RETENTION).await?;
+                        store.complete(&lease, &response.bytes, RETENTION).await?;
                         Ok(Outcome::Executed)
                     }
                     Acquisition::Completed(_) => Ok(Outcome::Replayed),
@@ -442,7 +471,11 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
             .retention(RETENTION)
             .on_in_progress(InProgressPolicy::Reject),
     );
-    Ok(Target::Store(store, idem))
+    Ok(Target::Store(
+        store,
+        idem,
+        Arc::new(Response::new(args.response_bytes)?),
+    ))
 }
 
 #[cfg(feature = "redis")]

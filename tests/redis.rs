@@ -157,7 +157,7 @@ async fn undecodable_records_are_corrupt_never_absent() {
             .complete(&l, b"r", Duration::from_secs(600))
             .await
             .is_ok());
-        let mut cmd = if *offset < 0 {
+        let cmd = if *offset < 0 {
             // A string shorter than the header, with the expiry kept.
             let mut cmd = idem::redis::redis::cmd("SET");
             cmd.arg(store.redis_key(&k)).arg(*bytes).arg("KEEPTTL");

@@ -75,25 +75,44 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     async fn purge_expired(&self, max: usize) -> Result<u64, StoreError>;
 }
 
+/// The future an `#[async_trait]` method returns.
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
 macro_rules! forward_store {
     ($ty:ty) => {
         #[async_trait]
         impl<S: IdempotencyStore + ?Sized> IdempotencyStore for $ty {
-            async fn acquire(
-                &self,
-                key: &IdempotencyKey,
-                fingerprint: Option<&Fingerprint>,
+            // The hot calls hand back the inner store's boxed future as it
+            // is: an `async fn` here would box a second future around it
+            // on every call (an `Arc<S>`, as the executor holds, resolves
+            // to this impl).
+            fn acquire<'life0, 'life1, 'life2, 'async_trait>(
+                &'life0 self,
+                key: &'life1 IdempotencyKey,
+                fingerprint: Option<&'life2 Fingerprint>,
                 lease: Duration,
-            ) -> Result<Acquisition, StoreError> {
-                (**self).acquire(key, fingerprint, lease).await
+            ) -> BoxFuture<'async_trait, Result<Acquisition, StoreError>>
+            where
+                'life0: 'async_trait,
+                'life1: 'async_trait,
+                'life2: 'async_trait,
+                Self: 'async_trait,
+            {
+                (**self).acquire(key, fingerprint, lease)
             }
-            async fn complete(
-                &self,
-                lease: &Lease,
-                response: &[u8],
+            fn complete<'life0, 'life1, 'life2, 'async_trait>(
+                &'life0 self,
+                lease: &'life1 Lease,
+                response: &'life2 [u8],
                 retention: Duration,
-            ) -> Result<(), StoreError> {
-                (**self).complete(lease, response, retention).await
+            ) -> BoxFuture<'async_trait, Result<(), StoreError>>
+            where
+                'life0: 'async_trait,
+                'life1: 'async_trait,
+                'life2: 'async_trait,
+                Self: 'async_trait,
+            {
+                (**self).complete(lease, response, retention)
             }
             async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
                 (**self).release(lease).await

@@ -30,10 +30,37 @@
 -- higher: it increases across takeovers even if the clock stalls, and
 -- after a release, a delete or an expiry (the key is gone) it rests on
 -- the server's clock alone.
+
+-- The fast path first, before anything else is defined or parsed: a
+-- completed record, replayed as stored (it writes nothing, so the
+-- arguments it does not read are checked on the other paths only).
+if #KEYS ~= 1 or #ARGV ~= 4 then
+  return redis.error_reply('IDEM_INVALID acquire takes 1 key and 4 arguments')
+end
+local key, fp = KEYS[1], ARGV[1]
+if #fp ~= 0 and #fp ~= 32 then
+  return redis.error_reply('IDEM_INVALID fingerprint must be 0 or 32 bytes')
+end
+local v = redis.pcall('GET', key)
+if type(v) == 'table' then
+  return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
+end
+if v and #v >= 94 and string.byte(v, 1) == 99 then
+  local hasfp = string.byte(v, 2)
+  if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+    return {'mismatch'}
+  end
+  local ttl = redis.call('PTTL', key)
+  if (hasfp == 48 or hasfp == 49) and ttl > 0 then
+    return {'completed', v, ttl}
+  end
+  -- No expiry (someone PERSISTed it), its last ms, or a bad header: the
+  -- general path below decides.
+end
+
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
 local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
 local HEADER_LEN = 94
-local NO_FP = string.rep('\0', 32)
 
 local function invalid(detail)
   return redis.error_reply('IDEM_INVALID ' .. detail)
@@ -50,33 +77,11 @@ local function int(n)
   return string.format('%.0f', n)
 end
 
-if #KEYS ~= 1 or #ARGV ~= 4 then return invalid('acquire takes 1 key and 4 arguments') end
-local key = KEYS[1]
-local fp, token = ARGV[1], ARGV[2]
+local token = ARGV[2]
 local lease, grace = ms(ARGV[3], 1), ms(ARGV[4], 0)
-if #fp ~= 0 and #fp ~= 32 then return invalid('fingerprint must be 0 or 32 bytes') end
 if #token ~= 16 then return invalid('token must be 16 bytes') end
 if not lease then return invalid('lease must be an integer number of ms in 1..=' .. int(MAX_MS)) end
 if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
-
-local v = redis.pcall('GET', key)
-if type(v) == 'table' then
-  return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
-end
-
--- The fast path: a completed record, replayed as stored.
-if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
-  local hasfp = string.byte(v, 2)
-  if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
-    return {'mismatch'}
-  end
-  local ttl = redis.call('PTTL', key)
-  if (hasfp == 48 or hasfp == 49) and ttl > 0 then
-    return {'completed', v, ttl}
-  end
-  -- No expiry (someone PERSISTed it), its last ms, or a bad header: the
-  -- general path below decides.
-end
 
 local time = redis.call('TIME')
 local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
@@ -111,7 +116,7 @@ if n and n >= fence then fence = n + 1 end
 
 local function write(status, fp_stored, attempt, created)
   local has = '1'
-  if not fp_stored then has, fp_stored = '0', NO_FP end
+  if not fp_stored then has, fp_stored = '0', string.rep('\0', 32) end
   redis.call('SET', key,
     struct.pack(HEADER, status, has, fp_stored, token, attempt, fence, until_ms, created,
       until_ms + grace, 0),

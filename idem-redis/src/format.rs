@@ -141,7 +141,10 @@ mod tests {
             (header(b'c', b'0', 0, 0), "attempt 0"),
             (header(b'p', b'0', 1, 0), "lease"),
             (header(b'p', b'0', 1, u64::MAX), "out of range"),
-            ([header(b'p', b'0', 1, 5), b"x".to_vec()].concat(), "response"),
+            (
+                [header(b'p', b'0', 1, 5), b"x".to_vec()].concat(),
+                "response",
+            ),
         ] {
             let Err(err) = decode(Bytes::from(raw)) else {
                 panic!("decoded a record damaged at its {why}")

@@ -93,7 +93,10 @@ use idem_core::{
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
-use redis::{RedisError, Script, Value};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, RedisError, RedisWrite, Script, ServerErrorKind, ToRedisArgs,
+    Value,
+};
 
 pub use idem_core;
 pub use redis;
@@ -396,6 +399,44 @@ where
         }
     }
 
+    /// An `EVALSHA` of `script` on the record of `key`, its name written
+    /// straight into the command (no `String` per call); the caller appends
+    /// `args` arguments of about `bytes` bytes in all.
+    fn evalsha(&self, script: &Script, key: &IdempotencyKey, args: usize, bytes: usize) -> Cmd {
+        let name = self.prefix.len() + key.scope().len() + 1 + key.id().len();
+        let mut cmd = Cmd::with_capacity(4 + args, 48 + name + bytes);
+        cmd.arg("EVALSHA")
+            .arg(script.get_hash())
+            .arg(1)
+            .arg(RecordKey {
+                prefix: &self.prefix,
+                key,
+            });
+        cmd
+    }
+
+    /// Runs a command made by [`evalsha`](Self::evalsha) within the call
+    /// timeout; a server that does not know the script (restarted,
+    /// `SCRIPT FLUSH`) gets it loaded and the command again, as
+    /// `redis::Script` does.
+    async fn run_script<T: FromRedisValue>(
+        &self,
+        script: &Script,
+        cmd: &Cmd,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        self.timed(async {
+            match cmd.query_async(&mut conn).await {
+                Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                    script.load_async(&mut conn).await?;
+                    cmd.query_async(&mut conn).await
+                }
+                other => other,
+            }
+        })
+        .await
+    }
+
     /// `WAIT`s for the replicas. For an acquisition (`lease`: its length
     /// and its deadline, by the server's clock, as the script returned
     /// it), the `WAIT` lasts at most half the lease, and a `TIME` in the
@@ -476,22 +517,18 @@ where
         if lease.is_zero() {
             return Err(StoreError::zero_lease());
         }
-        let redis_key = self.redis_key(key);
         let lease_length = lease;
         let token = LeaseToken::random();
-        let token_bytes = token.to_bytes();
         let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
-        let mut invocation = self.scripts.acquire.prepare_invoke();
-        invocation
-            .key(&redis_key)
-            .arg(fp)
-            .arg(token_bytes.as_slice())
+        let mut cmd = self.evalsha(&self.scripts.acquire, key, 4, 48);
+        cmd.arg(fp)
+            .arg(&token.to_bytes()[..])
             .arg(millis(lease))
             .arg(millis(IN_PROGRESS_GRACE));
-        let mut conn = self.conn.clone();
-        let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let reply: Value = self.run_script(&self.scripts.acquire, &cmd).await?;
         let outcome = decode_acquire(reply, key, token)?;
-        if let Acquisition::Acquired(lease) = &outcome {
+        if let (Acquisition::Acquired(lease), Some(_)) = (&outcome, self.wait) {
+            let redis_key = self.redis_key(key);
             if let Err(e) = self
                 .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)))
                 .await
@@ -525,30 +562,25 @@ where
                 limit: self.max_response_bytes,
             });
         }
-        let redis_key = self.redis_key(&lease.key);
-        let token = lease.token.to_bytes();
-        let mut invocation = self.scripts.complete.prepare_invoke();
-        invocation
-            .key(&redis_key)
-            .arg(token.as_slice())
+        let mut cmd = self.evalsha(&self.scripts.complete, &lease.key, 3, 32 + response.len());
+        cmd.arg(&lease.token.to_bytes()[..])
             .arg(response)
             .arg(millis(retention));
-        let mut conn = self.conn.clone();
-        let done: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let done: i64 = self.run_script(&self.scripts.complete, &cmd).await?;
         if done != 1 {
             return Err(StoreError::LeaseLost);
         }
-        self.wait_replicas(&redis_key, None).await
+        if self.wait.is_some() {
+            self.wait_replicas(&self.redis_key(&lease.key), None)
+                .await?;
+        }
+        Ok(())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        let token = lease.token.to_bytes();
-        let mut invocation = self.scripts.release.prepare_invoke();
-        invocation
-            .key(self.redis_key(&lease.key))
-            .arg(token.as_slice());
-        let mut conn = self.conn.clone();
-        let done: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let mut cmd = self.evalsha(&self.scripts.release, &lease.key, 1, 16);
+        cmd.arg(&lease.token.to_bytes()[..]);
+        let done: i64 = self.run_script(&self.scripts.release, &cmd).await?;
         if done == 1 {
             Ok(())
         } else {
@@ -561,15 +593,11 @@ where
         if lease_for.is_zero() {
             return Err(StoreError::zero_lease());
         }
-        let token = lease.token.to_bytes();
-        let mut invocation = self.scripts.extend.prepare_invoke();
-        invocation
-            .key(self.redis_key(&lease.key))
-            .arg(token.as_slice())
+        let mut cmd = self.evalsha(&self.scripts.extend, &lease.key, 3, 48);
+        cmd.arg(&lease.token.to_bytes()[..])
             .arg(millis(lease_for))
             .arg(millis(IN_PROGRESS_GRACE));
-        let mut conn = self.conn.clone();
-        let reply: Value = self.timed(invocation.invoke_async(&mut conn)).await?;
+        let reply: Value = self.run_script(&self.scripts.extend, &cmd).await?;
         let key = &lease.key;
         match reply {
             Value::Int(0) => Err(StoreError::LeaseLost),
@@ -641,6 +669,25 @@ where
     /// Redis expires records by itself (`PEXPIREAT`): nothing to purge.
     async fn purge_expired(&self, _max: usize) -> Result<u64, StoreError> {
         Ok(0)
+    }
+}
+
+/// A record's Redis key, `{prefix}{scope}/{id}`, as a command argument
+/// written in place.
+struct RecordKey<'a> {
+    prefix: &'a str,
+    key: &'a IdempotencyKey,
+}
+
+impl ToRedisArgs for RecordKey<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        use std::io::Write as _;
+        let mut w = out.writer_for_next_arg();
+        // Writes into a Vec: they cannot fail.
+        let _ = w.write_all(self.prefix.as_bytes());
+        let _ = w.write_all(self.key.scope().as_bytes());
+        let _ = w.write_all(b"/");
+        let _ = w.write_all(self.key.id().as_bytes());
     }
 }
 
@@ -960,6 +1007,38 @@ mod tests {
             millis(Duration::MAX),
             idem_core::MAX_DURATION.as_millis() as u64
         );
+    }
+
+    /// The key written in place into a script command is exactly
+    /// `redis_key`, byte for byte, and is the command's key argument.
+    #[test]
+    fn record_keys_are_written_in_place_as_redis_key() {
+        let key = IdempotencyKey::new("pay.charge", "id/with:odd{chars}")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let scripts = Scripts::new();
+        for prefix in ["", "idem:", "{tag}app:"] {
+            let expected = {
+                let mut k = String::from(prefix);
+                k.push_str(key.scope());
+                k.push('/');
+                k.push_str(key.id());
+                k
+            };
+            let mut cmd = Cmd::with_capacity(8, 64);
+            cmd.arg("EVALSHA")
+                .arg(scripts.acquire.get_hash())
+                .arg(1)
+                .arg(RecordKey { prefix, key: &key });
+            let args: Vec<Vec<u8>> = cmd
+                .args_iter()
+                .map(|a| match a {
+                    redis::Arg::Simple(b) => b.to_vec(),
+                    _ => Vec::new(),
+                })
+                .collect();
+            assert_eq!(args.len(), 4);
+            assert_eq!(args[3], expected.as_bytes());
+        }
     }
 
     #[test]
