@@ -56,6 +56,6 @@ pub use record::{
     not_replayable_reason, saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record,
     RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,
 };
-pub use store::{purge_periodically, IdempotencyStore};
+pub use store::{purge_periodically, AcquireItem, IdempotencyStore};
 
 pub use async_trait::async_trait;
