@@ -10,7 +10,7 @@ idem::conformance_tests!(MemoryHarness, paused);
 #[tokio::test(flavor = "current_thread", start_paused = true)]
 async fn run_all_on_memory() {
     testkit::run_all(&MemoryHarness).await;
-    assert_eq!(testkit::CASES.len(), 28);
+    assert_eq!(testkit::CASES.len(), 29);
 }
 
 /// The same suite on real time, multi-threaded, so that the store is also

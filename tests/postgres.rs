@@ -2441,3 +2441,37 @@ async fn ten_thousand_items_and_one_huge_response() {
         }
     }
 }
+
+/// `process_batch` on PgStore: one item's result is over the store's
+/// `max_response_bytes`: `complete_many` refuses that item only, which
+/// completes as not replayable (its handler never runs again); the others
+/// are recorded in the same statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 4).await)
+        .max_response_bytes(1_000)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let idem = idem::Idempotency::new(store.clone());
+    let ks = keys("batch-too-large", 3);
+    let out = idem
+        .process_batch(ks.iter().cloned().zip(0usize..), |n| async move {
+            Ok::<_, Infallible>("x".repeat(if n == 1 { 5_000 } else { 10 }))
+        })
+        .await;
+    assert!(matches!(&out[0], Ok(idem::Processed::Executed(v)) if v.len() == 10));
+    assert!(
+        matches!(&out[1], Ok(idem::Processed::ExecutedNotReplayable { value, .. }) if value.len() == 5_000),
+        "{:?}",
+        out[1].as_ref().map(|_| ())
+    );
+    assert!(matches!(&out[2], Ok(idem::Processed::Executed(_))));
+    let again = idem
+        .process_batch(ks.iter().cloned().zip(0usize..), |_| async move {
+            Ok::<_, Infallible>(String::new())
+        })
+        .await;
+    assert!(matches!(again[1], Err(IdemError::ResultUnavailable { .. })));
+    assert!(matches!(&again[2], Ok(idem::Processed::Replayed(v)) if v.len() == 10));
+}

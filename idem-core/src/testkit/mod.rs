@@ -49,8 +49,9 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 
 use crate::{
-    saturate, AcquireItem, Acquisition, Fingerprint, Idempotency, IdempotencyKey, IdempotencyStore,
-    InProgressPolicy, KeyError, Lease, MemoryStore, Processed, RecordState, StoreError,
+    saturate, AcquireItem, Acquisition, Fingerprint, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, InProgressPolicy, KeyError, Lease, MemoryStore, Processed, RecordState,
+    StoreError,
 };
 
 /// Makes stores for the suite and reaches into them where the trait cannot.
@@ -171,6 +172,7 @@ macro_rules! __idem_conformance_cases {
             batch_complete_many,
             batch_empty,
             batch_order_kept,
+            batch_process_one_handler_fails,
             concurrent_storm
         }
     };
@@ -1540,5 +1542,80 @@ pub async fn batch_order_kept<H: Harness>(h: &H) {
             responses[i],
             "replay of key {i} carries another item's response"
         );
+    }
+}
+
+/// `Idempotency::process_batch` on this store: one item's handler fails
+/// and its key is released; every other item is recorded (one of them a
+/// second delivery of a key in the same batch, which replays); a retry of
+/// the batch runs the failed item only.
+pub async fn batch_process_one_handler_fails<H: Harness>(h: &H) {
+    #[derive(Debug)]
+    struct Declined;
+    let store = Arc::new(h.store().await);
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(LONG)
+        .retention(DAY);
+    let keys: Vec<IdempotencyKey> = (0..4)
+        .map(|i| unique_key(&format!("batch-process-{i}")))
+        .collect();
+    let items = |keys: &[IdempotencyKey]| -> Vec<(IdempotencyKey, u64)> {
+        let mut items: Vec<_> = keys.iter().cloned().zip(0u64..).collect();
+        items.push((keys[0].clone(), 0));
+        items
+    };
+    let runs = Arc::new(AtomicU32::new(0));
+    let out = idem
+        .process_batch(items(&keys), |n| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                if n == 2 {
+                    Err(Declined)
+                } else {
+                    Ok(format!("done {n}"))
+                }
+            }
+        })
+        .await;
+    assert_eq!(out.len(), 5);
+    for (i, outcome) in out.iter().enumerate() {
+        match (i, outcome) {
+            (2, Err(IdemError::Handler(Declined))) => {}
+            (4, Ok(Processed::Replayed(v))) => assert_eq!(v, "done 0"),
+            (i, Ok(Processed::Executed(v))) if i < 4 => assert_eq!(v, &format!("done {i}")),
+            other => panic!("batch item {}: {:?}", other.0, other.1),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 4, "the repeated key ran once");
+    for (i, key) in keys.iter().enumerate() {
+        let record = ok(store.get(key).await, "get");
+        match (i, record) {
+            (2, None) => {}
+            (i, Some(r)) if i != 2 => assert!(r.is_completed(), "key {i}: {r:?}"),
+            (i, other) => panic!("key {i}: {other:?}"),
+        }
+    }
+    let retry = idem
+        .process_batch(items(&keys), |n| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Declined>(format!("retried {n}"))
+            }
+        })
+        .await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        5,
+        "only the failed item ran again"
+    );
+    for (i, outcome) in retry.iter().enumerate() {
+        let expected = match i {
+            2 => Processed::Executed("retried 2".to_owned()),
+            4 => Processed::Replayed("done 0".to_owned()),
+            i => Processed::Replayed(format!("done {i}")),
+        };
+        assert_eq!(outcome.as_ref().ok(), Some(&expected), "retry item {i}");
     }
 }
