@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use idem::postgres::{Claim, MissingTable, PgStore};
 use idem::testkit::{self, Harness, Settings};
-use idem::{async_trait, Acquisition, IdemError, IdempotencyKey, IdempotencyStore, StoreError};
+use idem::{
+    async_trait, AcquireItem, Acquisition, IdemError, IdempotencyKey, IdempotencyStore, StoreError,
+};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 use support::pg;
@@ -2098,4 +2100,378 @@ async fn one_connection_store(url: &str) -> PgStore {
         .connections(1)
         .build()
         .unwrap_or_else(|e| panic!("{e}"))
+}
+
+// ------------------------------------------------------------------
+// Batches (issue 14): acquire_many and complete_many
+// ------------------------------------------------------------------
+
+fn keys(tag: &str, n: usize) -> Vec<IdempotencyKey> {
+    let run = format!("{:016x}", fastrand::u64(..));
+    (0..n)
+        .map(|i| {
+            IdempotencyKey::new("idem.test.batch", format!("{tag}-{run}-{i}"))
+                .unwrap_or_else(|e| panic!("{e}"))
+        })
+        .collect()
+}
+
+fn items(keys: &[IdempotencyKey]) -> Vec<AcquireItem<'_>> {
+    keys.iter().map(|k| AcquireItem::new(k, None)).collect()
+}
+
+fn leases(got: Vec<Result<Acquisition, StoreError>>) -> Vec<idem::Lease> {
+    got.into_iter()
+        .enumerate()
+        .map(|(i, outcome)| match outcome {
+            Ok(Acquisition::Acquired(lease)) => lease,
+            other => panic!("item {i}: expected Acquired, got {other:?}"),
+        })
+        .collect()
+}
+
+/// A batch costs one round trip per statement, whatever its items' states:
+/// 100 fresh keys, the same 100 in progress, their completion, their
+/// replays. A key repeated three times needs three statements (each sees
+/// the one before); a batch over `batch_statement` is split.
+#[tokio::test]
+async fn a_batch_is_one_round_trip_per_statement() {
+    let (proxy, url) = proxied_shared_server().await;
+    let store = one_connection_store(&url).await;
+    let long = Duration::from_secs(60);
+    // Warm up: the first use of a statement on a connection prepares it.
+    let warm = keys("rt-warm", 2);
+    let got = store.acquire_many(&items(&warm), long).await;
+    let warm_leases = leases(got.unwrap_or_else(|e| panic!("{e}")));
+    let done: Vec<_> = warm_leases.iter().map(|l| (l, b"w".as_slice())).collect();
+    let _ = store.complete_many(&done, long).await;
+
+    let ks = keys("rt", 100);
+    let turns = |before: u64| proxy.turns() - before;
+    let before = proxy.turns();
+    let got = store.acquire_many(&items(&ks), long).await;
+    assert_eq!(turns(before), 1, "100 fresh keys");
+    let held = leases(got.unwrap_or_else(|e| panic!("{e}")));
+    let before = proxy.turns();
+    let got = store
+        .acquire_many(&items(&ks), long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(turns(before), 1, "100 keys in progress");
+    assert!(got
+        .iter()
+        .all(|o| matches!(o, Ok(Acquisition::InProgress { .. }))));
+    let done: Vec<_> = held.iter().map(|l| (l, b"r".as_slice())).collect();
+    let before = proxy.turns();
+    let got = store
+        .complete_many(&done, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(turns(before), 1, "100 completions");
+    assert!(got.iter().all(Result::is_ok), "{got:?}");
+    let before = proxy.turns();
+    let got = store
+        .acquire_many(&items(&ks), long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(turns(before), 1, "100 duplicates");
+    assert!(got
+        .iter()
+        .all(|o| matches!(o, Ok(Acquisition::Completed(_)))));
+
+    let repeated = keys("rt-repeated", 2);
+    let batch = [
+        AcquireItem::new(&repeated[0], None),
+        AcquireItem::new(&repeated[1], None),
+        AcquireItem::new(&repeated[0], None),
+        AcquireItem::new(&repeated[0], None),
+    ];
+    let before = proxy.turns();
+    let got = store
+        .acquire_many(&batch, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(turns(before), 3, "a key three times: three statements");
+    assert!(matches!(got[0], Ok(Acquisition::Acquired(_))), "{got:?}");
+    assert!(matches!(got[1], Ok(Acquisition::Acquired(_))), "{got:?}");
+    assert!(
+        matches!(got[2], Ok(Acquisition::InProgress { .. })),
+        "{got:?}"
+    );
+    assert!(
+        matches!(got[3], Ok(Acquisition::InProgress { .. })),
+        "{got:?}"
+    );
+
+    let small = PgStore::builder(pg::pool(&url, 1).await)
+        .connections(1)
+        .batch_statement(50)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let _ = small.acquire_many(&items(&keys("rt-warm2", 1)), long).await;
+    let ks = keys("rt-split", 120);
+    let before = proxy.turns();
+    let got = small.acquire_many(&items(&ks), long).await;
+    assert_eq!(turns(before), 3, "120 items, 50 per statement");
+    let held = leases(got.unwrap_or_else(|e| panic!("{e}")));
+    for (lease, k) in held.iter().zip(&ks) {
+        assert_eq!(&lease.key, k, "results out of order across statements");
+    }
+}
+
+/// Two batches over the same keys in opposite orders, started together,
+/// round after round: their advisory locks are taken in one order, so they
+/// queue instead of deadlocking (PostgreSQL would abort one with 40P01), and
+/// every key is acquired by exactly one of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_batches_in_opposite_orders_do_not_deadlock() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 4).await)
+        .connections(4)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let lease = Duration::from_secs(60);
+    for round in 0..30 {
+        let ks = keys(&format!("deadlock-{round}"), 64);
+        let mut reversed = ks.clone();
+        reversed.reverse();
+        let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+        let run = |order: Vec<IdempotencyKey>| {
+            let (store, barrier) = (store.clone(), barrier.clone());
+            tokio::spawn(async move {
+                barrier.wait().await;
+                let got = store.acquire_many(&items(&order), lease).await;
+                (order, got)
+            })
+        };
+        let (a, b) = (run(ks.clone()), run(reversed));
+        let mut winners = std::collections::HashMap::new();
+        for task in [a, b] {
+            let (order, got) = task.await.unwrap_or_else(|e| panic!("{e}"));
+            let got = got.unwrap_or_else(|e| {
+                panic!(
+                    "round {round}: a batch failed (deadlock?): {e:?} {:?}",
+                    sqlstate(&e)
+                )
+            });
+            for (k, outcome) in order.iter().zip(got) {
+                match outcome {
+                    Ok(Acquisition::Acquired(_)) => *winners.entry(k.clone()).or_insert(0) += 1,
+                    Ok(Acquisition::InProgress { .. }) => {}
+                    other => panic!("round {round}, {k}: {other:?}"),
+                }
+            }
+        }
+        for k in &ks {
+            assert_eq!(
+                winners.get(k),
+                Some(&1),
+                "round {round}: {k} acquired by both or neither"
+            );
+        }
+    }
+}
+
+/// A batch that waits behind a key held by a transaction (an
+/// in-transaction claim) for two leases: every lease of the batch is
+/// counted from after the wait, so a duplicate batch right after it finds
+/// every key in progress; none was born with its lease over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_that_waited_on_a_lock_gets_leases_counted_from_after_the_wait() {
+    let store = store_with_timeout(Duration::from_secs(10)).await;
+    let ks = keys("batch-wait", 3);
+    let lease = Duration::from_millis(600);
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &ks[1], "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+    let batch = {
+        let (store, ks) = (store.clone(), ks.clone());
+        tokio::spawn(async move { store.acquire_many(&items(&ks), lease).await })
+    };
+    until_a_session_waits_on_a_lock(store.pool()).await;
+    tokio::time::sleep(lease * 2).await; // the fault: a lock held for two leases
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    let got = batch
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let now = server_now(store.pool()).await;
+    let held = leases(got);
+    for lease in &held {
+        assert!(
+            lease.expires_at > now,
+            "{}: granted a lease already over ({:?} <= {now:?})",
+            lease.key,
+            lease.expires_at
+        );
+    }
+    let again = store
+        .acquire_many(&items(&ks), lease)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (k, outcome) in ks.iter().zip(again) {
+        assert!(
+            matches!(outcome, Ok(Acquisition::InProgress { .. })),
+            "{k}: a duplicate took a fresh lease over: {outcome:?}"
+        );
+    }
+}
+
+/// A batch held behind a lock past the server's timeouts fails as a whole
+/// with `Unavailable` (55P03 or 57014), retryable, and committed nothing: not
+/// even the keys that were free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_behind_a_lock_past_the_server_timeout_is_unavailable_and_writes_nothing() {
+    let store = store_with_timeout(Duration::from_secs(1)).await;
+    let ks = keys("batch-timeout", 3);
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim::<_, String>(&mut tx, &ks[2], "payload")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, Claim::Acquired(_)));
+    let got = store
+        .acquire_many(&items(&ks), Duration::from_secs(30))
+        .await;
+    match &got {
+        Err(e @ StoreError::Unavailable(_)) => {
+            assert!(e.is_retryable());
+            // The lock timeout or the statement timeout (both at half the
+            // call timeout), whichever the server notices first.
+            assert!(
+                matches!(sqlstate(e).as_deref(), Some("55P03" | "57014")),
+                "{e:?}"
+            );
+        }
+        other => panic!("expected Unavailable (a server timeout), got {other:?}"),
+    }
+    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+    for k in &ks {
+        let record = store.get(k).await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(record.is_none(), "{k}: a failed batch left {record:?}");
+    }
+}
+
+/// A batch whose reply is lost (after the server committed it) is sent
+/// again on a fresh connection with the same tokens: every item answers
+/// "acquired", and the reservations are the caller's (a duplicate batch
+/// finds them in progress, and the leases complete).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_acquire_many_reply_is_resent_with_the_same_tokens() {
+    let (proxy, url) = proxied_shared_server().await;
+    let store = one_connection_store(&url).await;
+    let lease = Duration::from_secs(30);
+    let ks = keys("batch-lost", 5);
+    proxy.lose_replies_to(ks[3].id().as_bytes(), 1, 1);
+    let got = store.acquire_many(&items(&ks), lease).await;
+    assert_eq!(proxy.lost(), 1, "no reply was lost: proves nothing");
+    let held = leases(got.unwrap_or_else(|e| panic!("the lost batch was not resent: {e}")));
+    let again = store
+        .acquire_many(&items(&ks), lease)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(again
+        .iter()
+        .all(|o| matches!(o, Ok(Acquisition::InProgress { .. }))));
+    // The lost completion reply is resent too: it changes nothing twice.
+    let done: Vec<_> = held.iter().map(|l| (l, b"r".as_slice())).collect();
+    proxy.lose_replies_to(ks[0].id().as_bytes(), 1, 1);
+    let completed = store
+        .complete_many(&done, lease)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(proxy.lost(), 2);
+    assert!(completed.iter().all(Result::is_ok), "{completed:?}");
+}
+
+/// 10,000 items (40 statements): every answer is its own item's; one
+/// response over `max_response_bytes` in a batch is that item's
+/// `ResponseTooLarge`, and the others complete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ten_thousand_items_and_one_huge_response() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 4).await)
+        .max_response_bytes(1 << 20)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let long = Duration::from_secs(60);
+    let ks = keys("batch-10k", 10_000);
+    let held = leases(
+        store
+            .acquire_many(&items(&ks), long)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    let responses: Vec<Vec<u8>> = ks.iter().map(|k| k.id().as_bytes().to_vec()).collect();
+    let huge = vec![7u8; (1 << 20) + 1];
+    let mut done: Vec<(&idem::Lease, &[u8])> = held
+        .iter()
+        .zip(&responses)
+        .map(|(l, r)| (l, r.as_slice()))
+        .collect();
+    done[4_321].1 = &huge;
+    let completed = store
+        .complete_many(&done, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (i, outcome) in completed.iter().enumerate() {
+        if i == 4_321 {
+            assert!(
+                matches!(outcome, Err(StoreError::ResponseTooLarge { .. })),
+                "{outcome:?}"
+            );
+        } else {
+            assert!(outcome.is_ok(), "item {i}: {outcome:?}");
+        }
+    }
+    let replays = store
+        .acquire_many(&items(&ks), long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for (i, outcome) in replays.into_iter().enumerate() {
+        match outcome {
+            Ok(Acquisition::InProgress { .. }) if i == 4_321 => {}
+            Ok(Acquisition::Completed(r)) => assert_eq!(r.response, responses[i], "item {i}"),
+            other => panic!("item {i}: {other:?}"),
+        }
+    }
+}
+
+/// `process_batch` on PgStore: one item's result is over the store's
+/// `max_response_bytes`: `complete_many` refuses that item only, which
+/// completes as not replayable (its handler never runs again); the others
+/// are recorded in the same statement.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 4).await)
+        .max_response_bytes(1_000)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let idem = idem::Idempotency::new(store.clone());
+    let ks = keys("batch-too-large", 3);
+    let out = idem
+        .process_batch(ks.iter().cloned().zip(0usize..), |n| async move {
+            Ok::<_, Infallible>("x".repeat(if n == 1 { 5_000 } else { 10 }))
+        })
+        .await;
+    assert!(matches!(&out[0], Ok(idem::Processed::Executed(v)) if v.len() == 10));
+    assert!(
+        matches!(&out[1], Ok(idem::Processed::ExecutedNotReplayable { value, .. }) if value.len() == 5_000),
+        "{:?}",
+        out[1].as_ref().map(|_| ())
+    );
+    assert!(matches!(&out[2], Ok(idem::Processed::Executed(_))));
+    let again = idem
+        .process_batch(ks.iter().cloned().zip(0usize..), |_| async move {
+            Ok::<_, Infallible>(String::new())
+        })
+        .await;
+    assert!(matches!(again[1], Err(IdemError::ResultUnavailable { .. })));
+    assert!(matches!(&again[2], Ok(idem::Processed::Replayed(v)) if v.len() == 10));
 }

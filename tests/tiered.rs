@@ -846,3 +846,95 @@ async fn dropped_tiered_stores_release_their_subscriber_connections() {
         until(0).await;
     }
 }
+
+/// A batch: one lookup pass per tier, duplicates answered by the fastest
+/// tier that holds them (moka, then Redis, filling moka), and one
+/// `acquire_many` on the source for the misses and for a mismatch seen in a
+/// cache (confirmed there); `complete_many` writes through to every tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_asks_each_tier_once_and_the_source_once() {
+    use idem::AcquireItem;
+    let moka = Counted::new(moka());
+    let redis = Counted::new(redis_cache(redis_server::shared_url()).await);
+    let store = TieredStore::new(Tap::new(postgres().await))
+        .with_cache(moka.clone())
+        .with_cache(redis.clone());
+    let long = Duration::from_secs(60);
+    let keys: Vec<IdempotencyKey> = (0..6)
+        .map(|i| testkit::unique_key(&format!("tier-batch-{i}")))
+        .collect();
+    let (a, b) = (Fingerprint::of_bytes(b"a"), Fingerprint::of_bytes(b"b"));
+    let items: Vec<AcquireItem<'_>> = keys.iter().map(|k| AcquireItem::new(k, Some(&a))).collect();
+    let first = store
+        .acquire_many(&items, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(store.source().acquire_batches(), 1);
+    let leases: Vec<idem::Lease> = first
+        .into_iter()
+        .map(|o| match o {
+            Ok(Acquisition::Acquired(l)) => l,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let responses: Vec<Vec<u8>> = keys.iter().map(|k| k.id().as_bytes().to_vec()).collect();
+    let done: Vec<(&idem::Lease, &[u8])> = leases
+        .iter()
+        .zip(&responses)
+        .map(|(l, r)| (l, r.as_slice()))
+        .collect();
+    let completed = store
+        .complete_many(&done, Duration::from_secs(3_600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(completed.iter().all(Result::is_ok), "{completed:?}");
+    assert_eq!(store.source().complete_batches(), 1);
+
+    // Written through: key 0 only in Redis (dropped from moka), key 1 asked
+    // with another payload (moka's mismatch goes to the source), a new key.
+    moka.invalidate(&keys[0])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fresh = testkit::unique_key("tier-batch-new");
+    let mut again: Vec<AcquireItem<'_>> =
+        keys.iter().map(|k| AcquireItem::new(k, Some(&a))).collect();
+    again[1] = AcquireItem::new(&keys[1], Some(&b));
+    again.push(AcquireItem::new(&fresh, Some(&a)));
+    let (m0, r0) = (moka.hits(), redis.hits());
+    let got = store
+        .acquire_many(&again, long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        moka.hits() - m0,
+        5,
+        "moka answers five keys (one a mismatch)"
+    );
+    assert_eq!(redis.hits() - r0, 1, "redis answers the key moka lost");
+    assert_eq!(
+        store.source().acquire_batches(),
+        2,
+        "one source call for the rest"
+    );
+    assert_eq!(
+        store.source().acquires(),
+        6 + 2,
+        "the source saw the mismatch and the new key only"
+    );
+    for (i, outcome) in got.iter().enumerate() {
+        match (i, outcome) {
+            (1, Ok(Acquisition::Mismatch)) | (6, Ok(Acquisition::Acquired(_))) => {}
+            (i, Ok(Acquisition::Completed(r))) if i < 6 => assert_eq!(r.response, responses[i]),
+            other => panic!("item {i}: {other:?}"),
+        }
+    }
+    // Redis filled moka back.
+    let m1 = moka.hits();
+    let got = store
+        .acquire_many(&[AcquireItem::new(&keys[0], Some(&a))], long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(got.as_slice(), [Ok(Acquisition::Completed(_))]));
+    assert_eq!(moka.hits() - m1, 1, "moka was filled from redis");
+    assert_eq!(store.source().acquire_batches(), 2);
+}

@@ -170,7 +170,58 @@ impl StoreError {
             StoreError::Unavailable(_) | StoreError::CapacityExceeded { .. }
         )
     }
+
+    /// The same error for another item of a batch that it failed as a
+    /// whole: the same variant, so the same retryability, with the source
+    /// (which cannot be cloned) carried as its text.
+    pub fn replicate(&self) -> StoreError {
+        match self {
+            StoreError::LeaseLost => StoreError::LeaseLost,
+            StoreError::Unavailable(e) => StoreError::Unavailable(Box::new(Replicated::of(e))),
+            StoreError::Corrupt { key, detail } => StoreError::Corrupt {
+                key: key.clone(),
+                detail: detail.clone(),
+            },
+            StoreError::CapacityExceeded { max_records } => StoreError::CapacityExceeded {
+                max_records: *max_records,
+            },
+            StoreError::ResponseTooLarge { size, limit } => StoreError::ResponseTooLarge {
+                size: *size,
+                limit: *limit,
+            },
+            StoreError::InvalidArgument { detail } => StoreError::InvalidArgument {
+                detail: detail.clone(),
+            },
+            StoreError::Backend(e) => StoreError::Backend(Box::new(Replicated::of(e))),
+        }
+    }
 }
+
+/// The source of a [`StoreError::replicate`]d error: the original's text,
+/// with its causes.
+#[derive(Debug)]
+struct Replicated(String);
+
+impl Replicated {
+    fn of(e: &BoxError) -> Self {
+        let mut text = e.to_string();
+        let mut cause = e.source();
+        while let Some(c) = cause {
+            text.push_str(": ");
+            text.push_str(&c.to_string());
+            cause = c.source();
+        }
+        Replicated(text)
+    }
+}
+
+impl fmt::Display for Replicated {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Replicated {}
 
 /// The error of [`Idempotency::process`](crate::Idempotency::process), generic
 /// over the handler's own error `E`.

@@ -20,6 +20,9 @@ use crate::record::{
 };
 use crate::store::IdempotencyStore;
 
+mod batch;
+pub use batch::BatchOutcome;
+
 /// What to do when a key is held by another worker with a live lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InProgressPolicy {
@@ -420,31 +423,30 @@ where
         F: FnOnce(Context) -> Fut,
         Fut: Future<Output = Result<T, E>>,
     {
-        if self.lease.is_zero() {
-            return Err(IdemError::InvalidConfig {
-                detail: "the lease is zero: a duplicate would take the key over at once".into(),
-            });
-        }
-        if self.retention.is_zero() {
-            return Err(IdemError::InvalidConfig {
-                detail: "the retention is zero: every duplicate would run the handler again".into(),
-            });
+        self.run_with(key, fingerprint, handler, run_handler).await
+    }
+
+    /// `run`, with the handler run by `runner` (in place, or in a task of
+    /// its own).
+    async fn run_with<T, E, F, R, RFut>(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        handler: F,
+        runner: R,
+    ) -> Result<Processed<T>, IdemError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        R: FnOnce(F, Context) -> RFut,
+        RFut: Future<Output = HandlerOutcome<T, E>>,
+    {
+        if let Some(detail) = self.config_error() {
+            return Err(IdemError::InvalidConfig { detail });
         }
         let scope = key.scope();
         let (lease, sent_at) = match self.acquire(key, fingerprint).await? {
             Acquired::Lease(lease, sent_at) => (lease, sent_at),
-            Acquired::Replay(response) => {
-                if let Some(reason) = not_replayable_reason(&response) {
-                    count("idem_result_unavailable_total", scope);
-                    return Err(IdemError::ResultUnavailable { reason });
-                }
-                count("idem_replayed_total", scope);
-                return self
-                    .codec
-                    .decode(&response)
-                    .map(Processed::Replayed)
-                    .map_err(IdemError::Codec);
-            }
+            Acquired::Replay(response) => return self.replay(scope, &response),
         };
         count("idem_acquired_total", scope);
         tracing::Span::current().record("attempt", lease.attempt);
@@ -469,7 +471,7 @@ where
             fence: lease.fence,
             token: lease.token,
         };
-        let value = match run_handler(handler, context).await {
+        let value = match runner(handler, context).await {
             HandlerOutcome::Ok(value) => value,
             HandlerOutcome::Err(e) => {
                 self.release(&lease).await;
@@ -479,33 +481,102 @@ where
                 self.release(&lease).await;
                 return Err(IdemError::Panicked { message });
             }
+            HandlerOutcome::Cancelled(message) => return Err(IdemError::Panicked { message }),
         };
 
         // The handler's effects ran: from here the key is never released.
+        let encoded = self.encode(&value);
+        let result = self.record(&lease, value, encoded, &lease_end, None).await;
+        drop(heartbeat);
+        result
+    }
+
+    /// Why the configuration is refused (a zero lease or retention), if
+    /// it is.
+    fn config_error(&self) -> Option<String> {
+        if self.lease.is_zero() {
+            return Some("the lease is zero: a duplicate would take the key over at once".into());
+        }
+        if self.retention.is_zero() {
+            return Some(
+                "the retention is zero: every duplicate would run the handler again".into(),
+            );
+        }
+        None
+    }
+
+    /// A recorded response, decoded for the caller (or the "not
+    /// replayable" marker's error).
+    fn replay<T, E>(&self, scope: &str, response: &[u8]) -> Result<Processed<T>, IdemError<E>>
+    where
+        T: DeserializeOwned,
+    {
+        if let Some(reason) = not_replayable_reason(response) {
+            count("idem_result_unavailable_total", scope);
+            return Err(IdemError::ResultUnavailable { reason });
+        }
+        count("idem_replayed_total", scope);
+        self.codec
+            .decode(response)
+            .map(Processed::Replayed)
+            .map_err(IdemError::Codec)
+    }
+
+    /// The handler's value encoded for the store, or why it cannot be (a
+    /// codec error, or a panic in its `Serialize`).
+    fn encode<T: Serialize>(&self, value: &T) -> Result<Vec<u8>, String> {
         let codec = &self.codec;
-        let encoded = match std::panic::catch_unwind(AssertUnwindSafe(|| codec.encode(&value))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| codec.encode(value))) {
             Ok(Ok(bytes)) => Ok(bytes),
             Ok(Err(e)) => Err(format!("the result did not encode: {e}")),
             Err(panic) => Err(format!(
                 "the result's Serialize panicked: {}",
                 panic_message(panic)
             )),
-        };
+        }
+    }
+
+    /// Records a handler's value (its effects ran: the key is never
+    /// released from here): completes with `encoded`, retrying while the
+    /// store is unavailable (see [`complete_retry`](Self::complete_retry)),
+    /// or with the "not replayable" marker if the value cannot be recorded.
+    /// `first` is the answer of a batched completion already sent for it
+    /// (`None`: not sent); a retryable failure there is retried here.
+    async fn record<T, E>(
+        &self,
+        lease: &Lease,
+        value: T,
+        encoded: Result<Vec<u8>, String>,
+        lease_end: &Mutex<Instant>,
+        first: Option<Result<(), StoreError>>,
+    ) -> Result<Processed<T>, IdemError<E>> {
+        let key = &lease.key;
+        let scope = key.scope();
         let outcome = match encoded {
-            Ok(bytes) => match self.complete(&lease, &bytes, &lease_end).await {
-                Ok(()) => return Ok(Processed::Executed(value)),
-                Err(StoreError::ResponseTooLarge { size, limit }) => Err(format!(
-                    "the result is {size} bytes, over the store's limit of {limit}"
-                )),
-                // Lost to another worker, or the store is down: not a
-                // verdict on this result.
-                Err(e @ StoreError::LeaseLost) => Ok(Err(e)),
-                Err(e) if e.is_retryable() => Ok(Err(e)),
-                // The store refuses this result for good (Redis out of
-                // memory for it, a value it cannot hold): a retry would be
-                // refused again, so complete as not replayable.
-                Err(e) => Err(format!("the store refused the result: {e}")),
-            },
+            Ok(bytes) => {
+                let completed = match first {
+                    Some(Err(e)) if e.is_retryable() => {
+                        tracing::warn!(key = %key, error = %e, "batched completion failed; retrying");
+                        self.complete(lease, &bytes, lease_end).await
+                    }
+                    Some(done) => done,
+                    None => self.complete(lease, &bytes, lease_end).await,
+                };
+                match completed {
+                    Ok(()) => return Ok(Processed::Executed(value)),
+                    Err(StoreError::ResponseTooLarge { size, limit }) => Err(format!(
+                        "the result is {size} bytes, over the store's limit of {limit}"
+                    )),
+                    // Lost to another worker, or the store is down: not a
+                    // verdict on this result.
+                    Err(e @ StoreError::LeaseLost) => Ok(Err(e)),
+                    Err(e) if e.is_retryable() => Ok(Err(e)),
+                    // The store refuses this result for good (Redis out of
+                    // memory for it, a value it cannot hold): a retry would
+                    // be refused again, so complete as not replayable.
+                    Err(e) => Err(format!("the store refused the result: {e}")),
+                }
+            }
             Err(reason) => Err(reason),
         };
         let result = match outcome {
@@ -515,13 +586,12 @@ where
                 count("idem_not_replayable_total", scope);
                 let mut marker = NOT_REPLAYABLE.to_vec();
                 marker.extend_from_slice(truncate(&reason, 1024).as_bytes());
-                match self.complete(&lease, &marker, &lease_end).await {
+                match self.complete(lease, &marker, lease_end).await {
                     Ok(()) => return Ok(Processed::ExecutedNotReplayable { value, reason }),
                     Err(e) => Err(e),
                 }
             }
         };
-        drop(heartbeat);
         match result {
             Ok(()) => Ok(Processed::Executed(value)),
             Err(StoreError::LeaseLost) => {
@@ -546,13 +616,7 @@ where
             tracing::warn!(key = %lease.key, "no tokio runtime: the lease is not renewed while the handler runs");
             return None;
         };
-        // Never less often than twice per lease: a renewal after the lease
-        // ended would come too late to keep a live handler's key.
-        let every = self
-            .heartbeat_every
-            .unwrap_or(self.lease / 3)
-            .min(self.lease / 2)
-            .max(Duration::from_millis(1));
+        let every = self.heartbeat_period();
         let task = heartbeat_loop(
             self.store.clone(),
             lease.clone(),
@@ -561,6 +625,16 @@ where
             lease_end.clone(),
         );
         Some(AbortOnDrop(runtime.spawn(task)))
+    }
+
+    /// How often the heartbeat renews a lease: never less often than twice
+    /// per lease (a renewal after the lease ended would come too late to
+    /// keep a live handler's key).
+    fn heartbeat_period(&self) -> Duration {
+        self.heartbeat_every
+            .unwrap_or(self.lease / 3)
+            .min(self.lease / 2)
+            .max(Duration::from_millis(1))
     }
 
     /// Records the response, retrying while the store is unavailable, never
@@ -701,6 +775,9 @@ enum HandlerOutcome<T, E> {
     Ok(T),
     Err(E),
     Panicked(String),
+    /// The handler's own task was cancelled (the runtime shutting down):
+    /// cut off after an unknown part of its effects, so never released.
+    Cancelled(String),
 }
 
 /// Aborts a spawned task when dropped.

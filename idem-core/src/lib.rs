@@ -48,7 +48,7 @@ pub mod testkit;
 pub use canonical::canonical_json;
 pub use codec::{Codec, JsonCodec};
 pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError};
-pub use executor::{Context, Idempotency, InProgressPolicy, Processed};
+pub use executor::{BatchOutcome, Context, Idempotency, InProgressPolicy, Processed};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
@@ -56,6 +56,6 @@ pub use record::{
     not_replayable_reason, saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record,
     RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,
 };
-pub use store::{purge_periodically, IdempotencyStore};
+pub use store::{purge_periodically, AcquireItem, IdempotencyStore};
 
 pub use async_trait::async_trait;

@@ -18,7 +18,7 @@ use crate::record::{
     saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record, RecordState,
     IN_PROGRESS_GRACE,
 };
-use crate::store::IdempotencyStore;
+use crate::store::{AcquireItem, IdempotencyStore};
 
 const DEFAULT_SHARDS: usize = 64;
 
@@ -304,6 +304,57 @@ impl MemoryStore {
         };
         Ok(Some(outcome))
     }
+
+    /// `complete`, done at once.
+    fn complete_now(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let now = Instant::now();
+        let mut shard = self.inner.shard(&lease.key);
+        match shard.get_mut(&lease.key) {
+            Some(Slot::Corrupt(detail)) => Err(Inner::corrupt(&lease.key, detail)),
+            Some(Slot::Live(s))
+                if s.is_live(now)
+                    && s.token == lease.token.as_u128()
+                    && matches!(s.state, State::InProgress { .. }) =>
+            {
+                s.state = State::Completed {
+                    response: Bytes::copy_from_slice(response),
+                    completed_at: now,
+                };
+                s.expires_at = later(now, retention);
+                Ok(())
+            }
+            // Completed by this very lease: a retry after a lost reply.
+            Some(Slot::Live(s))
+                if s.is_live(now)
+                    && s.token == lease.token.as_u128()
+                    && matches!(s.state, State::Completed { .. }) =>
+            {
+                Ok(())
+            }
+            _ => Err(StoreError::LeaseLost),
+        }
+    }
+
+    /// `acquire`, done at once.
+    fn acquire_blocking(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        // `None` only when a bounded store lost a race for a fresh slot to
+        // another insert of the same key; the second pass sees that record.
+        loop {
+            if let Some(outcome) = self.acquire_now(key, fingerprint, lease)? {
+                return Ok(outcome);
+            }
+        }
+    }
 }
 
 impl Inner {
@@ -429,13 +480,7 @@ impl IdempotencyStore for MemoryStore {
         fingerprint: Option<&Fingerprint>,
         lease: Duration,
     ) -> Result<Acquisition, StoreError> {
-        // `None` only when a bounded store lost a race for a fresh slot to
-        // another insert of the same key; the second pass sees that record.
-        loop {
-            if let Some(outcome) = self.acquire_now(key, fingerprint, lease)? {
-                return Ok(outcome);
-            }
-        }
+        self.acquire_blocking(key, fingerprint, lease)
     }
 
     async fn complete(
@@ -444,32 +489,37 @@ impl IdempotencyStore for MemoryStore {
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
-        let now = Instant::now();
-        let mut shard = self.inner.shard(&lease.key);
-        match shard.get_mut(&lease.key) {
-            Some(Slot::Corrupt(detail)) => Err(Inner::corrupt(&lease.key, detail)),
-            Some(Slot::Live(s))
-                if s.is_live(now)
-                    && s.token == lease.token.as_u128()
-                    && matches!(s.state, State::InProgress { .. }) =>
-            {
-                s.state = State::Completed {
-                    response: Bytes::copy_from_slice(response),
-                    completed_at: now,
-                };
-                s.expires_at = later(now, retention);
-                Ok(())
-            }
-            // Completed by this very lease: a retry after a lost reply.
-            Some(Slot::Live(s))
-                if s.is_live(now)
-                    && s.token == lease.token.as_u128()
-                    && matches!(s.state, State::Completed { .. }) =>
-            {
-                Ok(())
-            }
-            _ => Err(StoreError::LeaseLost),
+        self.complete_now(lease, response, retention)
+    }
+
+    /// One pass over the items, each as `acquire` would do it, in order.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
         }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        Ok(items
+            .iter()
+            .map(|item| self.acquire_blocking(item.key, item.fingerprint, lease))
+            .collect())
+    }
+
+    /// One pass over the items, each as `complete` would do it, in order.
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        Ok(items
+            .iter()
+            .map(|(lease, response)| self.complete_now(lease, response, retention))
+            .collect())
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

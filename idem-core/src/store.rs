@@ -73,6 +73,117 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// Stores that expire records by themselves (Redis TTLs) return 0.
     /// Expired records are never returned as live, purged or not.
     async fn purge_expired(&self, max: usize) -> Result<u64, StoreError>;
+
+    /// Acquires every item of a batch, as calling [`acquire`](Self::acquire)
+    /// on each item **in order** would: a key that appears twice sees the
+    /// effect of its earlier item (the second delivery of a fresh key is
+    /// [`Acquisition::InProgress`], held by the first; with another
+    /// fingerprint it is [`Acquisition::Mismatch`]).
+    ///
+    /// The answer holds one result per item, in the items' order. An inner
+    /// error is that item's own (a [`StoreError::Corrupt`] record of one key
+    /// does not fail the others). The outer error means the call as a whole
+    /// failed (the store is unavailable, the call timed out): nothing, or an
+    /// unknown part of the batch, was applied, so the caller must treat
+    /// **every** item as unknown, exactly as a single `acquire` that
+    /// returned [`StoreError::Unavailable`] (a reservation it may have made
+    /// is held by nobody, and frees itself when its lease ends).
+    ///
+    /// An empty batch answers an empty list without a round trip. A zero
+    /// lease is refused ([`StoreError::zero_lease`]) before anything is
+    /// written.
+    ///
+    /// The default calls `acquire` for each item, one after the other (one
+    /// round trip each), so every store supports it; once an item finds
+    /// the store unavailable, the items after it are not sent and get
+    /// [`StoreError::Unavailable`] of their own (the items before keep
+    /// their results). A store with a batched form answers a batch in one
+    /// round trip (or one per shard).
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let mut out = Vec::with_capacity(items.len());
+        for item in items {
+            if stopped(&out) {
+                out.push(Err(not_sent()));
+                continue;
+            }
+            out.push(self.acquire(item.key, item.fingerprint, lease).await);
+        }
+        Ok(out)
+    }
+
+    /// Completes every lease of a batch with its response, as calling
+    /// [`complete`](Self::complete) on each item in order would (per item:
+    /// [`StoreError::LeaseLost`], [`StoreError::ResponseTooLarge`], ...).
+    ///
+    /// The errors have the structure of
+    /// [`acquire_many`](Self::acquire_many): one inner result per item, in
+    /// order; the outer error means the call failed as a whole and any
+    /// part of it may have been applied (completing again with the same
+    /// leases is safe: a completion is a compare-and-set on the token, and
+    /// completing a record with the lease that completed it changes
+    /// nothing). An empty batch answers an empty list without a round
+    /// trip. The default calls `complete` for each item, one after the
+    /// other, and stops sending as the default `acquire_many` does.
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out = Vec::with_capacity(items.len());
+        for (lease, response) in items {
+            if stopped(&out) {
+                out.push(Err(not_sent()));
+                continue;
+            }
+            out.push(self.complete(lease, response, retention).await);
+        }
+        Ok(out)
+    }
+}
+
+/// Whether the default batch loop stops sending: the last item found the
+/// store unavailable, so the next ones would wait for their own timeouts
+/// one after the other. The items done before keep their results (a lease
+/// acquired is not lost); the rest get [`not_sent`].
+fn stopped<T>(done: &[Result<T, StoreError>]) -> bool {
+    matches!(done.last(), Some(Err(StoreError::Unavailable(_))))
+}
+
+/// The inner error of an item that the default batch loop did not send:
+/// nothing was written for it; retryable.
+fn not_sent() -> StoreError {
+    StoreError::unavailable(
+        "not sent: an earlier item of the batch found the store unavailable; nothing was written",
+    )
+}
+
+/// One item of [`IdempotencyStore::acquire_many`]: a key and the payload's
+/// fingerprint, if any.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AcquireItem<'a> {
+    /// The key to acquire.
+    pub key: &'a IdempotencyKey,
+    /// The payload's fingerprint (checked as in
+    /// [`acquire`](IdempotencyStore::acquire)).
+    pub fingerprint: Option<&'a Fingerprint>,
+}
+
+impl<'a> AcquireItem<'a> {
+    /// An item for `key` with an optional fingerprint.
+    pub fn new(key: &'a IdempotencyKey, fingerprint: Option<&'a Fingerprint>) -> Self {
+        AcquireItem { key, fingerprint }
+    }
 }
 
 /// The future an `#[async_trait]` method returns.
@@ -133,6 +244,20 @@ macro_rules! forward_store {
             async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
                 (**self).purge_expired(max).await
             }
+            async fn acquire_many(
+                &self,
+                items: &[AcquireItem<'_>],
+                lease: Duration,
+            ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+                (**self).acquire_many(items, lease).await
+            }
+            async fn complete_many(
+                &self,
+                items: &[(&Lease, &[u8])],
+                retention: Duration,
+            ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+                (**self).complete_many(items, retention).await
+            }
         }
     };
 }
@@ -191,4 +316,130 @@ where
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+    use crate::testkit::Tap;
+    use crate::MemoryStore;
+
+    fn key(id: &str) -> IdempotencyKey {
+        IdempotencyKey::new("store.test", id).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    const LEASE: Duration = Duration::from_secs(30);
+
+    /// Only the required methods: the batch operations are the defaults.
+    /// Calls after the first `up` ones find the store unavailable.
+    struct Plain {
+        inner: MemoryStore,
+        up: usize,
+        calls: AtomicUsize,
+    }
+
+    impl Plain {
+        fn down(&self) -> Result<(), StoreError> {
+            if self.calls.fetch_add(1, Ordering::SeqCst) >= self.up {
+                return Err(StoreError::unavailable("test: down"));
+            }
+            Ok(())
+        }
+    }
+
+    #[async_trait]
+    impl IdempotencyStore for Plain {
+        async fn acquire(
+            &self,
+            key: &IdempotencyKey,
+            fingerprint: Option<&Fingerprint>,
+            lease: Duration,
+        ) -> Result<Acquisition, StoreError> {
+            self.down()?;
+            self.inner.acquire(key, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            lease: &Lease,
+            response: &[u8],
+            retention: Duration,
+        ) -> Result<(), StoreError> {
+            self.down()?;
+            self.inner.complete(lease, response, retention).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+            self.inner.release(lease).await
+        }
+        async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+            self.inner.extend(lease, lease_for).await
+        }
+        async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+            self.inner.get(key).await
+        }
+        async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+            self.inner.purge_expired(max).await
+        }
+    }
+
+    #[tokio::test]
+    async fn the_default_loop_keeps_what_it_did_and_stops_sending_when_the_store_is_down() {
+        let store = Plain {
+            inner: MemoryStore::new(),
+            up: 2,
+            calls: AtomicUsize::new(0),
+        };
+        let keys = [key("a"), key("b"), key("c"), key("d")];
+        let items: Vec<_> = keys.iter().map(|k| AcquireItem::new(k, None)).collect();
+        let got = store
+            .acquire_many(&items, LEASE)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(got.len(), 4);
+        assert!(matches!(got[0], Ok(Acquisition::Acquired(_))), "{got:?}");
+        assert!(matches!(got[1], Ok(Acquisition::Acquired(_))), "{got:?}");
+        assert!(matches!(got[2], Err(StoreError::Unavailable(_))), "{got:?}");
+        assert!(matches!(got[3], Err(StoreError::Unavailable(_))), "{got:?}");
+        // The fourth was not sent: three calls, not four.
+        assert_eq!(store.calls.load(Ordering::SeqCst), 3);
+        assert!(matches!(store.inner.get(&keys[3]).await, Ok(None)));
+
+        // Empty: no call at all; a zero lease: refused before any call.
+        assert!(matches!(store.acquire_many(&[], LEASE).await, Ok(v) if v.is_empty()));
+        assert!(matches!(store.complete_many(&[], LEASE).await, Ok(v) if v.is_empty()));
+        assert!(matches!(
+            store.acquire_many(&items, Duration::ZERO).await,
+            Err(StoreError::InvalidArgument { .. })
+        ));
+        assert_eq!(store.calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn arc_and_box_forward_the_batch_operations() {
+        let tap = Arc::new(Tap::new(MemoryStore::new()));
+        let k = key("forwarded");
+        let items = [AcquireItem::new(&k, None)];
+        let as_arc: Arc<Tap<MemoryStore>> = tap.clone();
+        let boxed: Box<dyn IdempotencyStore> = Box::new(tap.clone());
+        let got = as_arc.acquire_many(&items, LEASE).await;
+        let Ok(Some(Ok(Acquisition::Acquired(lease)))) = got.map(|v| v.into_iter().next()) else {
+            panic!("not acquired")
+        };
+        let again = boxed.acquire_many(&items, LEASE).await;
+        assert!(
+            matches!(again.as_deref(), Ok([Ok(Acquisition::InProgress { .. })])),
+            "{again:?}"
+        );
+        let done = boxed
+            .complete_many(&[(&lease, b"r".as_slice())], LEASE)
+            .await;
+        assert!(matches!(done.as_deref(), Ok([Ok(())])), "{done:?}");
+        // Through Arc and Box, the wrapped store's own batch operations ran.
+        assert_eq!(tap.acquire_batches(), 2);
+        assert_eq!(tap.complete_batches(), 1);
+    }
 }

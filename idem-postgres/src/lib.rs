@@ -97,6 +97,20 @@
 //! out with what is left of its lease, or, if nothing is, the call is
 //! `Unavailable`, as is one whose statement had written nothing.
 //!
+//! **Batches.** `acquire_many` sends one statement over arrays
+//! (`unnest(...) WITH ORDINALITY`, `sql/acquire_many.sql`) for up to
+//! [`PgStoreBuilder::batch_statement`] items (default 256), with every
+//! guarantee of `acquire` per item: the advisory lock of each key (taken in
+//! one sorted order, so batches sharing keys queue instead of
+//! deadlocking), the lease counted from after the waits, the re-runs of
+//! items that saw a stale view or lost half their lease to a wait, the time
+//! rule and the resend (each item keeps its token). A key repeated in a
+//! batch goes into a later statement for each repetition, so every item
+//! sees the effect of those before it, as calls in order would.
+//! `complete_many` is one statement the same way. A key held by a long
+//! transaction (an in-transaction claim) holds up its whole statement, up
+//! to the server's `lock_timeout`.
+//!
 //! **Fences** come from a sequence (`<table>_fence_seq`, created by
 //! migration 2 next to the table): every acquisition, in a transaction or
 //! not, takes the next value, so a key's fences strictly increase across
@@ -118,6 +132,7 @@
 
 mod in_tx;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -127,8 +142,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    saturate, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
-    LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+    saturate, AcquireItem, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
 use sqlx::postgres::{PgDatabaseError, PgPool, PgRow, PgSeverity};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
@@ -157,6 +172,15 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
 /// How many times `acquire` re-runs its statement when a concurrent commit
 /// was not visible to it (READ COMMITTED takes a new snapshot each time).
 const ACQUIRE_TRIES: usize = 16;
+/// The most items one batch statement carries by default; see
+/// [`PgStoreBuilder::batch_statement`].
+pub const DEFAULT_BATCH_STATEMENT: usize = 256;
+/// The largest [`PgStoreBuilder::batch_statement`].
+pub const MAX_BATCH_STATEMENT: usize = 10_000;
+/// The responses one `complete_many` statement carries, in bytes, at most
+/// (a larger response goes alone): a statement stays far below the
+/// protocol's 1 GB message limit.
+const BATCH_RESPONSE_BYTES: usize = 16 << 20;
 /// Rows deleted per statement by `purge_expired`.
 const PURGE_BATCH: usize = 1_000;
 /// The store's own connections by default (fewer if the pool allows
@@ -233,9 +257,27 @@ pub struct PgStoreBuilder {
     call_timeout: Duration,
     max_response_bytes: usize,
     connections: Option<usize>,
+    batch_statement: usize,
 }
 
 impl PgStoreBuilder {
+    /// The most items one statement of [`acquire_many`] or
+    /// [`complete_many`] carries (default [`DEFAULT_BATCH_STATEMENT`],
+    /// 256; at least 1, at most [`MAX_BATCH_STATEMENT`]): a larger batch
+    /// is sent as several statements, one after the other. Each item of an
+    /// `acquire_many` statement holds an advisory lock until the statement
+    /// commits, and PostgreSQL keeps those in its shared lock table
+    /// (`max_locks_per_transaction` x `max_connections` slots, 6,400 with
+    /// the defaults, shared by every session): keep this times
+    /// [`connections`](Self::connections) well inside it.
+    ///
+    /// [`acquire_many`]: IdempotencyStore::acquire_many
+    /// [`complete_many`]: IdempotencyStore::complete_many
+    pub fn batch_statement(mut self, items: usize) -> Self {
+        self.batch_statement = items.clamp(1, MAX_BATCH_STATEMENT);
+        self
+    }
+
     /// How many connections the store keeps for its own calls: at most
     /// this many are open at once (default [`DEFAULT_CONNECTIONS`], 4, or
     /// the pool's `max_connections` if that is smaller). They come **in
@@ -312,7 +354,9 @@ impl PgStoreBuilder {
         };
         let sql = Statements {
             acquire: render(include_str!("../sql/acquire.sql")),
+            acquire_many: render(include_str!("../sql/acquire_many.sql")),
             complete: render(include_str!("../sql/complete.sql")),
+            complete_many: render(include_str!("../sql/complete_many.sql")),
             release: render(include_str!("../sql/release.sql")),
             extend: render(include_str!("../sql/extend.sql")),
             get: render(include_str!("../sql/get.sql")),
@@ -340,6 +384,7 @@ impl PgStoreBuilder {
                 sql,
                 timeouts,
                 max_response_bytes: self.max_response_bytes,
+                batch_statement: self.batch_statement,
             }),
         })
     }
@@ -415,13 +460,16 @@ struct Inner {
     sql: Statements,
     timeouts: Timeouts,
     max_response_bytes: usize,
+    batch_statement: usize,
 }
 
 /// The statements, rendered once for the configured table. Only validated
 /// identifiers are interpolated; every value is a bind parameter.
 struct Statements {
     acquire: Arc<str>,
+    acquire_many: Arc<str>,
     complete: Arc<str>,
+    complete_many: Arc<str>,
     release: Arc<str>,
     extend: Arc<str>,
     get: Arc<str>,
@@ -464,6 +512,7 @@ impl PgStore {
             call_timeout: Duration::from_secs(10),
             max_response_bytes: 64 << 20,
             connections: None,
+            batch_statement: DEFAULT_BATCH_STATEMENT,
         }
     }
 
@@ -786,6 +835,183 @@ impl PgStore {
         }
     }
 
+    /// One statement of `acquire_many` on one connection: the items
+    /// `batch` of `items` (keys unique), re-run for the items whose answer
+    /// was a stale view or a lease a wait shortened, as `acquire_on` does
+    /// for one key (the same tokens, the same time rule). Answers per
+    /// item of `batch`, in its order.
+    async fn acquire_many_on(
+        &self,
+        conn: &mut PgConnection,
+        items: &[AcquireItem<'_>],
+        batch: &[usize],
+        tokens: &[[u8; 16]],
+        lease: Duration,
+        send_by: Instant,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, Failure> {
+        let lease = saturate(lease);
+        let lease_us = micros(lease);
+        let grace_us = micros(IN_PROGRESS_GRACE);
+        let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
+            batch.iter().map(|_| None).collect();
+        let mut renewed = vec![false; batch.len()];
+        // Per item still to run: what to answer if a re-run is too late
+        // to send (a lease a wait shortened, with some of it left).
+        let mut late: Vec<Option<Acquisition>> = batch.iter().map(|_| None).collect();
+        let mut pending: Vec<usize> = (0..batch.len()).collect();
+        for run in 0..ACQUIRE_TRIES {
+            if pending.is_empty() {
+                break;
+            }
+            if run > 0 && Instant::now() >= send_by {
+                for &p in &pending {
+                    out[p] = Some(match late[p].take() {
+                        Some(shortened) => Ok(shortened),
+                        None => Err(StoreError::Unavailable(
+                            format!(
+                                "acquire of {} must run again (a concurrent commit) but too \
+                                 little of the call is left to send it; nothing was written",
+                                items[batch[p]].key
+                            )
+                            .into(),
+                        )),
+                    });
+                }
+                pending.clear();
+                break;
+            }
+            let sent: Vec<&AcquireItem<'_>> = pending.iter().map(|&p| &items[batch[p]]).collect();
+            let scopes: Vec<&str> = sent.iter().map(|i| i.key.scope()).collect();
+            let keys: Vec<&str> = sent.iter().map(|i| i.key.id()).collect();
+            let prints: Vec<Option<&[u8]>> = sent
+                .iter()
+                .map(|i| i.fingerprint.map(|f| f.as_bytes().as_slice()))
+                .collect();
+            let sent_tokens: Vec<&[u8]> = pending
+                .iter()
+                .map(|&p| tokens[batch[p]].as_slice())
+                .collect();
+            let rows = sqlx::query(sql(&self.inner.sql.acquire_many))
+                .bind(scopes)
+                .bind(keys)
+                .bind(prints)
+                .bind(sent_tokens)
+                .bind(lease_us)
+                .bind(grace_us)
+                .fetch_all(&mut *conn)
+                .await?;
+            let mut again = vec![true; pending.len()];
+            for row in &rows {
+                let ord: i64 = row.try_get(13).map_err(|e| {
+                    Failure::Store(StoreError::backend(format!(
+                        "acquire_many: the item position does not decode: {e}"
+                    )))
+                })?;
+                let Some(j) = usize::try_from(ord - 1).ok().filter(|j| *j < pending.len()) else {
+                    return Err(Failure::Store(StoreError::backend(format!(
+                        "acquire_many: a row for item {ord} of {}",
+                        pending.len()
+                    ))));
+                };
+                if !again[j] {
+                    continue;
+                }
+                again[j] = false;
+                let p = pending[j];
+                let item = &items[batch[p]];
+                // NULL: no visible row and nothing written (a stale view).
+                let acquired: Option<bool> = match column(row, 0, item.key) {
+                    Ok(a) => a,
+                    Err(e) => {
+                        out[p] = Some(Err(e));
+                        continue;
+                    }
+                };
+                if acquired.is_none() {
+                    late[p] = None;
+                    again[j] = true;
+                    continue;
+                }
+                match decode_acquire(row, item.key, item.fingerprint, lease, renewed[p]) {
+                    Ok(Decoded::Done(outcome)) => out[p] = Some(Ok(outcome)),
+                    Ok(Decoded::Stale) => {
+                        late[p] = None;
+                        again[j] = true;
+                    }
+                    Ok(Decoded::Renew(shortened)) => {
+                        renewed[p] = true;
+                        late[p] = shortened.map(Acquisition::Acquired);
+                        again[j] = true;
+                    }
+                    Err(e) => out[p] = Some(Err(e)),
+                }
+            }
+            pending = pending
+                .iter()
+                .zip(&again)
+                .filter(|(_, again)| **again)
+                .map(|(&p, _)| p)
+                .collect();
+        }
+        Ok(out
+            .into_iter()
+            .enumerate()
+            .map(|(p, outcome)| {
+                outcome.unwrap_or_else(|| {
+                    Err(StoreError::Unavailable(
+                        format!(
+                            "acquire of {} saw the record change {ACQUIRE_TRIES} times in a row; \
+                             try again",
+                            items[batch[p]].key
+                        )
+                        .into(),
+                    ))
+                })
+            })
+            .collect())
+    }
+
+    /// One statement of `complete_many` on one connection: the items
+    /// `batch` of `items` (keys unique). Whether each completed, in the
+    /// order of `batch`.
+    async fn complete_many_on(
+        &self,
+        conn: &mut PgConnection,
+        items: &[(&Lease, &[u8])],
+        batch: &[usize],
+        retention: Duration,
+    ) -> Result<Vec<bool>, Failure> {
+        let scopes: Vec<&str> = batch.iter().map(|&i| items[i].0.key.scope()).collect();
+        let keys: Vec<&str> = batch.iter().map(|&i| items[i].0.key.id()).collect();
+        let tokens: Vec<[u8; 16]> = batch.iter().map(|&i| items[i].0.token.to_bytes()).collect();
+        let tokens: Vec<&[u8]> = tokens.iter().map(|t| t.as_slice()).collect();
+        let responses: Vec<&[u8]> = batch.iter().map(|&i| items[i].1).collect();
+        let done: Vec<i64> = sqlx::query_scalar(sql(&self.inner.sql.complete_many))
+            .bind(scopes)
+            .bind(keys)
+            .bind(tokens)
+            .bind(responses)
+            .bind(micros(retention))
+            .fetch_all(&mut *conn)
+            .await?;
+        let mut completed = vec![false; batch.len()];
+        for ord in done {
+            match usize::try_from(ord - 1)
+                .ok()
+                .and_then(|j| completed.get_mut(j))
+            {
+                Some(slot) => *slot = true,
+                None => {
+                    return Err(Failure::Store(StoreError::backend(format!(
+                        "complete_many: a row for item {ord} of {}",
+                        batch.len()
+                    ))))
+                }
+            }
+        }
+        Ok(completed)
+    }
+
     pub(crate) fn check_response_size(&self, response: &[u8]) -> Result<(), StoreError> {
         if response.len() > self.inner.max_response_bytes {
             return Err(StoreError::ResponseTooLarge {
@@ -795,6 +1021,49 @@ impl PgStore {
         }
         Ok(())
     }
+}
+
+/// Splits the items `0..n` of a batch into statements, in order: a key
+/// goes into a later statement than its earlier items (so each sees their
+/// effect, as calls in order would, and no statement meets a row twice),
+/// else into the first statement with room: at most `cap` items and
+/// `max_weight` of `weight` (a heavier item goes alone).
+fn plan_statements<'k>(
+    keys: impl Iterator<Item = (usize, &'k IdempotencyKey)>,
+    weight: impl Fn(usize) -> usize,
+    cap: usize,
+    max_weight: usize,
+) -> Vec<Vec<usize>> {
+    let cap = cap.max(1);
+    let mut statements: Vec<(Vec<usize>, usize)> = Vec::new();
+    let mut next_for: HashMap<&'k IdempotencyKey, usize> = HashMap::new();
+    // Statements before this one are full.
+    let mut open_from = 0;
+    for (i, key) in keys {
+        let w = weight(i);
+        let mut s = next_for.get(key).copied().unwrap_or(0).max(open_from);
+        loop {
+            if s == statements.len() {
+                statements.push((Vec::new(), 0));
+            }
+            let (items, total) = &statements[s];
+            if items.is_empty() || (items.len() < cap && total.saturating_add(w) <= max_weight) {
+                break;
+            }
+            s += 1;
+        }
+        let (items, total) = &mut statements[s];
+        items.push(i);
+        *total = total.saturating_add(w);
+        next_for.insert(key, s + 1);
+        while statements
+            .get(open_from)
+            .is_some_and(|(items, _)| items.len() >= cap)
+        {
+            open_from += 1;
+        }
+    }
+    statements.into_iter().map(|(items, _)| items).collect()
 }
 
 /// Whether [`PgStore::run`] may send a call again after its connection
@@ -1010,6 +1279,148 @@ impl IdempotencyStore for PgStore {
             }
         }
         Ok(purged)
+    }
+
+    /// One statement (`sql/acquire_many.sql`) for up to
+    /// [`PgStoreBuilder::batch_statement`] items, each answered as
+    /// `acquire` would; a key's later items in the batch go into later
+    /// statements. Every statement is a call of its own (the time rule,
+    /// the resend on a connection failure: each item keeps its token). If
+    /// the first statement fails, the call fails; if a later one does, its
+    /// items and those after it get the error, and the items before keep
+    /// their answers. The advisory locks of a statement's keys are taken
+    /// in one order, so two batches that share keys queue instead of
+    /// deadlocking; a key held in a long transaction (an in-transaction
+    /// claim) holds up its whole statement, up to the server's
+    /// `lock_timeout`.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        // One token per item for the whole call, re-runs and resends included.
+        let tokens: Vec<[u8; 16]> = items
+            .iter()
+            .map(|_| LeaseToken::random().to_bytes())
+            .collect();
+        let statements = plan_statements(
+            items.iter().map(|i| i.key).enumerate(),
+            |_| 0,
+            self.inner.batch_statement,
+            usize::MAX,
+        );
+        let mut results: Vec<Option<Result<Acquisition, StoreError>>> =
+            items.iter().map(|_| None).collect();
+        let mut failed: Option<StoreError> = None;
+        for (n, batch) in statements.iter().enumerate() {
+            if let Some(e) = &failed {
+                for &i in batch {
+                    results[i] = Some(Err(e.replicate()));
+                }
+                continue;
+            }
+            let send_by = Instant::now() + self.inner.timeouts.send_by;
+            let answered = self
+                .call(|conn, _| {
+                    Box::pin(self.acquire_many_on(conn, items, batch, &tokens, lease, send_by))
+                })
+                .await;
+            match answered {
+                Ok(outcomes) => {
+                    for (&i, outcome) in batch.iter().zip(outcomes) {
+                        results[i] = Some(outcome);
+                    }
+                }
+                Err(e) if n == 0 => return Err(e),
+                Err(e) => {
+                    for &i in batch {
+                        results[i] = Some(Err(e.replicate()));
+                    }
+                    failed = Some(e);
+                }
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(StoreError::backend("acquire_many: an item was not planned"))
+                })
+            })
+            .collect())
+    }
+
+    /// One statement (`sql/complete_many.sql`) for up to
+    /// [`PgStoreBuilder::batch_statement`] items and 16 MiB of responses
+    /// (a larger response goes alone); a key's later items go into later
+    /// statements. A response over `max_response_bytes` is that item's
+    /// [`StoreError::ResponseTooLarge`], not sent. Failures are reported
+    /// as in [`acquire_many`](Self::acquire_many).
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut results: Vec<Option<Result<(), StoreError>>> = items
+            .iter()
+            .map(|(_, response)| self.check_response_size(response).err().map(Err))
+            .collect();
+        let statements = plan_statements(
+            items
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| results[*i].is_none())
+                .map(|(i, (lease, _))| (i, &lease.key)),
+            |i| items[i].1.len(),
+            self.inner.batch_statement,
+            BATCH_RESPONSE_BYTES,
+        );
+        let mut failed: Option<StoreError> = None;
+        for (n, batch) in statements.iter().enumerate() {
+            if let Some(e) = &failed {
+                for &i in batch {
+                    results[i] = Some(Err(e.replicate()));
+                }
+                continue;
+            }
+            let answered = self
+                .call(|conn, _| Box::pin(self.complete_many_on(conn, items, batch, retention)))
+                .await;
+            match answered {
+                Ok(completed) => {
+                    for (&i, done) in batch.iter().zip(completed) {
+                        results[i] = Some(if done {
+                            Ok(())
+                        } else {
+                            Err(StoreError::LeaseLost)
+                        });
+                    }
+                }
+                Err(e) if n == 0 => return Err(e),
+                Err(e) => {
+                    for &i in batch {
+                        results[i] = Some(Err(e.replicate()));
+                    }
+                    failed = Some(e);
+                }
+            }
+        }
+        Ok(results
+            .into_iter()
+            .map(|r| {
+                r.unwrap_or_else(|| {
+                    Err(StoreError::backend(
+                        "complete_many: an item was not planned",
+                    ))
+                })
+            })
+            .collect())
     }
 }
 
@@ -1594,6 +2005,8 @@ mod tests {
         let known = ["{{table}}", "{{index}}", "{{sequence}}"];
         let statements = [
             include_str!("../sql/acquire.sql"),
+            include_str!("../sql/acquire_many.sql"),
+            include_str!("../sql/complete_many.sql"),
             include_str!("../sql/extend.sql"),
             include_str!("../sql/get.sql"),
         ];
@@ -1607,6 +2020,42 @@ mod tests {
         }
         assert!(MIGRATIONS[1].2.contains("{{sequence}}"));
         assert!(include_str!("../sql/acquire.sql").contains("nextval('{{sequence}}')"));
+    }
+
+    fn test_key(id: &str) -> IdempotencyKey {
+        IdempotencyKey::new("plan", id).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn batches_are_planned_in_order_with_unique_keys_per_statement() {
+        let (a, b, c) = (test_key("a"), test_key("b"), test_key("c"));
+        // a b a c a b: a's items in statements 0, 1, 2; b's in 0, 1.
+        let keys = [&a, &b, &a, &c, &a, &b];
+        let plan = plan_statements(keys.iter().copied().enumerate(), |_| 0, 256, usize::MAX);
+        assert_eq!(plan, vec![vec![0, 1, 3], vec![2, 5], vec![4]]);
+        // A cap of 2 items.
+        let plan = plan_statements(keys.iter().copied().enumerate(), |_| 0, 2, usize::MAX);
+        assert_eq!(plan, vec![vec![0, 1], vec![2, 3], vec![4, 5]]);
+        for statement in &plan {
+            let unique: std::collections::HashSet<_> = statement.iter().map(|&i| keys[i]).collect();
+            assert_eq!(unique.len(), statement.len());
+        }
+        // Weights: an item heavier than the limit goes alone.
+        let distinct: Vec<IdempotencyKey> = (0..4).map(|i| test_key(&i.to_string())).collect();
+        let weights = [5, 20, 5, 5];
+        let plan = plan_statements(distinct.iter().enumerate(), |i| weights[i], 256, 10);
+        assert_eq!(plan, vec![vec![0, 2], vec![1], vec![3]]);
+        // One key 10,000 times: 10,000 statements, in order; nothing at all:
+        // no statement.
+        let many = plan_statements((0..10_000).map(|i| (i, &a)), |_| 0, 256, usize::MAX);
+        assert_eq!(many.len(), 10_000);
+        assert!(many.iter().enumerate().all(|(i, s)| s == &vec![i]));
+        assert!(plan_statements(std::iter::empty(), |_| 0, 256, usize::MAX).is_empty());
+        // A cap of zero is taken as one.
+        assert_eq!(
+            plan_statements(keys.iter().copied().enumerate(), |_| 0, 0, 0).len(),
+            6
+        );
     }
 
     #[test]

@@ -60,6 +60,12 @@
 //! decode is invalidated and treated as a miss. Fingerprints travel with
 //! cache entries.
 //!
+//! A batch ([`acquire_many`](IdempotencyStore::acquire_many)) looks its
+//! keys up in each tier in one pass (concurrent lookups), answers the
+//! completed ones from the fastest tier that holds them, and sends the rest
+//! to the source in one `acquire_many`; `complete_many` completes at the
+//! source in one call, then writes through.
+//!
 //! Concurrent misses for the same key and payload are merged: one caller
 //! looks through the slower tiers and the source, the others wait for its
 //! answer (a completed record is shared; if it acquired the key, the others
@@ -79,9 +85,10 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures::future::join_all;
 use idem_core::{
-    Acquisition, BoxError, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
-    Record, StoreError,
+    AcquireItem, Acquisition, BoxError, CompletedRecord, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, Record, StoreError,
 };
 use tokio::sync::watch;
 
@@ -502,6 +509,34 @@ impl<S: IdempotencyStore> TieredStore<S> {
         }
     }
 
+    /// Writes a record the source completed (its call started at
+    /// `started`) into every cache tier.
+    async fn write_through(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+        started: tokio::time::Instant,
+    ) {
+        // The source's retention started after `started` (by the source's
+        // clock, it started when the call arrived): a TTL counted from
+        // `started` on this process's monotonic clock ends no later than
+        // the source's record, whatever the wall clocks say.
+        let ttl = retention.saturating_sub(started.elapsed());
+        let now = SystemTime::now();
+        let record = CompletedRecord::new(
+            lease.key.clone(),
+            Bytes::copy_from_slice(response),
+            lease.fingerprint,
+            lease.attempt,
+            now,
+            now.checked_add(ttl).unwrap_or(now),
+        )
+        .with_fence(lease.fence)
+        .with_ttl(ttl);
+        self.put_all(self.caches.len(), &record, ttl).await;
+    }
+
     /// Tiers after the first, then the source.
     async fn slow_path(
         &self,
@@ -648,24 +683,126 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
         let started = tokio::time::Instant::now();
         let retention = idem_core::saturate(retention);
         self.source.complete(lease, response, retention).await?;
-        // The source's retention started after `started` (by the source's
-        // clock, it started when the call arrived): a TTL counted from
-        // `started` on this process's monotonic clock ends no later than
-        // the source's record, whatever the wall clocks say.
-        let ttl = retention.saturating_sub(started.elapsed());
-        let now = SystemTime::now();
-        let record = CompletedRecord::new(
-            lease.key.clone(),
-            Bytes::copy_from_slice(response),
-            lease.fingerprint,
-            lease.attempt,
-            now,
-            now.checked_add(ttl).unwrap_or(now),
-        )
-        .with_fence(lease.fence)
-        .with_ttl(ttl);
-        self.put_all(self.caches.len(), &record, ttl).await;
+        self.write_through(lease, response, retention, started)
+            .await;
         Ok(())
+    }
+
+    /// One lookup pass per cache tier for all the items still unanswered
+    /// (concurrent lookups: a Redis tier pipelines them), fills as
+    /// `acquire` does, then **one** `acquire_many` on the source for the
+    /// misses and the mismatches seen in a cache (which only the source
+    /// may confirm), in the items' order. Concurrent misses of a key are
+    /// not merged with other callers' as `acquire` merges them: the source
+    /// answers the whole batch in one call anyway. If the source call
+    /// fails and caches answered some items, those keep their answers and
+    /// the others get the source's error.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
+            items.iter().map(|_| None).collect();
+        let mut to_source: Vec<usize> = Vec::new();
+        let mut pending: Vec<usize> = (0..items.len()).collect();
+        for tier in 0..self.caches.len() {
+            if pending.is_empty() {
+                break;
+            }
+            let found = join_all(pending.iter().map(|&j| self.lookup(tier, items[j].key))).await;
+            let mut misses = Vec::new();
+            let mut fills = Vec::new();
+            for (&j, record) in pending.iter().zip(found) {
+                match record {
+                    Some(record) => match answer(&record, items[j].fingerprint) {
+                        Some(replay) => {
+                            out[j] = Some(Ok(replay));
+                            if tier > 0 {
+                                fills.push(record);
+                            }
+                        }
+                        // A mismatch is confirmed at the source.
+                        None => to_source.push(j),
+                    },
+                    None => misses.push(j),
+                }
+            }
+            join_all(fills.iter().map(|record| self.fill(tier, record))).await;
+            pending = misses;
+        }
+        to_source.extend(pending);
+        // The source sees the items in the batch's order.
+        to_source.sort_unstable();
+        if !to_source.is_empty() {
+            let asked: Vec<AcquireItem<'_>> = to_source.iter().map(|&j| items[j]).collect();
+            match self.source.acquire_many(&asked, lease).await {
+                Ok(answers) => {
+                    let mut fills = Vec::new();
+                    for (&j, answer) in to_source.iter().zip(answers) {
+                        if let Ok(Acquisition::Completed(record)) = &answer {
+                            tier_counter("idem_tier_hits_total", "source");
+                            fills.push(record.clone());
+                        }
+                        out[j] = Some(answer);
+                    }
+                    join_all(
+                        fills
+                            .iter()
+                            .map(|record| self.fill(self.caches.len(), record)),
+                    )
+                    .await;
+                }
+                Err(e) if to_source.len() == items.len() => return Err(e),
+                Err(e) => {
+                    for &j in &to_source {
+                        out[j] = Some(Err(e.replicate()));
+                    }
+                }
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|answer| {
+                answer.unwrap_or_else(|| {
+                    Err(StoreError::backend(
+                        "the source answered fewer items than it was asked",
+                    ))
+                })
+            })
+            .collect())
+    }
+
+    /// The source's `complete_many`, then a write-through to every cache
+    /// tier of each item it completed, as `complete` does.
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let started = tokio::time::Instant::now();
+        let retention = idem_core::saturate(retention);
+        let done = self.source.complete_many(items, retention).await?;
+        join_all(
+            items
+                .iter()
+                .zip(&done)
+                .filter(|(_, done)| done.is_ok())
+                .map(|((lease, response), _)| {
+                    self.write_through(lease, response, retention, started)
+                }),
+        )
+        .await;
+        Ok(done)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

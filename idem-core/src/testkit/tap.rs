@@ -9,7 +9,8 @@ use tokio::sync::oneshot;
 use async_trait::async_trait;
 
 use crate::{
-    Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record, StoreError,
+    AcquireItem, Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record,
+    StoreError,
 };
 
 /// Wraps a real store for a test: every call goes to it, the calls that
@@ -27,6 +28,8 @@ pub struct Tap<S> {
     inner: S,
     acquires: AtomicUsize,
     completes: AtomicUsize,
+    acquire_batches: AtomicUsize,
+    complete_batches: AtomicUsize,
     releases: AtomicUsize,
     extends: AtomicUsize,
     failing_completes: AtomicUsize,
@@ -43,6 +46,8 @@ impl<S> Tap<S> {
             inner,
             acquires: AtomicUsize::new(0),
             completes: AtomicUsize::new(0),
+            acquire_batches: AtomicUsize::new(0),
+            complete_batches: AtomicUsize::new(0),
             releases: AtomicUsize::new(0),
             extends: AtomicUsize::new(0),
             failing_completes: AtomicUsize::new(0),
@@ -55,14 +60,25 @@ impl<S> Tap<S> {
         &self.inner
     }
 
-    /// `acquire` calls so far.
+    /// `acquire` calls so far, plus the items of `acquire_many` calls.
     pub fn acquires(&self) -> usize {
         self.acquires.load(Ordering::SeqCst)
     }
 
-    /// `complete` calls so far, failed ones included.
+    /// `complete` calls so far, failed ones included, plus the items of
+    /// `complete_many` calls.
     pub fn completes(&self) -> usize {
         self.completes.load(Ordering::SeqCst)
+    }
+
+    /// `acquire_many` calls so far (empty ones included).
+    pub fn acquire_batches(&self) -> usize {
+        self.acquire_batches.load(Ordering::SeqCst)
+    }
+
+    /// `complete_many` calls so far (empty ones included).
+    pub fn complete_batches(&self) -> usize {
+        self.complete_batches.load(Ordering::SeqCst)
     }
 
     /// `release` calls so far, dropped ones included.
@@ -76,7 +92,9 @@ impl<S> Tap<S> {
     }
 
     /// The next `n` completions fail with [`StoreError::Unavailable`]
-    /// without reaching the store.
+    /// without reaching the store (in a `complete_many`, the first `n`
+    /// items do, each with its own error, and the others go to the store
+    /// in one batch).
     pub fn fail_completes(&self, n: usize) {
         self.failing_completes.store(n, Ordering::SeqCst);
     }
@@ -92,7 +110,7 @@ impl<S> Tap<S> {
         self.drop_releases.store(on, Ordering::SeqCst);
     }
 
-    /// The next `acquire` reaches the store, then holds its answer: the
+    /// The next `acquire` (or `acquire_many`) reaches the store, then holds its answer: the
     /// first receiver fires once the store has answered, and the answer is
     /// returned when the sender is sent to (or dropped). Lets a test run
     /// another call between a store's answer and its use.
@@ -201,6 +219,65 @@ impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
             ));
         }
         self.inner.complete(lease, response, retention).await
+    }
+
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        self.acquire_batches.fetch_add(1, Ordering::SeqCst);
+        self.acquires.fetch_add(items.len(), Ordering::SeqCst);
+        let outcome = self.inner.acquire_many(items, lease).await;
+        hold(&self.held_acquire).await;
+        outcome.map(|all| {
+            all.into_iter()
+                .map(|one| one.map(|o| self.skew(o)))
+                .collect()
+        })
+    }
+
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        self.complete_batches.fetch_add(1, Ordering::SeqCst);
+        self.completes.fetch_add(items.len(), Ordering::SeqCst);
+        let mut injected = vec![false; items.len()];
+        for slot in &mut injected {
+            *slot = self
+                .failing_completes
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok();
+        }
+        let sent: Vec<(&Lease, &[u8])> = items
+            .iter()
+            .zip(&injected)
+            .filter(|(_, injected)| !**injected)
+            .map(|(item, _)| *item)
+            .collect();
+        let mut answers = if sent.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.complete_many(&sent, retention).await?
+        }
+        .into_iter();
+        let mut out = Vec::with_capacity(items.len());
+        for injected in injected {
+            if injected {
+                out.push(Err(StoreError::unavailable(
+                    "injected by Tap: the store is restarting",
+                )));
+            } else {
+                out.push(answers.next().unwrap_or_else(|| {
+                    Err(StoreError::backend(
+                        "the store answered fewer items than it was sent",
+                    ))
+                }));
+            }
+        }
+        Ok(out)
     }
 
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
