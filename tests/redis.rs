@@ -225,6 +225,19 @@ async fn every_operation_is_one_round_trip() {
         panic!("warm-up")
     };
     store.release(&l).await.unwrap_or_else(|e| panic!("{e}"));
+    store.delete(&warm).await.unwrap_or_else(|e| panic!("{e}"));
+    let warm3 = testkit::unique_key("rt-warm3");
+    let warmed = store
+        .acquire_many(&[idem::AcquireItem::new(&warm3, None)], long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let Some(Ok(Acquisition::Acquired(l))) = warmed.into_iter().next() else {
+        panic!("warm-up")
+    };
+    store
+        .complete_many(&[(&l, &b"r"[..])], long)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
 
     let k = testkit::unique_key("rt");
     let mut measured = Vec::new();
@@ -258,6 +271,51 @@ async fn every_operation_is_one_round_trip() {
         panic!("acquire")
     };
     measure!("release", store.release(&l).await).unwrap_or_else(|e| panic!("{e}"));
+    // A batch of 100 keys (fresh, completed, in progress, a mismatch) is
+    // one acquire_many script call, and completing it one more.
+    let batch: Vec<IdempotencyKey> = (0..100)
+        .map(|i| testkit::unique_key(&format!("rt-batch-{i}")))
+        .collect();
+    let fp = idem::Fingerprint::of_bytes(b"a");
+    let other = idem::Fingerprint::of_bytes(b"b");
+    let items: Vec<idem::AcquireItem<'_>> = batch
+        .iter()
+        .map(|k| idem::AcquireItem::new(k, Some(&fp)))
+        .collect();
+    let first = measure!(
+        "acquire_many (100 fresh)",
+        store.acquire_many(&items, long).await
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let leases: Vec<idem::Lease> = first
+        .into_iter()
+        .map(|r| match r {
+            Ok(Acquisition::Acquired(l)) => l,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    let half: Vec<(&idem::Lease, &[u8])> = leases[..50].iter().map(|l| (l, &b"r"[..])).collect();
+    let done = measure!("complete_many (50)", store.complete_many(&half, long).await)
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(done.iter().all(|d| d.is_ok()), "{done:?}");
+    let mut mixed = items.clone();
+    mixed[99] = idem::AcquireItem::new(&batch[99], Some(&other));
+    let again = measure!(
+        "acquire_many (50 completed, 49 in progress, 1 mismatch)",
+        store.acquire_many(&mixed, long).await
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert!(again[..50]
+        .iter()
+        .all(|a| matches!(a, Ok(Acquisition::Completed(_)))));
+    assert!(again[50..99]
+        .iter()
+        .all(|a| matches!(a, Ok(Acquisition::InProgress { .. }))));
+    assert!(
+        matches!(again[99], Ok(Acquisition::Mismatch)),
+        "{:?}",
+        again[99]
+    );
     for (op, turns) in measured {
         assert_eq!(turns, 1, "{op} took {turns} round trips");
     }
@@ -1055,7 +1113,16 @@ async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
         );
     }
     wait_for_replication(&primary, &replica);
-    let third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));
+    // On a loaded machine the third delivery's WAIT (half its 1 s lease)
+    // may run out too: that is Unavailable, nothing ran, retry.
+    let mut third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..10 {
+        if !matches!(third, Err(IdemError::Store(StoreError::Unavailable(_)))) {
+            break;
+        }
+        third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    assert!(matches!(third, Ok(Processed::Executed(_))), "{third:?}");
     let n = runs.load(Ordering::SeqCst);
     println!("delivery 3: {third:?}\nhandler executions: {n}");
     assert_eq!(n, 1, "the handler ran {n} times for one key");

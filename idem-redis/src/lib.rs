@@ -88,8 +88,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use async_trait::async_trait;
 use bytes::Bytes;
 use idem_core::{
-    saturate, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
-    LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+    saturate, AcquireItem, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -116,6 +116,8 @@ pub struct UnexpectedReply(String);
 
 struct Scripts {
     acquire: Script,
+    acquire_many: Script,
+    complete_many: Script,
     complete: Script,
     release: Script,
     extend: Script,
@@ -126,6 +128,8 @@ impl Scripts {
     fn new() -> Self {
         Scripts {
             acquire: Script::new(include_str!("../scripts/acquire.lua")),
+            acquire_many: Script::new(include_str!("../scripts/acquire_many.lua")),
+            complete_many: Script::new(include_str!("../scripts/complete_many.lua")),
             complete: Script::new(include_str!("../scripts/complete.lua")),
             release: Script::new(include_str!("../scripts/release.lua")),
             extend: Script::new(include_str!("../scripts/extend.lua")),
@@ -148,6 +152,8 @@ pub struct RedisStore<C = ConnectionManager> {
     call_timeout: Duration,
     wait: Option<(u32, Duration)>,
     max_response_bytes: usize,
+    /// Batches go per hash slot (a [`ClusterConnection`]).
+    cluster: bool,
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -247,6 +253,8 @@ where
             call_timeout: DEFAULT_TIMEOUT,
             wait: None,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            // A cluster connection takes a batch's keys per hash slot.
+            cluster: std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
         }
     }
 
@@ -397,6 +405,24 @@ where
             Ok(result) => result.map_err(map_error),
             Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(limit)))),
         }
+    }
+
+    /// The batch's items grouped for one script call each: all in one
+    /// group, or on Redis Cluster one group per hash slot (a script's keys
+    /// must share a slot). Indexes into the items, in order within a group.
+    fn slot_groups<'k>(&self, keys: impl Iterator<Item = &'k IdempotencyKey>) -> Vec<Vec<usize>> {
+        if !self.cluster {
+            return vec![keys.enumerate().map(|(i, _)| i).collect()];
+        }
+        let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
+        for (i, key) in keys.enumerate() {
+            let slot = slot_of(self.redis_key(key).as_bytes());
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, group)) => group.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        groups.into_iter().map(|(_, group)| group).collect()
     }
 
     /// An `EVALSHA` of `script` on the record of `key`, its name written
@@ -669,6 +695,204 @@ where
     /// Redis expires records by itself (`PEXPIREAT`): nothing to purge.
     async fn purge_expired(&self, _max: usize) -> Result<u64, StoreError> {
         Ok(0)
+    }
+
+    /// One `acquire_many.lua` call for the whole batch (on Redis Cluster,
+    /// one per hash slot, all sent at once), each key processed as
+    /// `acquire` would, in order. With [`wait_for_replicas`](Self::wait_for_replicas)
+    /// set, each acquired lease is then confirmed as `acquire` confirms it.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let tokens: Vec<LeaseToken> = items.iter().map(|_| LeaseToken::random()).collect();
+        let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
+            items.iter().map(|_| None).collect();
+        let calls = self
+            .slot_groups(items.iter().map(|item| item.key))
+            .into_iter()
+            .map(|group| {
+                let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + 120 * group.len());
+                cmd.arg("EVALSHA")
+                    .arg(self.scripts.acquire_many.get_hash())
+                    .arg(group.len());
+                for &i in &group {
+                    cmd.arg(RecordKey {
+                        prefix: &self.prefix,
+                        key: items[i].key,
+                    });
+                }
+                cmd.arg(millis(lease)).arg(millis(IN_PROGRESS_GRACE));
+                for &i in &group {
+                    let fp: &[u8] = items[i]
+                        .fingerprint
+                        .map(|f| f.as_bytes().as_slice())
+                        .unwrap_or(&[]);
+                    cmd.arg(fp).arg(&tokens[i].to_bytes()[..]);
+                }
+                async move {
+                    let reply: Value = self.run_script(&self.scripts.acquire_many, &cmd).await?;
+                    Ok::<_, StoreError>((group, reply))
+                }
+            });
+        let mut groups = Vec::new();
+        for answer in futures_util::future::join_all(calls).await {
+            let (group, reply) = answer?;
+            let replies = match reply {
+                Value::Array(replies) if replies.len() == group.len() => replies,
+                other => {
+                    return Err(unexpected(format!(
+                        "acquire_many returned {other:?} for {} keys",
+                        group.len()
+                    )))
+                }
+            };
+            for (&i, reply) in group.iter().zip(replies) {
+                out[i] = Some(decode_acquire(reply, items[i].key, tokens[i]));
+            }
+            groups.push(group);
+        }
+        let mut out: Vec<Result<Acquisition, StoreError>> = out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Err(unexpected("acquire_many left a key unanswered".into())))
+            })
+            .collect();
+        if self.wait.is_some() {
+            // One WAIT per script call (it covers every write made before
+            // it on that node), bounded by the leases as `acquire`'s is.
+            for group in groups {
+                let held: Vec<usize> = group
+                    .into_iter()
+                    .filter(|&i| matches!(out[i], Ok(Acquisition::Acquired(_))))
+                    .collect();
+                let Some(deadline) = held
+                    .iter()
+                    .filter_map(|&i| match &out[i] {
+                        Ok(Acquisition::Acquired(l)) => Some(l.expires_at),
+                        _ => None,
+                    })
+                    .min()
+                else {
+                    continue;
+                };
+                let redis_key = self.redis_key(items[held[0]].key);
+                if let Err(e) = self
+                    .wait_replicas(&redis_key, Some((lease, deadline)))
+                    .await
+                {
+                    let detail = e.to_string();
+                    for i in held {
+                        if let Ok(Acquisition::Acquired(l)) = &out[i] {
+                            if let Err(released) = self.release(l).await {
+                                tracing::warn!(
+                                    key = %self.redis_key(items[i].key), error = %released,
+                                    "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
+                                );
+                            }
+                        }
+                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One `complete_many.lua` call for the whole batch (per hash slot on
+    /// Redis Cluster), each lease completed as `complete` would.
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = items
+            .iter()
+            .map(|(_, response)| {
+                (response.len() > self.max_response_bytes).then(|| {
+                    Err(StoreError::ResponseTooLarge {
+                        size: response.len(),
+                        limit: self.max_response_bytes,
+                    })
+                })
+            })
+            .collect();
+        let sent: Vec<usize> = (0..items.len()).filter(|&i| out[i].is_none()).collect();
+        if sent.is_empty() {
+            return Ok(out.into_iter().flatten().collect());
+        }
+        let calls = self
+            .slot_groups(sent.iter().map(|&i| &items[i].0.key))
+            .into_iter()
+            .map(|group| {
+                // `group` indexes `sent`.
+                let group: Vec<usize> = group.into_iter().map(|g| sent[g]).collect();
+                let bytes: usize = group.iter().map(|&i| items[i].1.len() + 80).sum();
+                let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + bytes);
+                cmd.arg("EVALSHA")
+                    .arg(self.scripts.complete_many.get_hash())
+                    .arg(group.len());
+                for &i in &group {
+                    cmd.arg(RecordKey {
+                        prefix: &self.prefix,
+                        key: &items[i].0.key,
+                    });
+                }
+                cmd.arg(millis(retention));
+                for &i in &group {
+                    cmd.arg(&items[i].0.token.to_bytes()[..]).arg(items[i].1);
+                }
+                async move {
+                    let done: Vec<i64> = self.run_script(&self.scripts.complete_many, &cmd).await?;
+                    Ok::<_, StoreError>((group, done))
+                }
+            });
+        let mut groups = Vec::new();
+        for answer in futures_util::future::join_all(calls).await {
+            let (group, done) = answer?;
+            if done.len() != group.len() {
+                return Err(unexpected(format!(
+                    "complete_many returned {} answers for {} keys",
+                    done.len(),
+                    group.len()
+                )));
+            }
+            for (&i, done) in group.iter().zip(done) {
+                out[i] = Some(if done == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::LeaseLost)
+                });
+            }
+            groups.push(group);
+        }
+        let mut out: Vec<Result<(), StoreError>> = out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Err(unexpected("complete_many left a key unanswered".into())))
+            })
+            .collect();
+        if self.wait.is_some() {
+            for group in groups {
+                let done: Vec<usize> = group.into_iter().filter(|&i| out[i].is_ok()).collect();
+                let Some(&first) = done.first() else { continue };
+                let redis_key = self.redis_key(&items[first].0.key);
+                if let Err(e) = self.wait_replicas(&redis_key, None).await {
+                    let detail = e.to_string();
+                    for i in done {
+                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -1,0 +1,130 @@
+-- acquire_many: acquire.lua for a batch of keys, in one call, item after
+-- item in order (a key that appears twice sees its earlier item's effect).
+-- KEYS: the records (on Redis Cluster, all in one hash slot).
+-- ARGV: [1] lease ms (1 ..= MAX_MS), [2] in-progress grace ms (0 ..= MAX_MS),
+-- then per key: fingerprint (32 bytes, or ""), new token (16 bytes).
+-- Returns one reply per key, each exactly as acquire.lua's; or an error
+-- reply "IDEM_INVALID ..." for a bad argument, before any write.
+-- The record's format: see acquire.lua.
+local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
+local HEADER_LEN = 94
+
+local function invalid(detail)
+  return redis.error_reply('IDEM_INVALID ' .. detail)
+end
+-- An integer in [min, MAX_MS], or nil (not a number, NaN, inf, a fraction).
+local function ms(v, min)
+  local n = tonumber(v)
+  if n == nil or n ~= n or n ~= math.floor(n) or n < min or n > MAX_MS then
+    return nil
+  end
+  return n
+end
+local function int(n)
+  return string.format('%.0f', n)
+end
+
+local count = #KEYS
+if #ARGV ~= 2 + 2 * count then
+  return invalid('acquire_many takes 2 + 2 arguments per key')
+end
+local lease, grace = ms(ARGV[1], 1), ms(ARGV[2], 0)
+if not lease then return invalid('lease must be an integer number of ms in 1..=' .. int(MAX_MS)) end
+if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
+for i = 1, count do
+  local fp, token = ARGV[1 + 2 * i], ARGV[2 + 2 * i]
+  if #fp ~= 0 and #fp ~= 32 then return invalid('fingerprint must be 0 or 32 bytes') end
+  if #token ~= 16 then return invalid('token must be 16 bytes') end
+end
+
+-- Read once, on the first key that needs it: every write of the batch
+-- uses the same instant (time stands still inside a script anyway).
+local now, now_us
+local function clock()
+  if not now then
+    local time = redis.call('TIME')
+    now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+    now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+  end
+end
+
+local function acquire(key, fp, token)
+  local v = redis.pcall('GET', key)
+  if type(v) == 'table' then
+    return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
+  end
+  if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
+    local hasfp = string.byte(v, 2)
+    if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+      return {'mismatch'}
+    end
+    local ttl = redis.call('PTTL', key)
+    if (hasfp == 48 or hasfp == 49) and ttl > 0 then
+      return {'completed', v, ttl}
+    end
+  end
+
+  clock()
+  local until_ms = now + lease
+  local s, f, t, a, n, l, c, e
+  if v then
+    if #v < HEADER_LEN then
+      return {'corrupt', 'record of ' .. #v .. ' bytes, shorter than its header'}
+    end
+    local hasfp
+    s, hasfp, f, t, a, n, l, c, e = struct.unpack(HEADER, v)
+    if s ~= 'p' and s ~= 'c' then
+      return {'corrupt', 'unknown status ' .. string.format('%q', s)}
+    end
+    if hasfp == '0' then
+      f = nil
+    elseif hasfp ~= '1' then
+      return {'corrupt', 'bad fingerprint flag'}
+    end
+    if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+        or (s == 'p' and l == 0) then
+      return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
+    end
+  end
+
+  local fence = now_us
+  if n and n >= fence then fence = n + 1 end
+  local function write(fp_stored, attempt, created)
+    local has = '1'
+    if not fp_stored then has, fp_stored = '0', string.rep('\0', 32) end
+    redis.call('SET', key,
+      struct.pack(HEADER, 'p', has, fp_stored, token, attempt, fence, until_ms, created,
+        until_ms + grace, 0),
+      'PXAT', int(until_ms + grace))
+  end
+
+  if not v or e <= now then
+    local stored_fp = nil
+    if fp ~= '' then stored_fp = fp end
+    write(stored_fp, 1, now)
+    return {'acquired', 1, until_ms, fp, fence}
+  end
+  if s == 'p' and t == token then
+    return {'acquired', a, l, f or '', n}
+  end
+  if f and fp ~= '' and f ~= fp then
+    return {'mismatch'}
+  end
+  if s == 'c' then
+    return {'completed', v, e - now}
+  end
+  if l > now then
+    return {'in_progress', l, a, now}
+  end
+  if a < 4294967295 then a = a + 1 end
+  if not f and fp ~= '' then f = fp end
+  write(f, a, c)
+  return {'acquired', a, until_ms, f or '', fence}
+end
+
+local out = {}
+for i = 1, count do
+  out[i] = acquire(KEYS[i], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
+end
+return out

@@ -1,0 +1,50 @@
+-- complete_many: complete.lua for a batch of leases, in one call, in order.
+-- KEYS: the records (on Redis Cluster, all in one hash slot).
+-- ARGV: [1] retention ms (0 ..= MAX_MS), then per key: token (16 bytes),
+-- response.
+-- Returns one integer per key, as complete.lua's (1 completed, or already
+-- completed by this token; 0 the token no longer holds the key), or an
+-- error reply "IDEM_INVALID ..." for a bad argument, before any write.
+-- The record's format: see acquire.lua.
+local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
+local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
+local HEADER_LEN = 94
+
+local count = #KEYS
+if #ARGV ~= 1 + 2 * count then
+  return redis.error_reply('IDEM_INVALID complete_many takes 1 + 2 arguments per key')
+end
+local retention = tonumber(ARGV[1])
+if retention == nil or retention ~= retention or retention ~= math.floor(retention)
+    or retention < 0 or retention > MAX_MS then
+  return redis.error_reply('IDEM_INVALID retention must be an integer number of ms in 0..='
+    .. string.format('%.0f', MAX_MS))
+end
+for i = 1, count do
+  if #ARGV[2 * i] ~= 16 then return redis.error_reply('IDEM_INVALID token must be 16 bytes') end
+end
+
+local now
+local out = {}
+for i = 1, count do
+  local key, token, response = KEYS[i], ARGV[2 * i], ARGV[2 * i + 1]
+  local v = redis.pcall('GET', key)
+  if type(v) ~= 'string' or #v < HEADER_LEN or string.sub(v, 35, 50) ~= token then
+    out[i] = 0
+  elseif string.byte(v, 1) == 99 then
+    out[i] = 1
+  elseif string.byte(v, 1) ~= 112 then
+    out[i] = 0
+  else
+    local _, hasfp, f, t, a, n, _, c = struct.unpack(HEADER, v)
+    if not now then
+      local time = redis.call('TIME')
+      now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+    end
+    local expires = now + retention
+    redis.call('SET', key, struct.pack(HEADER, 'c', hasfp, f, t, a, n, 0, c, expires, now) .. response,
+      'PXAT', string.format('%.0f', expires))
+    out[i] = 1
+  end
+end
+return out
