@@ -96,7 +96,7 @@ pub use idem_core;
 #[cfg(feature = "redis")]
 pub use invalidation::RedisInvalidation;
 #[cfg(feature = "moka")]
-pub use moka_cache::MokaCache;
+pub use moka_cache::{MokaCache, ENTRY_OVERHEAD_BYTES};
 #[cfg(feature = "redis")]
 pub use redis_cache::RedisCache;
 
