@@ -2475,3 +2475,83 @@ async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
     assert!(matches!(again[1], Err(IdemError::ResultUnavailable { .. })));
     assert!(matches!(&again[2], Ok(idem::Processed::Replayed(v)) if v.len() == 10));
 }
+
+/// Issue 14: the round trips of the in-transaction mode, counted on the
+/// wire. A fresh key: BEGIN, the claim, the completion, COMMIT (4, which
+/// the caller waits for), then sqlx's pool pings the connection as it goes
+/// back (a 5th, on a task of its own, before the connection can serve the
+/// next caller). A duplicate: BEGIN, the claim, ROLLBACK, and the ping.
+#[tokio::test]
+async fn in_transaction_mode_round_trips() {
+    use idem::postgres::Claim;
+    let (proxy, url) = proxied_shared_server().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .test_before_acquire(false)
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = idem::postgres::PgStore::builder(pool.clone())
+        .connections(1)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fp = idem::Fingerprint::of_bytes(b"p");
+    // (turns until the caller has its answer, turns until the pool has the
+    // connection back)
+    let deliver = |k: IdempotencyKey| {
+        let (store, pool, proxy) = (store.clone(), pool.clone(), &proxy);
+        async move {
+            let before = proxy.turns();
+            let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+            let fresh = match store
+                .in_transaction()
+                .claim_with::<u64>(&mut tx, &k, Some(fp))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+            {
+                Claim::Acquired(lease) => {
+                    lease
+                        .complete(&mut tx, &43u64)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"));
+                    tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+                    true
+                }
+                Claim::Replayed(_) => {
+                    tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+                    false
+                }
+            };
+            let answered = proxy.turns() - before;
+            // The connection is back (pinged) once the pool holds it idle.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while pool.num_idle() < 1 {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the connection never came back"
+                );
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            (fresh, answered, proxy.turns() - before)
+        }
+    };
+    // Warm up: the first use of each statement on the connection prepares it.
+    let warm = key("tx-rt-warm");
+    deliver(warm.clone()).await;
+    deliver(warm).await;
+    let k = key("tx-rt");
+    let (fresh, answered, total) = deliver(k.clone()).await;
+    assert!(fresh);
+    assert_eq!(
+        (answered, total),
+        (4, 5),
+        "fresh key: the caller's round trips, then with the pool's ping"
+    );
+    let (fresh, answered, total) = deliver(k).await;
+    assert!(!fresh);
+    assert_eq!(
+        (answered, total),
+        (3, 4),
+        "duplicate: the caller's round trips, then with the pool's ping"
+    );
+}
