@@ -99,6 +99,10 @@ struct Args {
     /// returns a string whose JSON is that long.
     #[arg(long, default_value_t = 2)]
     response_bytes: usize,
+    /// PgStore's own connections (default: the store's default, 4; the
+    /// callers queue for them).
+    #[arg(long)]
+    pg_connections: Option<usize>,
     /// Runtime worker threads (default: one per core).
     #[arg(long)]
     threads: Option<usize>,
@@ -323,7 +327,8 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let us = |q: f64| tally.latency.value_at_quantile(q) as f64 / 1000.0;
     println!(
         "load backend={} via={} mix={} concurrency={} seconds={:.2} ops={} ops_per_sec={:.0} \
-         p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} executed={} replayed={} in_progress={} errors={}",
+         p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} executed={} replayed={} in_progress={} errors={} \
+         max_rss_kb={}",
         name(args.backend),
         name(args.via),
         name(args.mix),
@@ -339,6 +344,7 @@ async fn run(args: Args) -> Result<(), BoxError> {
         tally.replayed,
         tally.in_progress,
         tally.errors,
+        max_rss_kb(),
     );
     if tally.errors > 0 {
         return Err(format!("{} operations failed", tally.errors).into());
@@ -413,6 +419,21 @@ async fn phase(
         }
     }
     total
+}
+
+/// The most resident memory this process has had (VmHWM), in KiB; 0 where
+/// /proc does not say.
+fn max_rss_kb() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse().ok())
+        })
+        .unwrap_or(0)
 }
 
 fn name<V: ValueEnum>(v: V) -> String {
@@ -499,9 +520,11 @@ async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, BoxError> {
         .test_before_acquire(false)
         .connect(url)
         .await?;
-    let store = idem::postgres::PgStore::builder(pool)
-        .connections(args.concurrency.clamp(1, 128))
-        .build()?;
+    let mut builder = idem::postgres::PgStore::builder(pool);
+    if let Some(n) = args.pg_connections {
+        builder = builder.connections(n);
+    }
+    let store = builder.build()?;
     store.migrate().await?;
     Ok(store)
 }
