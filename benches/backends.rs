@@ -12,19 +12,22 @@
 //! `IDEM_REDIS_CLUSTER_URLS`. Benches named `c=64` run 64 tasks at once and
 //! report the time per operation (ops/s = 1 / time); `contention` benches
 //! report the time for one round of 64 tasks delivering one new key.
+//! The `*-batch` groups deliver batches of 100 keys (`acquire_many` +
+//! `complete_many`, `process_batch`) and report keys/s (criterion's
+//! element throughput); `c=8` runs 8 tasks at once.
 
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throughput};
 #[cfg(any(feature = "postgres", feature = "redis"))]
 #[path = "../tests/support/mod.rs"]
 mod support;
 use idem::{
-    Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
-    MemoryStore, Processed,
+    AcquireItem, Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    InProgressPolicy, MemoryStore, Processed,
 };
 use tokio::runtime::Runtime;
 
@@ -181,6 +184,141 @@ fn store_benches(
     group.finish();
 }
 
+/// Keys per batch in the `*-batch` groups.
+const BATCH: u64 = 100;
+/// Tasks of the `c=8` batch benches.
+const BATCH_TASKS: u64 = 8;
+
+fn fresh_keys(scope: &str) -> Vec<IdempotencyKey> {
+    (0..BATCH).map(|_| fresh_key(scope)).collect()
+}
+
+/// One batch of fresh keys: `acquire_many`, then `complete_many`.
+async fn acquire_and_complete_many<S: IdempotencyStore + ?Sized>(
+    store: &S,
+    keys: &[IdempotencyKey],
+) {
+    let items: Vec<AcquireItem<'_>> = keys.iter().map(|k| AcquireItem::new(k, None)).collect();
+    let got = store
+        .acquire_many(&items, LEASE)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let leases: Vec<idem::Lease> = got
+        .into_iter()
+        .map(|o| match o {
+            Ok(Acquisition::Acquired(l)) => l,
+            other => panic!("fresh key not acquired: {other:?}"),
+        })
+        .collect();
+    let done: Vec<(&idem::Lease, &[u8])> = leases.iter().map(|l| (l, b"43".as_slice())).collect();
+    let completed = store
+        .complete_many(&done, RETENTION)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(completed.iter().all(Result::is_ok), "{completed:?}");
+}
+
+/// The batch operations: 100 keys per iteration, fresh or completed,
+/// through the store and through `process_batch`, at c=1 and c=8.
+fn batch_benches(
+    c: &mut Criterion,
+    group_name: &str,
+    runtime: &Runtime,
+    store: Arc<dyn IdempotencyStore>,
+) {
+    let mut group = c.benchmark_group(format!("{group_name}-batch"));
+    flat(&mut group);
+    group.throughput(Throughput::Elements(BATCH));
+    let fresh = {
+        let store = store.clone();
+        move || {
+            let store = store.clone();
+            async move { acquire_and_complete_many(&*store, &fresh_keys("bench.batch")).await }
+        }
+    };
+    let done = fresh_keys("bench.batch-dup");
+    runtime.block_on(acquire_and_complete_many(&*store, &done));
+    let done = Arc::new(done);
+    let duplicate = {
+        let (store, done) = (store.clone(), done.clone());
+        move || {
+            let (store, done) = (store.clone(), done.clone());
+            async move {
+                let items: Vec<AcquireItem<'_>> =
+                    done.iter().map(|k| AcquireItem::new(k, None)).collect();
+                let got = store
+                    .acquire_many(&items, LEASE)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
+                assert!(got
+                    .iter()
+                    .all(|o| matches!(o, Ok(Acquisition::Completed(_)))));
+            }
+        }
+    };
+    group.bench_function(
+        "store: acquire_many + complete_many of 100 fresh keys, c=1",
+        |b| b.to_async(runtime).iter(&fresh),
+    );
+    group.bench_function(
+        "store: acquire_many + complete_many of 100 fresh keys, c=8",
+        |b| {
+            b.to_async(runtime)
+                .iter_custom(|iters| concurrently(BATCH_TASKS, iters, fresh.clone()))
+        },
+    );
+    group.bench_function(
+        "store: acquire_many of 100 completed keys (duplicates), c=1",
+        |b| b.to_async(runtime).iter(&duplicate),
+    );
+    group.bench_function(
+        "store: acquire_many of 100 completed keys (duplicates), c=8",
+        |b| {
+            b.to_async(runtime)
+                .iter_custom(|iters| concurrently(BATCH_TASKS, iters, duplicate.clone()))
+        },
+    );
+    let idem: Idempotency<dyn IdempotencyStore> = Idempotency::from_arc(store.clone())
+        .lease(LEASE)
+        .retention(RETENTION)
+        .on_in_progress(InProgressPolicy::Reject);
+    group.bench_function("process_batch: 100 fresh keys, trivial handler, c=1", |b| {
+        b.to_async(runtime).iter(|| async {
+            let out = idem
+                .process_batch(
+                    fresh_keys("bench.batch-process")
+                        .into_iter()
+                        .map(|k| (k, 42u64)),
+                    |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                )
+                .await;
+            assert!(out.iter().all(|o| matches!(o, Ok(Processed::Executed(43)))));
+        })
+    });
+    let replayed = fresh_keys("bench.batch-process");
+    runtime.block_on(async {
+        let out = idem
+            .process_batch(
+                replayed.iter().cloned().map(|k| (k, 42u64)),
+                |n| async move { Ok::<_, std::io::Error>(n + 1) },
+            )
+            .await;
+        assert!(out.iter().all(|o| matches!(o, Ok(Processed::Executed(43)))));
+    });
+    group.bench_function("process_batch: 100 duplicates, replayed, c=1", |b| {
+        b.to_async(runtime).iter(|| async {
+            let out = idem
+                .process_batch(
+                    replayed.iter().cloned().map(|k| (k, 42u64)),
+                    |n| async move { Ok::<_, std::io::Error>(n + 1) },
+                )
+                .await;
+            assert!(out.iter().all(|o| matches!(o, Ok(Processed::Replayed(43)))));
+        })
+    });
+    group.finish();
+}
+
 /// 64 tasks deliver one new key at once; exactly one runs the handler, the
 /// others are told it is in progress or get the replay.
 async fn contended_round(idem: Idempotency<dyn IdempotencyStore>) -> u64 {
@@ -215,6 +353,7 @@ async fn contended_round(idem: Idempotency<dyn IdempotencyStore>) -> u64 {
 fn memory(c: &mut Criterion) {
     let runtime = runtime();
     store_benches(c, "memory", &runtime, Arc::new(MemoryStore::new()));
+    batch_benches(c, "memory", &runtime, Arc::new(MemoryStore::new()));
 }
 
 #[cfg(feature = "postgres")]
@@ -233,6 +372,7 @@ fn postgres(c: &mut Criterion) {
     let runtime = runtime();
     let store = runtime.block_on(pg_store(TASKS as usize));
     store_benches(c, "postgres", &runtime, Arc::new(store.clone()));
+    batch_benches(c, "postgres", &runtime, Arc::new(store.clone()));
     postgres_in_transaction(c, &runtime, store);
 }
 
@@ -337,7 +477,8 @@ fn redis(c: &mut Criterion) {
             .await
             .unwrap_or_else(|e| panic!("{e}"))
     });
-    store_benches(c, "redis", &runtime, Arc::new(standalone));
+    store_benches(c, "redis", &runtime, Arc::new(standalone.clone()));
+    batch_benches(c, "redis", &runtime, Arc::new(standalone));
     let cluster = runtime.block_on(async {
         RedisStore::connect_cluster(
             support::redis_server::shared_cluster()

@@ -8,7 +8,7 @@
 //! Output (one line, `name=value` pairs, stable for scripts):
 //!
 //! ```text
-//! load backend=redis via=process mix=fresh concurrency=64 seconds=10.00 ops=412345 ops_per_sec=41234 p50_us=1480.1 p99_us=3010.5 p999_us=4020.2 max_us=9001.0 executed=412345 replayed=0 in_progress=0 errors=0
+//! load backend=redis via=process mix=fresh concurrency=64 batch=1 seconds=10.00 ops=412345 ops_per_sec=41234 p50_us=1480.1 p99_us=3010.5 p999_us=4020.2 max_us=9001.0 executed=412345 replayed=0 in_progress=0 errors=0
 //! ```
 //!
 //! Mixes:
@@ -26,6 +26,13 @@
 //! `--via store` calls the store's `acquire` and `complete` directly.
 //! `--backend postgres-tx` runs each delivery in its own transaction with
 //! the in-transaction mode (BEGIN, claim, complete, COMMIT).
+//!
+//! `--batch N` (default 1) makes every operation of a task a batch of N
+//! keys (a broker poll): through `Idempotency::process_batch` (`--via
+//! process`) or the store's `acquire_many` then `complete_many` (`--via
+//! store`). `ops` and `ops_per_sec` then count keys, and the latency
+//! percentiles are those of whole batches. A `contended` round delivers the
+//! same N new keys from every task.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,8 +41,8 @@ use std::time::{Duration, Instant};
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use idem::{
-    Acquisition, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    InProgressPolicy, MemoryStore, Processed,
+    AcquireItem, Acquisition, Fingerprint, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, InProgressPolicy, MemoryStore, Processed,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -88,6 +95,10 @@ struct Args {
     /// Concurrent tasks.
     #[arg(long, default_value_t = 64)]
     concurrency: usize,
+    /// Keys per operation: 1 delivers one key at a time; more delivers
+    /// batches through process_batch or acquire_many + complete_many.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
     /// Measured seconds.
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
@@ -220,6 +231,72 @@ impl Target {
     }
 }
 
+impl Target {
+    /// Delivers a batch of keys in one operation; one outcome per key.
+    async fn deliver_batch(
+        &self,
+        via: Via,
+        keys: Vec<IdempotencyKey>,
+    ) -> Result<Vec<Result<Outcome, BoxError>>, BoxError> {
+        let Target::Store(store, idem, response) = self else {
+            return Err("--batch needs a store backend (not postgres-tx)".into());
+        };
+        match via {
+            Via::Process => {
+                let text = &response.text;
+                let out = idem
+                    .process_batch(keys.into_iter().map(|k| (k, 42u64)), |_| async move {
+                        Ok::<_, std::io::Error>(text.clone())
+                    })
+                    .await;
+                Ok(out
+                    .into_iter()
+                    .map(|o| match o {
+                        Ok(Processed::Executed(_))
+                        | Ok(Processed::ExecutedNotReplayable { .. }) => Ok(Outcome::Executed),
+                        Ok(Processed::Replayed(_)) => Ok(Outcome::Replayed),
+                        Err(IdemError::InProgress { .. }) => Ok(Outcome::InProgress),
+                        Err(e) => Err(e.into()),
+                    })
+                    .collect())
+            }
+            Via::Store => {
+                let items: Vec<AcquireItem<'_>> = keys
+                    .iter()
+                    .map(|k| AcquireItem::new(k, Some(&response.fingerprint)))
+                    .collect();
+                let got = store.acquire_many(&items, LEASE).await?;
+                let mut out: Vec<Result<Outcome, BoxError>> = Vec::with_capacity(got.len());
+                let mut leases = Vec::new();
+                for (i, outcome) in got.into_iter().enumerate() {
+                    out.push(match outcome {
+                        Ok(Acquisition::Acquired(lease)) => {
+                            leases.push((i, lease));
+                            Ok(Outcome::Executed)
+                        }
+                        Ok(Acquisition::Completed(_)) => Ok(Outcome::Replayed),
+                        Ok(Acquisition::InProgress { .. }) => Ok(Outcome::InProgress),
+                        other => Err(format!("unexpected {other:?}").into()),
+                    });
+                }
+                if !leases.is_empty() {
+                    let done: Vec<(&idem::Lease, &[u8])> = leases
+                        .iter()
+                        .map(|(_, l)| (l, response.bytes.as_slice()))
+                        .collect();
+                    let completed = store.complete_many(&done, RETENTION).await?;
+                    for ((i, _), c) in leases.iter().zip(completed) {
+                        if let Err(e) = c {
+                            out[*i] = Err(e.into());
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
+
 /// Counts and latencies of one task.
 struct Tally {
     latency: Histogram<u64>,
@@ -254,6 +331,40 @@ impl Tally {
                     eprintln!("load: first error of a task: {e}");
                 }
                 self.errors += 1;
+            }
+        }
+    }
+
+    /// A batch: one latency sample, one count per key.
+    fn record_batch(
+        &mut self,
+        started: Instant,
+        outcome: Result<Vec<Result<Outcome, BoxError>>, BoxError>,
+        keys: usize,
+    ) {
+        let nanos = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.latency.saturating_record(nanos.max(1));
+        match outcome {
+            Ok(outcomes) => {
+                for outcome in outcomes {
+                    match outcome {
+                        Ok(Outcome::Executed) => self.executed += 1,
+                        Ok(Outcome::Replayed) => self.replayed += 1,
+                        Ok(Outcome::InProgress) => self.in_progress += 1,
+                        Err(e) => {
+                            if self.errors == 0 {
+                                eprintln!("load: first error of a task: {e}");
+                            }
+                            self.errors += 1;
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                if self.errors == 0 {
+                    eprintln!("load: first error of a task: {e}");
+                }
+                self.errors += keys as u64;
             }
         }
     }
@@ -300,6 +411,9 @@ async fn run(args: Args) -> Result<(), BoxError> {
     if args.concurrency == 0 {
         return Err("--concurrency must be at least 1".into());
     }
+    if args.batch == 0 || args.batch > 100_000 {
+        return Err("--batch must be between 1 and 100000".into());
+    }
     let target = target(&args).await?;
     let scope = match args.mix {
         Mix::Fresh => "load.fresh",
@@ -326,13 +440,14 @@ async fn run(args: Args) -> Result<(), BoxError> {
     let ops = tally.executed + tally.replayed + tally.in_progress;
     let us = |q: f64| tally.latency.value_at_quantile(q) as f64 / 1000.0;
     println!(
-        "load backend={} via={} mix={} concurrency={} seconds={:.2} ops={} ops_per_sec={:.0} \
+        "load backend={} via={} mix={} concurrency={} batch={} seconds={:.2} ops={} ops_per_sec={:.0} \
          p50_us={:.1} p99_us={:.1} p999_us={:.1} max_us={:.1} executed={} replayed={} in_progress={} errors={} \
          max_rss_kb={}",
         name(args.backend),
         name(args.via),
         name(args.mix),
         args.concurrency,
+        args.batch,
         elapsed,
         ops,
         ops as f64 / elapsed,
@@ -366,24 +481,30 @@ async fn phase(
     let tasks: Vec<_> = (0..args.concurrency)
         .map(|_| {
             let (target, keys, via, mix) = (target.clone(), keys.clone(), args.via, args.mix);
+            let batch = args.batch as u64;
             let (barrier, go_on, round) = (barrier.clone(), go_on.clone(), contended_round.clone());
             tokio::spawn(async move {
                 let mut tally = Tally::new();
                 let mut n = fastrand::u64(..DUPLICATE_KEYS);
                 loop {
-                    let key = match mix {
+                    let mut delivery = Vec::with_capacity(batch as usize);
+                    match mix {
                         Mix::Fresh => {
                             if Instant::now() >= deadline {
                                 break;
                             }
-                            keys.next()
+                            for _ in 0..batch {
+                                delivery.push(keys.next());
+                            }
                         }
                         Mix::Duplicate => {
                             if Instant::now() >= deadline {
                                 break;
                             }
-                            n = (n + 1) % DUPLICATE_KEYS;
-                            keys.key(n)
+                            for _ in 0..batch {
+                                n = (n + 1) % DUPLICATE_KEYS;
+                                delivery.push(keys.key(n));
+                            }
                         }
                         Mix::Contended => {
                             // The leader of each round decides for everyone
@@ -397,12 +518,20 @@ async fn phase(
                             if !go_on.load(Ordering::SeqCst) {
                                 break;
                             }
-                            keys.key(round.load(Ordering::SeqCst))
+                            let first = round.load(Ordering::SeqCst) * batch;
+                            for i in 0..batch {
+                                delivery.push(keys.key(first + i));
+                            }
                         }
-                    };
+                    }
                     let started = Instant::now();
-                    let outcome = target.deliver(via, &key).await;
-                    tally.record(started, &outcome);
+                    if batch == 1 {
+                        let outcome = target.deliver(via, &delivery[0]).await;
+                        tally.record(started, &outcome);
+                    } else {
+                        let outcome = target.deliver_batch(via, delivery).await;
+                        tally.record_batch(started, outcome, batch as usize);
+                    }
                 }
                 tally
             })

@@ -1121,3 +1121,49 @@ async fn late_entry_on_an_idle_stream(
     assert_eq!(pending(&stream, "g").await, 0);
     stats
 }
+
+/// Issue 14: a read batch costs one `acquire_many` for all its entries
+/// (and a duplicate of one of them in the batch one more), not one acquire
+/// per entry; completions go in batches as the handlers finish.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_batch_is_acquired_with_one_acquire_many() {
+    let stream = format!("batched-{:08x}", fastrand::u32(..));
+    for i in 0..20 {
+        xadd(&stream, &[("message_id", &format!("m-{i}"))]).await;
+    }
+    xadd(&stream, &[("message_id", "m-3")]).await; // a duplicate in the batch
+    let store = Arc::new(idem::testkit::Tap::new(redis_store().await));
+    let idem = Idempotency::from_arc(store.clone());
+    let consumer =
+        StreamConsumer::connect(support::redis_server::shared_url(), &stream, "g", "c", idem)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .key_field("message_id")
+            .batch(32);
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(30),
+        ran_and_nothing_pending(&stream, &runs, 20),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    println!(
+        "{stats:?}; acquire_many calls {}, items {}; complete_many calls {}, items {}",
+        store.acquire_batches(),
+        store.acquires(),
+        store.complete_batches(),
+        store.completes()
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 20);
+    assert_eq!((stats.executed, stats.replayed, stats.acked), (20, 1, 21));
+    assert_eq!(
+        store.acquire_batches(),
+        2,
+        "the batch, then the duplicate's round"
+    );
+    assert_eq!(store.acquires(), 21, "no acquire of its own");
+    assert_eq!(store.completes(), 20);
+    assert!(store.complete_batches() <= 20);
+}

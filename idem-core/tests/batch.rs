@@ -637,3 +637,60 @@ async fn ten_thousand_items_keep_their_order() {
     assert_eq!(store.acquire_batches(), 2);
     assert_eq!(store.complete_batches(), 1);
 }
+
+/// A slow handler does not hold up the others: their results are recorded
+/// while it still runs (a crash then re-runs only what had not been
+/// recorded), and it is recorded when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_does_not_hold_up_the_recording_of_the_others() {
+    for detached in [false, true] {
+        let (store, idem) = tapped();
+        let ks = keys(&format!("slow-{detached}"), 3);
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let handler = {
+            let gate = gate.clone();
+            move |n: u64| {
+                let gate = gate.clone();
+                async move {
+                    if n == 1 {
+                        gate.notified().await;
+                    }
+                    Ok::<_, Declined>(n)
+                }
+            }
+        };
+        let batch = {
+            let (idem, ks) = (idem.clone(), ks.clone());
+            tokio::spawn(async move {
+                let items = ks.into_iter().zip(0u64..);
+                if detached {
+                    idem.process_batch_detached(items, handler).await
+                } else {
+                    idem.process_batch(items, handler).await
+                }
+            })
+        };
+        loop {
+            let mut recorded = 0;
+            for i in [0, 2] {
+                if matches!(store.get(&ks[i]).await, Ok(Some(r)) if r.is_completed()) {
+                    recorded += 1;
+                }
+            }
+            if recorded == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            matches!(store.get(&ks[1]).await, Ok(Some(r)) if !r.is_completed()),
+            "the slow item is still in progress"
+        );
+        gate.notify_one();
+        let out = batch.await.unwrap_or_else(|e| panic!("{e}"));
+        for (i, o) in out.iter().enumerate() {
+            assert_eq!(o.as_ref().ok(), Some(&Processed::Executed(i as u64)));
+        }
+        assert!(store.complete_batches() >= 2);
+    }
+}

@@ -1,8 +1,10 @@
-//! A Redis Streams consumer that runs every entry through
-//! [`Idempotency::process_with_detached`]: a consumer group reads the
+//! A Redis Streams consumer that runs every batch it reads through
+//! [`Idempotency::process_batch_with_detached`]: a consumer group reads the
 //! stream, each entry's key comes from a field (or from a hash of its
-//! content), the entries of a batch are acknowledged in one `XACK` once
-//! their results are recorded or replayed, entries left pending by a
+//! content), the keys of a batch are acquired with one `acquire_many` and
+//! the results recorded with one `complete_many`, the entries of a batch
+//! are acknowledged in one `XACK` once their results are recorded or
+//! replayed, entries left pending by a
 //! consumer that died are reclaimed with `XAUTOCLAIM` once they have been
 //! idle long enough, and entries that can never succeed go to a dead-letter
 //! stream.
@@ -62,7 +64,8 @@
 //! # Handlers run detached
 //!
 //! Each handler runs in a spawned task that the consumer awaits
-//! ([`Idempotency::process_with_detached`]): a consumer whose `run` future
+//! ([`Idempotency::process_batch_with_detached`]), at most
+//! [`concurrency`](StreamConsumer::concurrency) at once: a consumer whose `run` future
 //! is dropped (a task aborted at shutdown) does not cut its handlers off;
 //! they finish and their results are recorded, and the entries, not yet
 //! acknowledged, are replayed and acknowledged on their next delivery. So a
@@ -73,7 +76,8 @@
 //! Deliveries of one key in the same batch run one after the other: the
 //! later ones wait for the first and get its replay (or run again if it
 //! failed), instead of being answered "in progress" and parked until
-//! `claim_idle`.
+//! `claim_idle` (each such repetition costs the batch one more
+//! `acquire_many` and `complete_many`).
 //!
 //! # Reads
 //!
@@ -95,10 +99,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::FutureExt;
 use idem_core::{
-    saturate, Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    JsonCodec, Processed, StoreError,
+    saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, JsonCodec, Processed, StoreError,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Value};
@@ -329,7 +333,8 @@ where
         self
     }
 
-    /// Entries processed at once (default 8).
+    /// Handlers running at once (default 8). The whole batch is acquired
+    /// and recorded together whatever this is.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n.max(1);
         self
@@ -566,9 +571,10 @@ where
         }
     }
 
-    /// Processes a batch: deliveries of one key one after the other, keys
-    /// `concurrency` at once; then dead-letters what must be, and
-    /// acknowledges.
+    /// Processes a batch through the executor's batch path (one
+    /// `acquire_many` and one `complete_many` for all its entries, handlers
+    /// `concurrency` at once; deliveries of one key one after the other),
+    /// then dead-letters what must be, and acknowledges.
     async fn process_batch<F, Fut, T, E>(
         &self,
         deliveries: Vec<Delivery>,
@@ -583,47 +589,52 @@ where
         if deliveries.is_empty() {
             return Ok(());
         }
-        // Chains of deliveries by key, in stream order.
-        let mut chains: Vec<Vec<(Delivery, Result<IdempotencyKey, String>)>> = Vec::new();
-        let mut chain_of: HashMap<IdempotencyKey, usize> = HashMap::new();
-        for delivery in deliveries {
-            let key = match &delivery.unusable {
-                Some(unusable) => Err(unusable.reason.clone()),
-                None => self.key_of(&delivery.entry),
-            };
-            match &key {
-                Ok(k) => match chain_of.get(k) {
-                    Some(&i) => chains[i].push((delivery, key)),
-                    None => {
-                        chain_of.insert(k.clone(), chains.len());
-                        chains.push(vec![(delivery, key)]);
+        // Entries that cannot run are settled here; the others go to the
+        // executor as one batch, in stream order.
+        let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(deliveries.len());
+        let mut items = Vec::new();
+        let mut item_of = Vec::new();
+        let limit = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+        for (i, delivery) in deliveries.iter().enumerate() {
+            let outcome = match &delivery.unusable {
+                // Its fields cannot be given to the handler as they are:
+                // never merged, never run.
+                Some(unusable) => Some(Outcome::Dead(unusable.reason.clone())),
+                // XADD needs a field: an entry without any was deleted from
+                // the stream while pending.
+                None if delivery.entry.fields.is_empty() => Some(Outcome::Deleted),
+                None => match self.key_of(&delivery.entry) {
+                    Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
+                    Ok(key) => {
+                        let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
+                        let (handler, limit, entry) =
+                            (handler.clone(), limit.clone(), delivery.entry.clone());
+                        items.push((key, fingerprint, move |_: Context| async move {
+                            // `concurrency` handlers at once; the semaphore
+                            // is never closed.
+                            let _permit = limit.acquire_owned().await;
+                            handler(entry).await
+                        }));
+                        item_of.push(i);
+                        None
                     }
                 },
-                Err(_) => chains.push(vec![(delivery, key)]),
-            }
+            };
+            settled.push(outcome);
         }
-        let outcomes: Vec<(Delivery, Outcome)> = futures_util::stream::iter(chains)
-            .map(|chain| async move {
-                let mut done = Vec::with_capacity(chain.len());
-                for (delivery, key) in chain {
-                    let outcome = match key {
-                        // Its fields cannot be given to the handler as they
-                        // are: never merged, never run.
-                        Err(reason) if delivery.unusable.is_some() => Outcome::Dead(reason),
-                        // XADD needs a field: an entry without any was
-                        // deleted from the stream while pending.
-                        _ if delivery.entry.fields.is_empty() => Outcome::Deleted,
-                        Ok(key) => self.process(&delivery.entry, key, handler).await,
-                        Err(e) => Outcome::Dead(format!("no usable key: {e}")),
-                    };
-                    done.push((delivery, outcome));
-                }
-                done
-            })
-            .buffer_unordered(self.concurrency)
-            .flat_map(futures_util::stream::iter)
-            .collect()
-            .await;
+        let processed = self.idem.process_batch_with_detached(items).await;
+        for (i, result) in item_of.into_iter().zip(processed) {
+            settled[i] = Some(self.outcome_of(&deliveries[i].entry.id, result));
+        }
+        let outcomes = deliveries
+            .into_iter()
+            .zip(settled)
+            .map(|(delivery, outcome)| {
+                let outcome = outcome.unwrap_or_else(|| {
+                    Outcome::Fatal(StoreError::backend("an entry of the batch got no outcome"))
+                });
+                (delivery, outcome)
+            });
 
         let mut ack = Vec::new();
         let mut dead: Vec<(Delivery, String)> = Vec::new();
@@ -695,26 +706,12 @@ where
         }
     }
 
-    /// Runs one entry, detached, and says what to do with it.
-    async fn process<F, Fut, T, E>(
+    /// What to do with an entry after processing it.
+    fn outcome_of<T, E: fmt::Display>(
         &self,
-        entry: &StreamEntry,
-        key: IdempotencyKey,
-        handler: &Arc<F>,
-    ) -> Outcome
-    where
-        F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let fingerprint = Fingerprint::of(&entry.fields).ok();
-        let (handler, for_handler) = (handler.clone(), entry.clone());
-        let outcome = self
-            .idem
-            .process_with_detached(&key, fingerprint, move |_| handler(for_handler))
-            .await;
-        let id = &entry.id;
+        id: &str,
+        outcome: Result<Processed<T>, IdemError<E>>,
+    ) -> Outcome {
         match outcome {
             Ok(Processed::Executed(_)) => {
                 self.counters.executed.fetch_add(1, Ordering::Relaxed);

@@ -7,7 +7,9 @@ use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use futures::future::join_all;
+use futures::future::{join_all, OptionFuture};
+use futures::stream::FuturesUnordered;
+use futures::{FutureExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -51,12 +53,13 @@ impl Held {
     }
 }
 
-/// What an acquired item's handler came to.
-enum Ran<T, E> {
-    /// It returned a value: to be recorded.
-    Value(T, Result<Vec<u8>, String>),
-    /// Its outcome is final (its `Err` or panic, the key released).
-    Done(BatchOutcome<T, E>),
+/// What is left to do for an item whose handler ended.
+enum Settle<T, E> {
+    /// Its `Err` or panic: release the key, then this is its outcome.
+    Release(BatchOutcome<T, E>),
+    /// Its value: record it (the encoded form or why it has none; the
+    /// answer of a batched completion already sent, if any).
+    Record(T, Result<Vec<u8>, String>, Option<Result<(), StoreError>>),
 }
 
 impl<S, C> Idempotency<S, C>
@@ -67,8 +70,8 @@ where
     /// Runs a batch of deliveries (a broker poll, say): each item is
     /// `(key, payload)` and gets its own outcome, as if
     /// [`process`](Self::process) ran for it with `handler`, in the same
-    /// order as the items. The whole batch costs one `acquire_many` and one
-    /// `complete_many` (see [`process_batch_with`](Self::process_batch_with)
+    /// order as the items. The whole batch costs one `acquire_many` and,
+    /// when its handlers finish together, one `complete_many` (see [`process_batch_with`](Self::process_batch_with)
     /// for what happens to each item). A payload that does not serialize
     /// for its fingerprint is that item's [`IdemError::Codec`].
     ///
@@ -118,8 +121,11 @@ where
     /// - the handlers of the acquired items run concurrently; one lease
     ///   renewal task (the heartbeat) renews all their leases while they
     ///   run;
-    /// - the results are recorded with one
-    ///   [`complete_many`](IdempotencyStore::complete_many); an item whose
+    /// - the results are recorded with
+    ///   [`complete_many`](IdempotencyStore::complete_many) as the
+    ///   handlers finish: the results ready when a call can be sent go
+    ///   together (one call, when the handlers finish together), so a slow
+    ///   handler never holds up the recording of the others; an item whose
     ///   completion failed there (the store briefly unavailable) is retried
     ///   on its own as `process_with` retries it, and a result that cannot
     ///   be recorded completes its key as not replayable;
@@ -368,7 +374,10 @@ where
 
     /// Runs the handlers of the acquired items concurrently under one
     /// heartbeat, releases the keys of those that failed, and records the
-    /// others with one `complete_many`.
+    /// others with `complete_many` as they finish: the results ready when
+    /// a completion can be sent go together (all of them, when the
+    /// handlers finish together), so a slow handler never holds up the
+    /// recording of the others.
     async fn run_acquired<T, E, F, R, RFut>(
         &self,
         acquired: Vec<(usize, Lease, F)>,
@@ -402,89 +411,130 @@ where
             // blocks this thread can starve it.
             tokio::task::yield_now().await;
         }
+        let held = &*held;
 
-        let ran = join_all(handlers.into_iter().enumerate().map(|(k, handler)| {
-            let held = &held[k];
-            let context = Context {
-                attempt: held.lease.attempt,
-                fence: held.lease.fence,
-                token: held.lease.token,
-            };
-            let run = runner(handler, context);
-            async move {
-                match run.await {
-                    HandlerOutcome::Ok(value) => {
-                        let encoded = self.encode(&value);
-                        Ran::Value(value, encoded)
-                    }
-                    HandlerOutcome::Err(e) => {
-                        held.done();
-                        self.release(&held.lease).await;
-                        Ran::Done(Err(IdemError::Handler(e)))
-                    }
-                    HandlerOutcome::Panicked(message) => {
-                        held.done();
-                        self.release(&held.lease).await;
-                        Ran::Done(Err(IdemError::Panicked { message }))
-                    }
-                    HandlerOutcome::Cancelled(message) => {
-                        held.done();
-                        Ran::Done(Err(IdemError::Panicked { message }))
-                    }
-                }
-            }
-        }))
-        .await;
-
-        // One completion for every result that encoded.
-        let batch: Vec<(usize, &[u8])> = ran
-            .iter()
+        let mut running: FuturesUnordered<_> = handlers
+            .into_iter()
             .enumerate()
-            .filter_map(|(k, ran)| match ran {
-                Ran::Value(_, Ok(bytes)) => Some((k, bytes.as_slice())),
-                _ => None,
+            .map(|(k, handler)| {
+                let lease = &held[k].lease;
+                let context = Context {
+                    attempt: lease.attempt,
+                    fence: lease.fence,
+                    token: lease.token,
+                };
+                let run = runner(handler, context);
+                async move { (k, run.await) }
             })
             .collect();
-        let mut first: Vec<Option<Result<(), StoreError>>> = ran.iter().map(|_| None).collect();
-        if !batch.is_empty() {
-            let items: Vec<(&Lease, &[u8])> = batch
-                .iter()
-                .map(|(k, bytes)| (&held[*k].lease, *bytes))
-                .collect();
-            match self.store.complete_many(&items, self.retention).await {
-                Ok(answers) if answers.len() == items.len() => {
-                    for ((k, _), answer) in batch.iter().zip(answers) {
-                        first[*k] = Some(answer);
-                    }
-                }
-                // Unknown: each item completes on its own (a completion with
-                // the same lease again is harmless).
-                Ok(_) | Err(_) => {}
-            }
-        }
+        // Values that encoded, waiting for a completion call.
+        let mut ready: Vec<(usize, T, Vec<u8>)> = Vec::new();
+        // The completion call in flight, with the values it carries.
+        let mut sending = None;
+        // Items being settled on their own: a release, a retried
+        // completion, the not-replayable marker.
+        let mut settling = FuturesUnordered::new();
+        let mut outcomes: Vec<Option<BatchOutcome<T, E>>> = held.iter().map(|_| None).collect();
 
-        let recorded = join_all(
-            ran.into_iter()
-                .zip(first)
-                .enumerate()
-                .map(|(k, (ran, first))| {
-                    let held = &held[k];
-                    async move {
-                        let outcome = match ran {
-                            Ran::Done(outcome) => outcome,
-                            Ran::Value(value, encoded) => {
-                                self.record(&held.lease, value, encoded, &held.end, first)
-                                    .await
-                            }
-                        };
-                        held.done();
+        let settle = |k: usize, ran: Settle<T, E>| {
+            let held = &held[k];
+            async move {
+                let outcome = match ran {
+                    Settle::Release(outcome) => {
+                        self.release(&held.lease).await;
                         outcome
                     }
-                }),
-        )
-        .await;
+                    Settle::Record(value, encoded, first) => {
+                        self.record(&held.lease, value, encoded, &held.end, first)
+                            .await
+                    }
+                };
+                held.done();
+                (k, outcome)
+            }
+        };
+        loop {
+            if sending.is_none() && !ready.is_empty() {
+                let batch = std::mem::take(&mut ready);
+                sending = Some(Box::pin(async move {
+                    let items: Vec<(&Lease, &[u8])> = batch
+                        .iter()
+                        .map(|(k, _, bytes)| (&held[*k].lease, bytes.as_slice()))
+                        .collect();
+                    let answers = self.store.complete_many(&items, self.retention).await;
+                    (batch, answers)
+                }));
+            }
+            if running.is_empty() && sending.is_none() && settling.is_empty() {
+                break;
+            }
+            tokio::select! {
+                Some((k, ran)) = running.next(), if !running.is_empty() => {
+                    // Take every handler that finished meanwhile too.
+                    let mut finished = vec![(k, ran)];
+                    while let Some(Some(more)) = running.next().now_or_never() {
+                        finished.push(more);
+                    }
+                    for (k, ran) in finished {
+                        match ran {
+                            HandlerOutcome::Ok(value) => match self.encode(&value) {
+                                Ok(bytes) => ready.push((k, value, bytes)),
+                                Err(reason) => {
+                                    settling.push(settle(k, Settle::Record(value, Err(reason), None)))
+                                }
+                            },
+                            HandlerOutcome::Err(e) => {
+                                held[k].done();
+                                settling.push(settle(k, Settle::Release(Err(IdemError::Handler(e)))));
+                            }
+                            HandlerOutcome::Panicked(message) => {
+                                held[k].done();
+                                settling.push(settle(k, Settle::Release(Err(IdemError::Panicked { message }))));
+                            }
+                            HandlerOutcome::Cancelled(message) => {
+                                // Cut off: never released.
+                                held[k].done();
+                                outcomes[k] = Some(Err(IdemError::Panicked { message }));
+                            }
+                        }
+                    }
+                }
+                Some((batch, answers)) = OptionFuture::from(sending.as_mut()), if sending.is_some() => {
+                    sending = None;
+                    let answers = match answers {
+                        Ok(answers) if answers.len() == batch.len() => answers.into_iter().map(Some).collect(),
+                        // Unknown: each item completes on its own (again
+                        // with the same lease: harmless).
+                        _ => batch.iter().map(|_| None).collect::<Vec<_>>(),
+                    };
+                    for ((k, value, bytes), answer) in batch.into_iter().zip(answers) {
+                        match answer {
+                            Some(Ok(())) => {
+                                held[k].done();
+                                outcomes[k] = Some(Ok(Processed::Executed(value)));
+                            }
+                            first => settling.push(settle(k, Settle::Record(value, Ok(bytes), first))),
+                        }
+                    }
+                }
+                Some((k, outcome)) = settling.next(), if !settling.is_empty() => {
+                    outcomes[k] = Some(outcome);
+                }
+            }
+        }
         drop(heartbeat);
-        indices.into_iter().zip(recorded).collect()
+        indices
+            .into_iter()
+            .zip(outcomes)
+            .map(|(index, outcome)| {
+                let outcome = outcome.unwrap_or_else(|| {
+                    Err(IdemError::Store(StoreError::backend(
+                        "an item of the batch was left without an outcome",
+                    )))
+                });
+                (index, outcome)
+            })
+            .collect()
     }
 
     /// Spawns one task that renews every live lease of the batch, if the
