@@ -1127,3 +1127,56 @@ async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
     println!("delivery 3: {third:?}\nhandler executions: {n}");
     assert_eq!(n, 1, "the handler ran {n} times for one key");
 }
+
+/// A batch far larger than Lua's unpack limit (10,000 keys), with a key
+/// that holds another Redis type and a key repeated at both ends: one
+/// script call answers every item, the wrong-typed key is `Corrupt` (never
+/// absent: nothing overwrites it), the repeat sees the first item's lease.
+#[tokio::test]
+async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let keys: Vec<IdempotencyKey> = (0..9_998)
+        .map(|i| testkit::unique_key(&format!("big-batch-{i}")))
+        .collect();
+    let _: i64 = idem::redis::redis::cmd("HSET")
+        .arg(store.redis_key(&keys[5_000]))
+        .arg("x")
+        .arg("y")
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut items: Vec<idem::AcquireItem<'_>> = keys
+        .iter()
+        .map(|k| idem::AcquireItem::new(k, None))
+        .collect();
+    items.push(idem::AcquireItem::new(&keys[0], None));
+    items.push(idem::AcquireItem::new(&keys[9_997], None));
+    let got = store
+        .acquire_many(&items, Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(got.len(), 10_000);
+    for (i, outcome) in got.iter().enumerate() {
+        match i {
+            5_000 => assert!(
+                matches!(outcome, Err(StoreError::Corrupt { .. })),
+                "{outcome:?}"
+            ),
+            9_998 | 9_999 => assert!(
+                matches!(outcome, Ok(Acquisition::InProgress { attempt: 1, .. })),
+                "item {i}: {outcome:?}"
+            ),
+            _ => assert!(
+                matches!(outcome, Ok(Acquisition::Acquired(l)) if l.key == keys[i]),
+                "item {i}: {outcome:?}"
+            ),
+        }
+    }
+    let kind: String = idem::redis::redis::cmd("TYPE")
+        .arg(store.redis_key(&keys[5_000]))
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(kind, "hash", "the wrong-typed key was overwritten");
+}
