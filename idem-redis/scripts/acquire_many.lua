@@ -50,9 +50,10 @@ local function clock()
 end
 
 -- Every record read in one MGET. MGET answers nil for a key that holds
--- something other than a string, so a nil is read again with GET (which
--- says WRONGTYPE) before it counts as absent; and a key's later items in
--- the batch read it again, after its earlier items' writes.
+-- something other than a string, so an absent key is written with SET NX
+-- (which refuses such a key, then read with GET: WRONGTYPE, Corrupt); and
+-- a key's later items in the batch read it again, after its earlier
+-- items' writes.
 -- (In chunks: Lua's unpack holds a few thousand values at most.)
 local first = {}
 for from = 1, count, 1000 do
@@ -64,10 +65,23 @@ local seen = {}
 
 local function acquire(i, key, fp, token)
   local v = first[i]
-  if not v or seen[key] then
+  if seen[key] then v = redis.pcall('GET', key) end
+  seen[key] = true
+  if not v then
+    -- Absent as MGET saw it: claimed with SET NX, which refuses a key that
+    -- holds another type (MGET's nil too); that one is read with GET below.
+    clock()
+    local until_ms = now + lease
+    local has, stored_fp = '1', fp
+    if fp == '' then has, stored_fp = '0', string.rep('\0', 32) end
+    if redis.call('SET', key,
+        struct.pack(HEADER, 'p', has, stored_fp, token, 1, now_us, until_ms, now,
+          until_ms + grace, 0),
+        'NX', 'PXAT', int(until_ms + grace)) then
+      return {'acquired', 1, until_ms, fp, now_us}
+    end
     v = redis.pcall('GET', key)
   end
-  seen[key] = true
   if type(v) == 'table' then
     return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
   end

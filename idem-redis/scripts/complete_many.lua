@@ -24,11 +24,24 @@ for i = 1, count do
   if #ARGV[2 * i] ~= 16 then return redis.error_reply('IDEM_INVALID token must be 16 bytes') end
 end
 
+-- Every record read in one MGET (in chunks: Lua's unpack holds a few
+-- thousand values at most); a key's later items read it again, after the
+-- earlier items' writes. MGET's nil (absent, or another type) is a loss.
+local first = {}
+for from = 1, count, 1000 do
+  local to = math.min(from + 999, count)
+  local got = redis.call('MGET', unpack(KEYS, from, to))
+  for j = 1, to - from + 1 do first[from + j - 1] = got[j] end
+end
+local seen = {}
+
 local now
 local out = {}
 for i = 1, count do
   local key, token, response = KEYS[i], ARGV[2 * i], ARGV[2 * i + 1]
-  local v = redis.pcall('GET', key)
+  local v = first[i]
+  if seen[key] then v = redis.pcall('GET', key) end
+  seen[key] = true
   if type(v) ~= 'string' or #v < HEADER_LEN or string.sub(v, 35, 50) ~= token then
     out[i] = 0
   elseif string.byte(v, 1) == 99 then
