@@ -694,3 +694,126 @@ async fn a_slow_handler_does_not_hold_up_the_recording_of_the_others() {
         assert!(store.complete_batches() >= 2);
     }
 }
+
+/// A store whose `complete_many` fails as a whole (say its connection
+/// dropped after sending): every item falls back to its own completion,
+/// which records it; nothing is lost.
+#[tokio::test(start_paused = true)]
+async fn a_failed_complete_many_falls_back_to_each_items_own_completion() {
+    struct CompleteManyDown(Tap<MemoryStore>);
+    #[async_trait]
+    impl IdempotencyStore for CompleteManyDown {
+        async fn acquire(
+            &self,
+            key: &IdempotencyKey,
+            fingerprint: Option<&Fingerprint>,
+            lease: Duration,
+        ) -> Result<Acquisition, StoreError> {
+            self.0.acquire(key, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            lease: &Lease,
+            response: &[u8],
+            retention: Duration,
+        ) -> Result<(), StoreError> {
+            self.0.complete(lease, response, retention).await
+        }
+        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+            self.0.release(lease).await
+        }
+        async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+            self.0.extend(lease, lease_for).await
+        }
+        async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+            self.0.get(key).await
+        }
+        async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+            self.0.delete(key).await
+        }
+        async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+            self.0.purge_expired(max).await
+        }
+        async fn acquire_many(
+            &self,
+            items: &[AcquireItem<'_>],
+            lease: Duration,
+        ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+            self.0.acquire_many(items, lease).await
+        }
+        async fn complete_many(
+            &self,
+            items: &[(&Lease, &[u8])],
+            retention: Duration,
+        ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+            // Applied, then the answer is lost.
+            let _ = self.0.complete_many(items, retention).await;
+            Err(StoreError::unavailable("test: the reply was lost"))
+        }
+    }
+    let store = Arc::new(CompleteManyDown(Tap::new(MemoryStore::new())));
+    let idem = Idempotency::from_arc(store.clone());
+    let ks = keys("complete-many-down", 4);
+    let out = idem
+        .process_batch(ks.iter().cloned().zip(0u64..), |n| async move {
+            Ok::<_, Declined>(n)
+        })
+        .await;
+    for (i, o) in out.iter().enumerate() {
+        assert_eq!(o.as_ref().ok(), Some(&Processed::Executed(i as u64)));
+    }
+    // One batch call (applied, answer lost), then one completion per item
+    // (each a harmless repeat with the same lease).
+    assert_eq!(store.0.complete_batches(), 1);
+    assert_eq!(store.0.completes(), 4 + 4);
+    for k in &ks {
+        assert!(matches!(store.get(k).await, Ok(Some(r)) if r.is_completed()));
+    }
+}
+
+/// One item's lease is taken over while its handler runs (heartbeat off,
+/// the handler slower than the lease): that item's completion is fenced
+/// off (`LeaseLost`, its effects ran: the caller must know), the new
+/// owner's record is untouched, and the other items are recorded.
+#[tokio::test(start_paused = true)]
+async fn a_lease_lost_in_a_batch_is_that_items_error_only() {
+    let (store, idem) = tapped();
+    let lease = Duration::from_secs(1);
+    let idem = idem.lease(lease).heartbeat(false);
+    let ks = keys("lease-lost", 3);
+    let batch = {
+        let (idem, ks) = (idem.clone(), ks.clone());
+        tokio::spawn(async move {
+            idem.process_batch(ks.into_iter().zip(0u64..), |n| async move {
+                if n == 1 {
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                }
+                Ok::<_, Declined>(n)
+            })
+            .await
+        })
+    };
+    // Once the slow item's lease is over, another worker takes it over.
+    tokio::time::sleep(lease * 2).await;
+    let fp = Fingerprint::of(&1u64).unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Acquisition::Acquired(thief)) = store
+        .inner()
+        .acquire(&ks[1], Some(&fp), Duration::from_secs(60))
+        .await
+    else {
+        panic!("the lease was not over")
+    };
+    let out = batch.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(out[0].as_ref().ok(), Some(&Processed::Executed(0)));
+    assert!(matches!(out[1], Err(IdemError::LeaseLost)), "{:?}", out[1]);
+    assert_eq!(out[2].as_ref().ok(), Some(&Processed::Executed(2)));
+    let record = store
+        .get(&ks[1])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|| panic!("record gone"));
+    assert_eq!(
+        record.token, thief.token,
+        "the new owner's record was overwritten"
+    );
+}
