@@ -1180,3 +1180,78 @@ async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(kind, "hash", "the wrong-typed key was overwritten");
 }
+
+/// Makes the completed record of `key` one whose expiry (header bytes
+/// 78..86) passed a minute ago by the server's clock, and that has no TTL:
+/// as a record someone `PERSIST`ed, read after its retention (or a record
+/// read in the very millisecond it expires, when its PTTL is 0).
+async fn expire_without_ttl(store: &RedisStore, conn: &mut impl ConnectionLike, key: &IdempotencyKey) {
+    use idem::redis::redis::cmd;
+    let rk = store.redis_key(key);
+    let mut raw: Vec<u8> = cmd("GET")
+        .arg(&rk)
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(raw.len() >= 94 && raw[0] == b'c', "not a completed record");
+    let (secs, micros): (u64, u64) = cmd("TIME")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let past_ms = secs * 1_000 + micros / 1_000 - 60_000;
+    raw[78..86].copy_from_slice(&past_ms.to_be_bytes());
+    let _: () = cmd("SET")
+        .arg(&rk)
+        .arg(raw)
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Review (issue 14): a completed record past its expiry is absent
+/// (DESIGN 2: "Completed, past expires_at == absent"), whatever the
+/// payload: the general path of acquire.lua answers "acquired" for it.
+/// The fast path compared fingerprints before it looked at the record's
+/// time left, so the same expired record answered `Mismatch` to another
+/// payload (format 1 checked the expiry first): an expired key refused a
+/// new payload with a 422 forever (PERSIST), or in its last millisecond.
+#[tokio::test]
+async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let (a, b) = (idem::Fingerprint::of_bytes(b"a"), idem::Fingerprint::of_bytes(b"b"));
+    let lease = Duration::from_secs(30);
+    let ks: Vec<IdempotencyKey> = (0..3)
+        .map(|i| testkit::unique_key(&format!("expired-persisted-{i}")))
+        .collect();
+    for k in &ks {
+        let Ok(Acquisition::Acquired(l)) = store.acquire(k, Some(&a), lease).await else {
+            panic!("acquire")
+        };
+        store
+            .complete(&l, b"r", Duration::from_secs(3_600))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        expire_without_ttl(&store, &mut conn, k).await;
+    }
+    // The same payload: absent, acquired afresh (attempt 1).
+    let same = store.acquire(&ks[0], Some(&a), lease).await;
+    assert!(
+        matches!(&same, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+        "same payload: {same:?}"
+    );
+    // Another payload: absent too.
+    let other = store.acquire(&ks[1], Some(&b), lease).await;
+    assert!(
+        matches!(&other, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+        "another payload on an expired record: {other:?}"
+    );
+    let batch = store
+        .acquire_many(&[idem::AcquireItem::new(&ks[2], Some(&b))], lease)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(batch.as_slice(), [Ok(Acquisition::Acquired(l))] if l.attempt == 1),
+        "another payload on an expired record, in a batch: {batch:?}"
+    );
+}

@@ -73,12 +73,15 @@ local function acquire(i, key, fp, token)
   end
   if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
     local hasfp = string.byte(v, 2)
-    if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
-      return {'mismatch'}
-    end
-    local ttl = redis.call('PTTL', key)
-    if (hasfp == 48 or hasfp == 49) and ttl > 0 then
-      return {'completed', v, ttl}
+    if hasfp == 48 or hasfp == 49 then
+      local ttl = redis.call('PTTL', key)
+      -- As acquire.lua: a mismatch only of a record with time left.
+      if ttl > 0 then
+        if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+          return {'mismatch'}
+        end
+        return {'completed', v, ttl}
+      end
     end
   end
 
