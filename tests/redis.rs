@@ -1255,3 +1255,76 @@ async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
         "another payload on an expired record, in a batch: {batch:?}"
     );
 }
+
+/// A cluster connection behind a type of the application's own (a wrapper
+/// that adds metrics, say): every single-key call works on it.
+#[derive(Clone)]
+struct WrappedCluster(ClusterConnection);
+
+impl ConnectionLike for WrappedCluster {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a idem::redis::redis::Cmd,
+    ) -> idem::redis::redis::RedisFuture<'a, idem::redis::redis::Value> {
+        self.0.req_packed_command(cmd)
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a idem::redis::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> idem::redis::redis::RedisFuture<'a, Vec<idem::redis::redis::Value>> {
+        self.0.req_packed_commands(pipeline, offset, count)
+    }
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+}
+
+/// Review (issue 14): `RedisStore::new` takes any cluster-capable
+/// connection, but a batch went per hash slot only when the connection's
+/// type was exactly `ClusterConnection` (a `TypeId` check): over any other
+/// type, a batch whose keys span slots was one script call, refused with
+/// CROSSSLOT, so every item of every such batch failed (and a Streams
+/// consumer dead-lettered them: a Backend error is not retryable).
+#[tokio::test]
+async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
+    let client = idem::redis::redis::cluster::ClusterClient::new(
+        redis_server::shared_cluster().to_vec(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let conn = client
+        .get_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = RedisStore::new(WrappedCluster(conn));
+    let ks: Vec<IdempotencyKey> = (0..20)
+        .map(|i| testkit::unique_key(&format!("wrapped-cluster-{i}")))
+        .collect();
+    // Single-key calls work on the wrapper.
+    let single = store.acquire(&ks[0], None, Duration::from_secs(30)).await;
+    assert!(matches!(single, Ok(Acquisition::Acquired(_))), "{single:?}");
+    let idem = Idempotency::new(store);
+    let out = idem
+        .process_batch(ks[1..].iter().cloned().zip(1u32..), |n| async move {
+            Ok::<_, std::convert::Infallible>(n)
+        })
+        .await;
+    for (i, o) in out.iter().enumerate() {
+        assert!(
+            matches!(o, Ok(Processed::Executed(n)) if *n as usize == i + 1),
+            "item {i}: {o:?}"
+        );
+    }
+    let again = idem
+        .process_batch(ks[1..].iter().cloned().zip(1u32..), |_| async move {
+            Ok::<_, std::convert::Infallible>(0)
+        })
+        .await;
+    for (i, o) in again.iter().enumerate() {
+        assert!(
+            matches!(o, Ok(Processed::Replayed(n)) if *n as usize == i + 1),
+            "item {i} again: {o:?}"
+        );
+    }
+}
