@@ -1185,7 +1185,11 @@ async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
 /// 78..86) passed a minute ago by the server's clock, and that has no TTL:
 /// as a record someone `PERSIST`ed, read after its retention (or a record
 /// read in the very millisecond it expires, when its PTTL is 0).
-async fn expire_without_ttl(store: &RedisStore, conn: &mut impl ConnectionLike, key: &IdempotencyKey) {
+async fn expire_without_ttl(
+    store: &RedisStore,
+    conn: &mut impl ConnectionLike,
+    key: &IdempotencyKey,
+) {
     use idem::redis::redis::cmd;
     let rk = store.redis_key(key);
     let mut raw: Vec<u8> = cmd("GET")
@@ -1219,7 +1223,10 @@ async fn expire_without_ttl(store: &RedisStore, conn: &mut impl ConnectionLike, 
 async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
     let store = standalone().await;
     let mut conn = raw_conn().await;
-    let (a, b) = (idem::Fingerprint::of_bytes(b"a"), idem::Fingerprint::of_bytes(b"b"));
+    let (a, b) = (
+        idem::Fingerprint::of_bytes(b"a"),
+        idem::Fingerprint::of_bytes(b"b"),
+    );
     let lease = Duration::from_secs(30);
     let ks: Vec<IdempotencyKey> = (0..3)
         .map(|i| testkit::unique_key(&format!("expired-persisted-{i}")))
@@ -1289,10 +1296,9 @@ impl ConnectionLike for WrappedCluster {
 /// consumer dead-lettered them: a Backend error is not retryable).
 #[tokio::test]
 async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
-    let client = idem::redis::redis::cluster::ClusterClient::new(
-        redis_server::shared_cluster().to_vec(),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
+    let client =
+        idem::redis::redis::cluster::ClusterClient::new(redis_server::shared_cluster().to_vec())
+            .unwrap_or_else(|e| panic!("{e}"));
     let conn = client
         .get_async_connection()
         .await

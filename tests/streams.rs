@@ -1206,7 +1206,9 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
             &stream,
             "g",
             "consumer-a",
-            Idempotency::new(store().await).lease(lease).heartbeat(false),
+            Idempotency::new(store().await)
+                .lease(lease)
+                .heartbeat(false),
         )
         .await
         .unwrap_or_else(|e| panic!("{e}"))
@@ -1228,8 +1230,12 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
             consumer
                 .run(
                     move |entry: StreamEntry| {
-                        let (effects, gate, first, started_tx) =
-                            (effects.clone(), gate.clone(), first.clone(), started_tx.clone());
+                        let (effects, gate, first, started_tx) = (
+                            effects.clone(),
+                            gate.clone(),
+                            first.clone(),
+                            started_tx.clone(),
+                        );
                         async move {
                             let id = entry.text("message_id").unwrap_or_default().to_owned();
                             let _ = started_tx.send(id.clone());
@@ -1253,7 +1259,10 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
                 .await
         })
     };
-    let slow = started_rx.recv().await.unwrap_or_else(|| panic!("no handler ran"));
+    let slow = started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("no handler ran"));
     let queued = if slow.ends_with("x-1") {
         format!("{run}-x-2")
     } else {
@@ -1299,7 +1308,11 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
     .await;
     let _ = stop_tx.send(());
     let _ = running.await;
-    assert!(settled.is_ok(), "the consumer never settled its batch: {:?}", consumer.stats());
+    assert!(
+        settled.is_ok(),
+        "the consumer never settled its batch: {:?}",
+        consumer.stats()
+    );
     let ran = effects
         .lock()
         .unwrap_or_else(|p| p.into_inner())
