@@ -1334,3 +1334,53 @@ async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
         );
     }
 }
+
+/// Review (issue 14): a record that `get` reports as corrupt (an
+/// in-progress header followed by bytes: `format::decode` refuses it) is
+/// corrupt to `acquire` and `acquire_many` too: reported, never taken over
+/// and overwritten (DESIGN 3, `Corrupt`).
+#[tokio::test]
+async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() {
+    use idem::redis::redis::cmd;
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let ks: Vec<IdempotencyKey> = (0..2)
+        .map(|i| testkit::unique_key(&format!("trailing-{i}")))
+        .collect();
+    for k in &ks {
+        let Ok(Acquisition::Acquired(_)) = store.acquire(k, None, Duration::from_secs(30)).await
+        else {
+            panic!("acquire")
+        };
+        let rk = store.redis_key(k);
+        // The lease over (its deadline, bytes 62..70, in 1970), then junk.
+        let _: i64 = cmd("SETRANGE")
+            .arg(&rk)
+            .arg(62)
+            .arg(&1u64.to_be_bytes()[..])
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _: i64 = cmd("APPEND")
+            .arg(&rk)
+            .arg("junk")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let got = store.get(k).await;
+        assert!(matches!(got, Err(StoreError::Corrupt { .. })), "get: {got:?}");
+    }
+    let single = store.acquire(&ks[0], None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(single, Err(StoreError::Corrupt { .. })),
+        "acquire: {single:?}"
+    );
+    let batch = store
+        .acquire_many(&[idem::AcquireItem::new(&ks[1], None)], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(batch.as_slice(), [Err(StoreError::Corrupt { .. })]),
+        "acquire_many: {batch:?}"
+    );
+}

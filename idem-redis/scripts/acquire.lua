@@ -107,9 +107,15 @@ if v then
   elseif hasfp ~= '1' then
     return {'corrupt', 'bad fingerprint flag'}
   end
-  if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+  if a < 1 or a > 4294967295 or n > 9007199254740991 or l > 9007199254740991
+      or c > 9007199254740991 or e > 9007199254740991 or d > 9007199254740991
       or (s == 'p' and l == 0) then
-    return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
+    return {'corrupt', 'out-of-range attempt, fence, lease, time or expiry'}
+  end
+  -- As the client decodes it (format.rs): a record in progress has no
+  -- response; one that has is corrupt, never taken over.
+  if s == 'p' and #v ~= HEADER_LEN then
+    return {'corrupt', 'in progress with a response'}
   end
 end
 

@@ -87,13 +87,13 @@ local function acquire(i, key, fp, token)
 
   clock()
   local until_ms = now + lease
-  local s, f, t, a, n, l, c, e
+  local s, f, t, a, n, l, c, e, d
   if v then
     if #v < HEADER_LEN then
       return {'corrupt', 'record of ' .. #v .. ' bytes, shorter than its header'}
     end
     local hasfp
-    s, hasfp, f, t, a, n, l, c, e = struct.unpack(HEADER, v)
+    s, hasfp, f, t, a, n, l, c, e, d = struct.unpack(HEADER, v)
     if s ~= 'p' and s ~= 'c' then
       return {'corrupt', 'unknown status ' .. string.format('%q', s)}
     end
@@ -102,9 +102,15 @@ local function acquire(i, key, fp, token)
     elseif hasfp ~= '1' then
       return {'corrupt', 'bad fingerprint flag'}
     end
-    if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+    if a < 1 or a > 4294967295 or n > 9007199254740991 or l > 9007199254740991
+        or c > 9007199254740991 or e > 9007199254740991 or d > 9007199254740991
         or (s == 'p' and l == 0) then
-      return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
+      return {'corrupt', 'out-of-range attempt, fence, lease, time or expiry'}
+    end
+    -- As the client decodes it (format.rs): a record in progress has no
+    -- response; one that has is corrupt, never taken over.
+    if s == 'p' and #v ~= HEADER_LEN then
+      return {'corrupt', 'in progress with a response'}
     end
   end
 
