@@ -2555,3 +2555,115 @@ async fn in_transaction_mode_round_trips() {
         "duplicate: the caller's round trips, then with the pool's ping"
     );
 }
+
+/// A store on a table of its own whose trigger refuses (a non-retryable
+/// error, as a constraint or any statement-level failure would give) to
+/// insert (`on`: "INSERT") or complete (`on`: "UPDATE") the key `poison`.
+async fn store_refusing(poison: &IdempotencyKey, on: &str, statement: usize) -> PgStore {
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let table = format!("idem_poison_{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .table(&table)
+        .batch_statement(statement)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    let status = if on == "UPDATE" {
+        "AND NEW.status = 2"
+    } else {
+        ""
+    };
+    exec(
+        &pool,
+        format!(
+            "CREATE FUNCTION {table}_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+               IF NEW.key = '{id}' {status} THEN RAISE EXCEPTION 'refused by a trigger'; END IF;
+               RETURN NEW;
+             END $$;
+             CREATE TRIGGER refuse BEFORE {on} ON {qualified}
+               FOR EACH ROW EXECUTE FUNCTION {table}_refuse();",
+            id = poison.id(),
+            qualified = store.qualified_table(),
+        ),
+    )
+    .await;
+    store
+}
+
+/// Review (issue 14): one statement of a `complete_many` failing with a
+/// non-retryable error gave its error to the items of the statements
+/// after it, which were never sent; the executor took that error as the
+/// store refusing those results for good and completed their keys as
+/// "not replayable": results that were perfectly recordable were lost,
+/// and every duplicate got `ResultUnavailable` instead of the replay.
+///
+/// Two items a statement: [0, 1] [2 refused, 3] [4]. Item 3 shares the
+/// failed statement, item 4 was never sent: both are recorded (each on
+/// its own), only item 2 is not.
+#[tokio::test]
+async fn a_failed_statement_of_complete_many_loses_no_other_items_result() {
+    let ks = keys("poison-complete", 5);
+    let store = store_refusing(&ks[2], "UPDATE", 2).await;
+    let idem = idem::Idempotency::new(store);
+    let out = idem
+        .process_batch(ks.iter().cloned().zip(0u32..), |n| async move {
+            Ok::<_, Infallible>(n)
+        })
+        .await;
+    assert!(out[2].is_err(), "the refused item: {:?}", out[2]);
+    for i in [0, 1, 3, 4] {
+        assert!(
+            matches!(out[i], Ok(idem::Processed::Executed(n)) if n as usize == i),
+            "item {i}: {:?}",
+            out[i]
+        );
+    }
+    let again = idem
+        .process_batch(ks.iter().cloned().zip(0u32..), |_| async move {
+            Ok::<_, Infallible>(99)
+        })
+        .await;
+    for i in [0, 1, 3, 4] {
+        assert!(
+            matches!(again[i], Ok(idem::Processed::Replayed(n)) if n as usize == i),
+            "duplicate of item {i}: {:?}",
+            again[i]
+        );
+    }
+}
+
+/// Review (issue 14): likewise for `acquire_many`: the items after a
+/// statement that failed were never sent, yet got its non-retryable
+/// error, so the executor answered them `Store(Backend)` and the Streams
+/// consumer dead-lettered them. Never sent means nothing written, and
+/// retryable (as the default loop answers: "not sent").
+#[tokio::test]
+async fn items_after_a_failed_statement_of_acquire_many_are_retryable_and_unwritten() {
+    let ks = keys("poison-acquire", 4);
+    let store = store_refusing(&ks[1], "INSERT", 1).await;
+    let got = store
+        .acquire_many(&items(&ks), Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(got[0], Ok(Acquisition::Acquired(_))),
+        "{:?}",
+        got[0]
+    );
+    assert!(got[1].is_err(), "the refused item: {:?}", got[1]);
+    for i in [2, 3] {
+        assert!(
+            matches!(&got[i], Err(e) if e.is_retryable()),
+            "item {i}, never sent: {:?}",
+            got[i]
+        );
+        assert!(
+            matches!(store.get(&ks[i]).await, Ok(None)),
+            "item {i} was written"
+        );
+    }
+}

@@ -1180,3 +1180,207 @@ async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(kind, "hash", "the wrong-typed key was overwritten");
 }
+
+/// Makes the completed record of `key` one whose expiry (header bytes
+/// 78..86) passed a minute ago by the server's clock, and that has no TTL:
+/// as a record someone `PERSIST`ed, read after its retention (or a record
+/// read in the very millisecond it expires, when its PTTL is 0).
+async fn expire_without_ttl(
+    store: &RedisStore,
+    conn: &mut impl ConnectionLike,
+    key: &IdempotencyKey,
+) {
+    use idem::redis::redis::cmd;
+    let rk = store.redis_key(key);
+    let mut raw: Vec<u8> = cmd("GET")
+        .arg(&rk)
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(raw.len() >= 94 && raw[0] == b'c', "not a completed record");
+    let (secs, micros): (u64, u64) = cmd("TIME")
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let past_ms = secs * 1_000 + micros / 1_000 - 60_000;
+    raw[78..86].copy_from_slice(&past_ms.to_be_bytes());
+    let _: () = cmd("SET")
+        .arg(&rk)
+        .arg(raw)
+        .query_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Review (issue 14): a completed record past its expiry is absent
+/// (DESIGN 2: "Completed, past expires_at == absent"), whatever the
+/// payload: the general path of acquire.lua answers "acquired" for it.
+/// The fast path compared fingerprints before it looked at the record's
+/// time left, so the same expired record answered `Mismatch` to another
+/// payload (format 1 checked the expiry first): an expired key refused a
+/// new payload with a 422 forever (PERSIST), or in its last millisecond.
+#[tokio::test]
+async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let (a, b) = (
+        idem::Fingerprint::of_bytes(b"a"),
+        idem::Fingerprint::of_bytes(b"b"),
+    );
+    let lease = Duration::from_secs(30);
+    let ks: Vec<IdempotencyKey> = (0..3)
+        .map(|i| testkit::unique_key(&format!("expired-persisted-{i}")))
+        .collect();
+    for k in &ks {
+        let Ok(Acquisition::Acquired(l)) = store.acquire(k, Some(&a), lease).await else {
+            panic!("acquire")
+        };
+        store
+            .complete(&l, b"r", Duration::from_secs(3_600))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        expire_without_ttl(&store, &mut conn, k).await;
+    }
+    // The same payload: absent, acquired afresh (attempt 1).
+    let same = store.acquire(&ks[0], Some(&a), lease).await;
+    assert!(
+        matches!(&same, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+        "same payload: {same:?}"
+    );
+    // Another payload: absent too.
+    let other = store.acquire(&ks[1], Some(&b), lease).await;
+    assert!(
+        matches!(&other, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+        "another payload on an expired record: {other:?}"
+    );
+    let batch = store
+        .acquire_many(&[idem::AcquireItem::new(&ks[2], Some(&b))], lease)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(batch.as_slice(), [Ok(Acquisition::Acquired(l))] if l.attempt == 1),
+        "another payload on an expired record, in a batch: {batch:?}"
+    );
+}
+
+/// A cluster connection behind a type of the application's own (a wrapper
+/// that adds metrics, say): every single-key call works on it.
+#[derive(Clone)]
+struct WrappedCluster(ClusterConnection);
+
+impl ConnectionLike for WrappedCluster {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a idem::redis::redis::Cmd,
+    ) -> idem::redis::redis::RedisFuture<'a, idem::redis::redis::Value> {
+        self.0.req_packed_command(cmd)
+    }
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a idem::redis::redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> idem::redis::redis::RedisFuture<'a, Vec<idem::redis::redis::Value>> {
+        self.0.req_packed_commands(pipeline, offset, count)
+    }
+    fn get_db(&self) -> i64 {
+        self.0.get_db()
+    }
+}
+
+/// Review (issue 14): `RedisStore::new` takes any cluster-capable
+/// connection, but a batch went per hash slot only when the connection's
+/// type was exactly `ClusterConnection` (a `TypeId` check): over any other
+/// type, a batch whose keys span slots was one script call, refused with
+/// CROSSSLOT, so every item of every such batch failed (and a Streams
+/// consumer dead-lettered them: a Backend error is not retryable).
+#[tokio::test]
+async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
+    let client =
+        idem::redis::redis::cluster::ClusterClient::new(redis_server::shared_cluster().to_vec())
+            .unwrap_or_else(|e| panic!("{e}"));
+    let conn = client
+        .get_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = RedisStore::new(WrappedCluster(conn));
+    let ks: Vec<IdempotencyKey> = (0..20)
+        .map(|i| testkit::unique_key(&format!("wrapped-cluster-{i}")))
+        .collect();
+    // Single-key calls work on the wrapper.
+    let single = store.acquire(&ks[0], None, Duration::from_secs(30)).await;
+    assert!(matches!(single, Ok(Acquisition::Acquired(_))), "{single:?}");
+    let idem = Idempotency::new(store);
+    let out = idem
+        .process_batch(ks[1..].iter().cloned().zip(1u32..), |n| async move {
+            Ok::<_, std::convert::Infallible>(n)
+        })
+        .await;
+    for (i, o) in out.iter().enumerate() {
+        assert!(
+            matches!(o, Ok(Processed::Executed(n)) if *n as usize == i + 1),
+            "item {i}: {o:?}"
+        );
+    }
+    let again = idem
+        .process_batch(ks[1..].iter().cloned().zip(1u32..), |_| async move {
+            Ok::<_, std::convert::Infallible>(0)
+        })
+        .await;
+    for (i, o) in again.iter().enumerate() {
+        assert!(
+            matches!(o, Ok(Processed::Replayed(n)) if *n as usize == i + 1),
+            "item {i} again: {o:?}"
+        );
+    }
+}
+
+/// Review (issue 14): a record that `get` reports as corrupt (an
+/// in-progress header followed by bytes: `format::decode` refuses it) is
+/// corrupt to `acquire` and `acquire_many` too: reported, never taken over
+/// and overwritten (DESIGN 3, `Corrupt`).
+#[tokio::test]
+async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() {
+    use idem::redis::redis::cmd;
+    let store = standalone().await;
+    let mut conn = raw_conn().await;
+    let ks: Vec<IdempotencyKey> = (0..2)
+        .map(|i| testkit::unique_key(&format!("trailing-{i}")))
+        .collect();
+    for k in &ks {
+        let Ok(Acquisition::Acquired(_)) = store.acquire(k, None, Duration::from_secs(30)).await
+        else {
+            panic!("acquire")
+        };
+        let rk = store.redis_key(k);
+        // The lease over (its deadline, bytes 62..70, in 1970), then junk.
+        let _: i64 = cmd("SETRANGE")
+            .arg(&rk)
+            .arg(62)
+            .arg(&1u64.to_be_bytes()[..])
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _: i64 = cmd("APPEND")
+            .arg(&rk)
+            .arg("junk")
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let got = store.get(k).await;
+        assert!(matches!(got, Err(StoreError::Corrupt { .. })), "get: {got:?}");
+    }
+    let single = store.acquire(&ks[0], None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(single, Err(StoreError::Corrupt { .. })),
+        "acquire: {single:?}"
+    );
+    let batch = store
+        .acquire_many(&[idem::AcquireItem::new(&ks[1], None)], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(batch.as_slice(), [Err(StoreError::Corrupt { .. })]),
+        "acquire_many: {batch:?}"
+    );
+}

@@ -1167,3 +1167,161 @@ async fn a_read_batch_is_acquired_with_one_acquire_many() {
     assert_eq!(store.completes(), 20);
     assert!(store.complete_batches() <= 20);
 }
+
+/// Review (issue 14): the consumer acquires a whole batch at once
+/// (`acquire_many`), then starts its handlers `concurrency` at a time
+/// (a semaphore inside the handler). An entry queued behind a slow
+/// handler holds a lease that counts down while it waits: with the
+/// heartbeat off (a handler faster than the lease, the case that setting
+/// is for) the lease ends before its handler starts, another consumer
+/// takes the key over and runs the handler, and then this consumer starts
+/// the same handler anyway, with a lease already taken over: the effect
+/// runs twice. Before issue 14 a key was acquired when its handler was
+/// about to run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_taken_over() {
+    let run = format!("{:08x}", fastrand::u32(..));
+    let stream = format!("queued-{run}");
+    let scope = "review.queued";
+    let mut c = conn().await;
+    for id in ["x-1", "x-2"] {
+        let _: String = redis::cmd("XADD")
+            .arg(&stream)
+            .arg("*")
+            .arg("message_id")
+            .arg(format!("{run}-{id}"))
+            .query_async(&mut c)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    let store = || async {
+        RedisStore::connect(support::redis_server::shared_url())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+    };
+    let lease = Duration::from_millis(400);
+    let consumer = Arc::new(
+        StreamConsumer::connect(
+            support::redis_server::shared_url(),
+            &stream,
+            "g",
+            "consumer-a",
+            Idempotency::new(store().await)
+                .lease(lease)
+                .heartbeat(false),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .key_field("message_id")
+        .scope(scope)
+        .batch(2)
+        .concurrency(1)
+        .block(Duration::from_millis(50))
+        .claim_idle(Duration::from_secs(60)),
+    );
+    let effects: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = {
+        let (consumer, effects, gate) = (consumer.clone(), effects.clone(), gate.clone());
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    move |entry: StreamEntry| {
+                        let (effects, gate, first, started_tx) = (
+                            effects.clone(),
+                            gate.clone(),
+                            first.clone(),
+                            started_tx.clone(),
+                        );
+                        async move {
+                            let id = entry.text("message_id").unwrap_or_default().to_owned();
+                            let _ = started_tx.send(id.clone());
+                            // The first handler to run is slow (it holds
+                            // the only slot); the other waits behind it.
+                            if first.swap(false, Ordering::SeqCst) {
+                                gate.notified().await;
+                            }
+                            *effects
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .entry(id)
+                                .or_default() += 1;
+                            Ok::<_, std::io::Error>(())
+                        }
+                    },
+                    async move {
+                        let _ = stop_rx.await;
+                    },
+                )
+                .await
+        })
+    };
+    let slow = started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("no handler ran"));
+    let queued = if slow.ends_with("x-1") {
+        format!("{run}-x-2")
+    } else {
+        format!("{run}-x-1")
+    };
+    // Another consumer's delivery of the queued entry's key: it waits
+    // while the key is held, and takes it over once the lease is over.
+    let other = Idempotency::new(store().await)
+        .lease(Duration::from_secs(30))
+        .on_in_progress(idem::InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(20),
+            poll: Duration::from_millis(20),
+        });
+    let key = idem::IdempotencyKey::new(scope, queued.as_str()).unwrap_or_else(|e| panic!("{e}"));
+    let taken = other
+        .process_with(&key, None, |_| {
+            let (effects, queued) = (effects.clone(), queued.clone());
+            async move {
+                *effects
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .entry(queued)
+                    .or_default() += 1;
+                Ok::<_, std::io::Error>(())
+            }
+        })
+        .await;
+    assert!(
+        matches!(taken, Ok(idem::Processed::Executed(()))),
+        "the other consumer: {taken:?}"
+    );
+    // The slow handler ends; wait until the consumer settled both entries.
+    gate.notify_one();
+    let settled = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let s = consumer.stats();
+            if s.executed + s.replayed + s.left_pending + s.dead_lettered >= 2 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let _ = stop_tx.send(());
+    let _ = running.await;
+    assert!(
+        settled.is_ok(),
+        "the consumer never settled its batch: {:?}",
+        consumer.stats()
+    );
+    let ran = effects
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&queued)
+        .copied();
+    assert_eq!(
+        ran,
+        Some(1),
+        "the queued entry's effect ran {ran:?} times (stats {:?})",
+        consumer.stats()
+    );
+}

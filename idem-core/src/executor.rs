@@ -555,11 +555,18 @@ where
         let outcome = match encoded {
             Ok(bytes) => {
                 let completed = match first {
-                    Some(Err(e)) if e.is_retryable() => {
-                        tracing::warn!(key = %key, error = %e, "batched completion failed; retrying");
+                    // The item's own verdicts: done, taken over, too large.
+                    Some(done @ (Ok(()) | Err(StoreError::LeaseLost))) => done,
+                    Some(Err(e @ StoreError::ResponseTooLarge { .. })) => Err(e),
+                    // Anything else may be the verdict on a statement or
+                    // call that carried other items too (a store that runs
+                    // a batch as several statements gives each item of a
+                    // failed one its error): completed on its own before
+                    // this result is given up as not recordable.
+                    Some(Err(e)) => {
+                        tracing::warn!(key = %key, error = %e, "batched completion failed; retrying on its own");
                         self.complete(lease, &bytes, lease_end).await
                     }
-                    Some(done) => done,
                     None => self.complete(lease, &bytes, lease_end).await,
                 };
                 match completed {

@@ -1023,6 +1023,17 @@ impl PgStore {
     }
 }
 
+/// The error of a batch item whose statement was not sent because an
+/// earlier statement of the batch failed (`e`): nothing was written for
+/// it, so it is retryable whatever `e` was (as the trait's default loop
+/// answers), never `e` itself, which is another statement's verdict (a
+/// non-retryable one would have the executor give up on the item).
+fn not_sent(e: &StoreError) -> StoreError {
+    StoreError::unavailable(format!(
+        "not sent: an earlier statement of the batch failed ({e}); nothing was written"
+    ))
+}
+
 /// Splits the items `0..n` of a batch into statements, in order: a key
 /// goes into a later statement than its earlier items (so each sees their
 /// effect, as calls in order would, and no statement meets a row twice),
@@ -1287,8 +1298,9 @@ impl IdempotencyStore for PgStore {
     /// statements. Every statement is a call of its own (the time rule,
     /// the resend on a connection failure: each item keeps its token). If
     /// the first statement fails, the call fails; if a later one does, its
-    /// items and those after it get the error, and the items before keep
-    /// their answers. The advisory locks of a statement's keys are taken
+    /// items get the error, the items of the statements after it (not
+    /// sent: nothing written) a retryable `Unavailable`, and the items
+    /// before keep their answers. The advisory locks of a statement's keys are taken
     /// in one order, so two batches that share keys queue instead of
     /// deadlocking; a key held in a long transaction (an in-transaction
     /// claim) holds up its whole statement, up to the server's
@@ -1321,7 +1333,7 @@ impl IdempotencyStore for PgStore {
         for (n, batch) in statements.iter().enumerate() {
             if let Some(e) = &failed {
                 for &i in batch {
-                    results[i] = Some(Err(e.replicate()));
+                    results[i] = Some(Err(not_sent(e)));
                 }
                 continue;
             }
@@ -1385,7 +1397,7 @@ impl IdempotencyStore for PgStore {
         for (n, batch) in statements.iter().enumerate() {
             if let Some(e) = &failed {
                 for &i in batch {
-                    results[i] = Some(Err(e.replicate()));
+                    results[i] = Some(Err(not_sent(e)));
                 }
                 continue;
             }

@@ -47,12 +47,16 @@ if type(v) == 'table' then
 end
 if v and #v >= 94 and string.byte(v, 1) == 99 then
   local hasfp = string.byte(v, 2)
-  if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
-    return {'mismatch'}
-  end
-  local ttl = redis.call('PTTL', key)
-  if (hasfp == 48 or hasfp == 49) and ttl > 0 then
-    return {'completed', v, ttl}
+  if hasfp == 48 or hasfp == 49 then
+    local ttl = redis.call('PTTL', key)
+    -- Live (time left): a mismatch or a replay. Never a mismatch before
+    -- that is known: an expired record is absent for any payload.
+    if ttl > 0 then
+      if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+        return {'mismatch'}
+      end
+      return {'completed', v, ttl}
+    end
   end
   -- No expiry (someone PERSISTed it), its last ms, or a bad header: the
   -- general path below decides.
@@ -103,9 +107,15 @@ if v then
   elseif hasfp ~= '1' then
     return {'corrupt', 'bad fingerprint flag'}
   end
-  if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+  if a < 1 or a > 4294967295 or n > 9007199254740991 or l > 9007199254740991
+      or c > 9007199254740991 or e > 9007199254740991 or d > 9007199254740991
       or (s == 'p' and l == 0) then
-    return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
+    return {'corrupt', 'out-of-range attempt, fence, lease, time or expiry'}
+  end
+  -- As the client decodes it (format.rs): a record in progress has no
+  -- response; one that has is corrupt, never taken over.
+  if s == 'p' and #v ~= HEADER_LEN then
+    return {'corrupt', 'in progress with a response'}
   end
 end
 

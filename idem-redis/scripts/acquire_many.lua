@@ -87,24 +87,27 @@ local function acquire(i, key, fp, token)
   end
   if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
     local hasfp = string.byte(v, 2)
-    if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
-      return {'mismatch'}
-    end
-    local ttl = redis.call('PTTL', key)
-    if (hasfp == 48 or hasfp == 49) and ttl > 0 then
-      return {'completed', v, ttl}
+    if hasfp == 48 or hasfp == 49 then
+      local ttl = redis.call('PTTL', key)
+      -- As acquire.lua: a mismatch only of a record with time left.
+      if ttl > 0 then
+        if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
+          return {'mismatch'}
+        end
+        return {'completed', v, ttl}
+      end
     end
   end
 
   clock()
   local until_ms = now + lease
-  local s, f, t, a, n, l, c, e
+  local s, f, t, a, n, l, c, e, d
   if v then
     if #v < HEADER_LEN then
       return {'corrupt', 'record of ' .. #v .. ' bytes, shorter than its header'}
     end
     local hasfp
-    s, hasfp, f, t, a, n, l, c, e = struct.unpack(HEADER, v)
+    s, hasfp, f, t, a, n, l, c, e, d = struct.unpack(HEADER, v)
     if s ~= 'p' and s ~= 'c' then
       return {'corrupt', 'unknown status ' .. string.format('%q', s)}
     end
@@ -113,9 +116,15 @@ local function acquire(i, key, fp, token)
     elseif hasfp ~= '1' then
       return {'corrupt', 'bad fingerprint flag'}
     end
-    if a < 1 or a > 4294967295 or n > 9007199254740991 or e > 9007199254740991
+    if a < 1 or a > 4294967295 or n > 9007199254740991 or l > 9007199254740991
+        or c > 9007199254740991 or e > 9007199254740991 or d > 9007199254740991
         or (s == 'p' and l == 0) then
-      return {'corrupt', 'out-of-range attempt, fence, lease or expiry'}
+      return {'corrupt', 'out-of-range attempt, fence, lease, time or expiry'}
+    end
+    -- As the client decodes it (format.rs): a record in progress has no
+    -- response; one that has is corrupt, never taken over.
+    if s == 'p' and #v ~= HEADER_LEN then
+      return {'corrupt', 'in progress with a response'}
     end
   end
 

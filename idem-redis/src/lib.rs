@@ -82,6 +82,7 @@
 mod format;
 pub mod streams;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -152,8 +153,10 @@ pub struct RedisStore<C = ConnectionManager> {
     call_timeout: Duration,
     wait: Option<(u32, Duration)>,
     max_response_bytes: usize,
-    /// Batches go per hash slot (a [`ClusterConnection`]).
-    cluster: bool,
+    /// Batches go per hash slot: a [`ClusterConnection`], or any
+    /// connection that once refused a batch with CROSSSLOT (shared by
+    /// clones).
+    cluster: Arc<AtomicBool>,
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -253,8 +256,12 @@ where
             call_timeout: DEFAULT_TIMEOUT,
             wait: None,
             max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
-            // A cluster connection takes a batch's keys per hash slot.
-            cluster: std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
+            // A cluster connection takes a batch's keys per hash slot; so
+            // does any other connection once Redis answered CROSSSLOT to a
+            // batch (a cluster behind a type of the application's own).
+            cluster: Arc::new(AtomicBool::new(
+                std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
+            )),
         }
     }
 
@@ -411,7 +418,7 @@ where
     /// group, or on Redis Cluster one group per hash slot (a script's keys
     /// must share a slot). Indexes into the items, in order within a group.
     fn slot_groups<'k>(&self, keys: impl Iterator<Item = &'k IdempotencyKey>) -> Vec<Vec<usize>> {
-        if !self.cluster {
+        if !self.cluster.load(Ordering::Relaxed) {
             return vec![keys.enumerate().map(|(i, _)| i).collect()];
         }
         let mut groups: Vec<(u16, Vec<usize>)> = Vec::new();
@@ -715,35 +722,53 @@ where
         let tokens: Vec<LeaseToken> = items.iter().map(|_| LeaseToken::random()).collect();
         let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
             items.iter().map(|_| None).collect();
-        let calls = self
-            .slot_groups(items.iter().map(|item| item.key))
-            .into_iter()
-            .map(|group| {
-                let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + 120 * group.len());
-                cmd.arg("EVALSHA")
-                    .arg(self.scripts.acquire_many.get_hash())
-                    .arg(group.len());
-                for &i in &group {
-                    cmd.arg(RecordKey {
-                        prefix: &self.prefix,
-                        key: items[i].key,
-                    });
-                }
-                cmd.arg(millis(lease)).arg(millis(IN_PROGRESS_GRACE));
-                for &i in &group {
-                    let fp: &[u8] = items[i]
-                        .fingerprint
-                        .map(|f| f.as_bytes().as_slice())
-                        .unwrap_or(&[]);
-                    cmd.arg(fp).arg(&tokens[i].to_bytes()[..]);
-                }
-                async move {
-                    let reply: Value = self.run_script(&self.scripts.acquire_many, &cmd).await?;
-                    Ok::<_, StoreError>((group, reply))
-                }
-            });
+        // Per hash slot on a cluster. A single call for every key that
+        // Redis refused with CROSSSLOT (a cluster behind another
+        // connection type) ran nothing: sent again per slot, and every
+        // later batch of this store goes per slot.
+        let answers = loop {
+            let per_slot = self.cluster.load(Ordering::Relaxed);
+            let calls = self
+                .slot_groups(items.iter().map(|item| item.key))
+                .into_iter()
+                .map(|group| {
+                    let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + 120 * group.len());
+                    cmd.arg("EVALSHA")
+                        .arg(self.scripts.acquire_many.get_hash())
+                        .arg(group.len());
+                    for &i in &group {
+                        cmd.arg(RecordKey {
+                            prefix: &self.prefix,
+                            key: items[i].key,
+                        });
+                    }
+                    cmd.arg(millis(lease)).arg(millis(IN_PROGRESS_GRACE));
+                    for &i in &group {
+                        let fp: &[u8] = items[i]
+                            .fingerprint
+                            .map(|f| f.as_bytes().as_slice())
+                            .unwrap_or(&[]);
+                        cmd.arg(fp).arg(&tokens[i].to_bytes()[..]);
+                    }
+                    async move {
+                        let reply: Value =
+                            self.run_script(&self.scripts.acquire_many, &cmd).await?;
+                        Ok::<_, StoreError>((group, reply))
+                    }
+                });
+            let answers = futures_util::future::join_all(calls).await;
+            if !per_slot
+                && answers
+                    .iter()
+                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+            {
+                self.cluster.store(true, Ordering::Relaxed);
+                continue;
+            }
+            break answers;
+        };
         let mut groups = Vec::new();
-        for answer in futures_util::future::join_all(calls).await {
+        for answer in answers {
             let (group, reply) = answer?;
             let replies = match reply {
                 Value::Array(replies) if replies.len() == group.len() => replies,
@@ -828,34 +853,52 @@ where
         if sent.is_empty() {
             return Ok(out.into_iter().flatten().collect());
         }
-        let calls = self
-            .slot_groups(sent.iter().map(|&i| &items[i].0.key))
-            .into_iter()
-            .map(|group| {
-                // `group` indexes `sent`.
-                let group: Vec<usize> = group.into_iter().map(|g| sent[g]).collect();
-                let bytes: usize = group.iter().map(|&i| items[i].1.len() + 80).sum();
-                let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + bytes);
-                cmd.arg("EVALSHA")
-                    .arg(self.scripts.complete_many.get_hash())
-                    .arg(group.len());
-                for &i in &group {
-                    cmd.arg(RecordKey {
-                        prefix: &self.prefix,
-                        key: &items[i].0.key,
-                    });
-                }
-                cmd.arg(millis(retention));
-                for &i in &group {
-                    cmd.arg(&items[i].0.token.to_bytes()[..]).arg(items[i].1);
-                }
-                async move {
-                    let done: Vec<i64> = self.run_script(&self.scripts.complete_many, &cmd).await?;
-                    Ok::<_, StoreError>((group, done))
-                }
-            });
+        // Per hash slot on a cluster. A single call for every key that
+        // Redis refused with CROSSSLOT (a cluster behind another
+        // connection type) ran nothing: sent again per slot, and every
+        // later batch of this store goes per slot.
+        let answers = loop {
+            let per_slot = self.cluster.load(Ordering::Relaxed);
+            let calls = self
+                .slot_groups(sent.iter().map(|&i| &items[i].0.key))
+                .into_iter()
+                .map(|group| {
+                    // `group` indexes `sent`.
+                    let group: Vec<usize> = group.into_iter().map(|g| sent[g]).collect();
+                    let bytes: usize = group.iter().map(|&i| items[i].1.len() + 80).sum();
+                    let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + bytes);
+                    cmd.arg("EVALSHA")
+                        .arg(self.scripts.complete_many.get_hash())
+                        .arg(group.len());
+                    for &i in &group {
+                        cmd.arg(RecordKey {
+                            prefix: &self.prefix,
+                            key: &items[i].0.key,
+                        });
+                    }
+                    cmd.arg(millis(retention));
+                    for &i in &group {
+                        cmd.arg(&items[i].0.token.to_bytes()[..]).arg(items[i].1);
+                    }
+                    async move {
+                        let done: Vec<i64> =
+                            self.run_script(&self.scripts.complete_many, &cmd).await?;
+                        Ok::<_, StoreError>((group, done))
+                    }
+                });
+            let answers = futures_util::future::join_all(calls).await;
+            if !per_slot
+                && answers
+                    .iter()
+                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+            {
+                self.cluster.store(true, Ordering::Relaxed);
+                continue;
+            }
+            break answers;
+        };
         let mut groups = Vec::new();
-        for answer in futures_util::future::join_all(calls).await {
+        for answer in answers {
             let (group, done) = answer?;
             if done.len() != group.len() {
                 return Err(unexpected(format!(
@@ -1034,6 +1077,17 @@ fn map_error(e: RedisError) -> StoreError {
         StoreError::Unavailable(Box::new(e))
     } else {
         StoreError::Backend(Box::new(e))
+    }
+}
+
+/// Whether Redis (or the cluster client) refused a call whose keys span
+/// hash slots: refused before anything ran.
+fn is_cross_slot(e: &StoreError) -> bool {
+    match e {
+        StoreError::Backend(e) | StoreError::Unavailable(e) => e
+            .downcast_ref::<RedisError>()
+            .is_some_and(|r| r.kind() == ErrorKind::Server(ServerErrorKind::CrossSlot)),
+        _ => false,
     }
 }
 
