@@ -1368,7 +1368,10 @@ async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() 
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let got = store.get(k).await;
-        assert!(matches!(got, Err(StoreError::Corrupt { .. })), "get: {got:?}");
+        assert!(
+            matches!(got, Err(StoreError::Corrupt { .. })),
+            "get: {got:?}"
+        );
     }
     let single = store.acquire(&ks[0], None, Duration::from_secs(30)).await;
     assert!(
@@ -1376,7 +1379,10 @@ async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() 
         "acquire: {single:?}"
     );
     let batch = store
-        .acquire_many(&[idem::AcquireItem::new(&ks[1], None)], Duration::from_secs(30))
+        .acquire_many(
+            &[idem::AcquireItem::new(&ks[1], None)],
+            Duration::from_secs(30),
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(

@@ -145,6 +145,7 @@ pub struct Idempotency<S: ?Sized, C = JsonCodec> {
     heartbeat: bool,
     heartbeat_every: Option<Duration>,
     complete_retry: Option<Duration>,
+    batch_concurrency: Option<usize>,
 }
 
 impl<S: ?Sized, C> Clone for Idempotency<S, C> {
@@ -158,6 +159,7 @@ impl<S: ?Sized, C> Clone for Idempotency<S, C> {
             heartbeat: self.heartbeat,
             heartbeat_every: self.heartbeat_every,
             complete_retry: self.complete_retry,
+            batch_concurrency: self.batch_concurrency,
         }
     }
 }
@@ -189,6 +191,7 @@ where
             heartbeat: true,
             heartbeat_every: None,
             complete_retry: None,
+            batch_concurrency: None,
         }
     }
 }
@@ -264,6 +267,7 @@ where
             heartbeat: self.heartbeat,
             heartbeat_every: self.heartbeat_every,
             complete_retry: self.complete_retry,
+            batch_concurrency: self.batch_concurrency,
         }
     }
 
@@ -278,6 +282,21 @@ where
     /// compare-and-set on the lease token.
     pub fn complete_retry(mut self, budget: Duration) -> Self {
         self.complete_retry = Some(saturate(budget));
+        self
+    }
+
+    /// At most `n` handlers of one batch ([`process_batch`](Self::process_batch)
+    /// and its variants) run at once (at least 1; default: all of them).
+    /// The batch's keys are still acquired together, so an item may wait
+    /// for its turn while its lease runs (the heartbeat renews it meanwhile):
+    /// a handler whose lease may have ended by its turn (on this process's
+    /// clock, from when the acquire was sent, as renewed) **does not run**.
+    /// Its key may be someone else's by then; the item answers
+    /// [`IdemError::InProgress`] with a zero `retry_after` and the key is
+    /// left as it is, so a redelivery gets the replay, the wait, or the
+    /// takeover.
+    pub fn batch_concurrency(mut self, n: usize) -> Self {
+        self.batch_concurrency = Some(n.max(1));
         self
     }
 
@@ -482,6 +501,13 @@ where
                 return Err(IdemError::Panicked { message });
             }
             HandlerOutcome::Cancelled(message) => return Err(IdemError::Panicked { message }),
+            // Only a batch with a concurrency limit holds handlers back.
+            HandlerOutcome::NotStarted => {
+                return Err(IdemError::InProgress {
+                    retry_after: Duration::ZERO,
+                    attempt: lease.attempt,
+                })
+            }
         };
 
         // The handler's effects ran: from here the key is never released.
@@ -785,6 +811,9 @@ enum HandlerOutcome<T, E> {
     /// The handler's own task was cancelled (the runtime shutting down):
     /// cut off after an unknown part of its effects, so never released.
     Cancelled(String),
+    /// Not run: its lease may have ended while it waited for its turn
+    /// (a batch's concurrency limit). Nothing ran, nothing is released.
+    NotStarted,
 }
 
 /// Aborts a spawned task when dropped.

@@ -817,3 +817,59 @@ async fn a_lease_lost_in_a_batch_is_that_items_error_only() {
         "the new owner's record was overwritten"
     );
 }
+
+/// Review of issue 14: with `batch_concurrency`, a handler waiting for its
+/// turn while its lease ends must not run (another worker may have taken
+/// the key over meanwhile). Lease 1 s, heartbeat off, one handler at a
+/// time, the first takes 3 s: the second item's lease ends while it waits
+/// and another worker takes its key over; the second handler never runs,
+/// its item answers InProgress, and the taker's record stands.
+#[tokio::test(start_paused = true)]
+async fn a_handler_whose_lease_ended_while_it_waited_for_its_turn_does_not_run() {
+    let (store, idem) = tapped();
+    let idem = idem
+        .lease(Duration::from_secs(1))
+        .heartbeat(false)
+        .batch_concurrency(1);
+    let ks = keys("turns", 2);
+    let ran = Arc::new(AtomicUsize::new(0));
+    let batch = {
+        let (idem, ks, ran) = (idem.clone(), ks.clone(), ran.clone());
+        tokio::spawn(async move {
+            idem.process_batch(ks.into_iter().map(|k| (k, 0u32)), |_| {
+                let ran = ran.clone();
+                async move {
+                    let n = ran.fetch_add(1, Ordering::SeqCst);
+                    if n == 0 {
+                        tokio::time::sleep(Duration::from_secs(3)).await;
+                    }
+                    Ok::<_, Declined>(n)
+                }
+            })
+            .await
+        })
+    };
+    // Past the second item's lease, another worker takes its key over.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let taken = match store.acquire(&ks[1], None, Duration::from_secs(60)).await {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("expected a takeover, got {other:?}"),
+    };
+    let out = batch.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        1,
+        "a handler ran after its lease ended"
+    );
+    assert!(matches!(out[0], Ok(Processed::Executed(0))), "{:?}", out[0]);
+    assert!(
+        matches!(out[1], Err(IdemError::InProgress { .. })),
+        "{:?}",
+        out[1]
+    );
+    // The taker's lease is intact: its completion succeeds.
+    assert!(store
+        .complete(&taken, b"1", Duration::from_secs(60))
+        .await
+        .is_ok());
+}

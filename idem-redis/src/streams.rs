@@ -594,7 +594,6 @@ where
         let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(deliveries.len());
         let mut items = Vec::new();
         let mut item_of = Vec::new();
-        let limit = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
         for (i, delivery) in deliveries.iter().enumerate() {
             let outcome = match &delivery.unusable {
                 // Its fields cannot be given to the handler as they are:
@@ -607,12 +606,8 @@ where
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                     Ok(key) => {
                         let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
-                        let (handler, limit, entry) =
-                            (handler.clone(), limit.clone(), delivery.entry.clone());
+                        let (handler, entry) = (handler.clone(), delivery.entry.clone());
                         items.push((key, fingerprint, move |_: Context| async move {
-                            // `concurrency` handlers at once; the semaphore
-                            // is never closed.
-                            let _permit = limit.acquire_owned().await;
                             handler(entry).await
                         }));
                         item_of.push(i);
@@ -622,7 +617,15 @@ where
             };
             settled.push(outcome);
         }
-        let processed = self.idem.process_batch_with_detached(items).await;
+        // `concurrency` handlers at once; one whose lease may have ended
+        // while it waited for its turn does not run (the entry stays
+        // pending: its redelivery gets the replay, or takes the key over).
+        let processed = self
+            .idem
+            .clone()
+            .batch_concurrency(self.concurrency)
+            .process_batch_with_detached(items)
+            .await;
         for (i, result) in item_of.into_iter().zip(processed) {
             settled[i] = Some(self.outcome_of(&deliveries[i].entry.id, result));
         }

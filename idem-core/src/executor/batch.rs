@@ -413,6 +413,12 @@ where
         }
         let held = &*held;
 
+        // `batch_concurrency`: handlers take turns, and one whose lease may
+        // have ended while it waited does not start.
+        let turns = self
+            .batch_concurrency
+            .map(|n| tokio::sync::Semaphore::new(n.min(tokio::sync::Semaphore::MAX_PERMITS)));
+        let turns = turns.as_ref();
         let mut running: FuturesUnordered<_> = handlers
             .into_iter()
             .enumerate()
@@ -423,8 +429,21 @@ where
                     fence: lease.fence,
                     token: lease.token,
                 };
-                let run = runner(handler, context);
-                async move { (k, run.await) }
+                let end = &held[k].end;
+                async move {
+                    // The semaphore is never closed.
+                    let _turn = match turns {
+                        Some(turns) => Some(turns.acquire().await),
+                        None => None,
+                    };
+                    if turns.is_some() {
+                        let end = *end.lock().unwrap_or_else(|p| p.into_inner());
+                        if Instant::now() >= end {
+                            return (k, HandlerOutcome::NotStarted);
+                        }
+                    }
+                    (k, runner(handler, context).await)
+                }
             })
             .collect();
         // Values that encoded, waiting for a completion call.
@@ -495,6 +514,14 @@ where
                                 // Cut off: never released.
                                 held[k].done();
                                 outcomes[k] = Some(Err(IdemError::Panicked { message }));
+                            }
+                            HandlerOutcome::NotStarted => {
+                                // Never ran; the key may be another's now.
+                                held[k].done();
+                                outcomes[k] = Some(Err(IdemError::InProgress {
+                                    retry_after: std::time::Duration::ZERO,
+                                    attempt: held[k].lease.attempt,
+                                }));
                             }
                         }
                     }
