@@ -243,6 +243,10 @@ pub enum IdemError<E> {
     /// The handler panicked; the key was released, so a retry runs the
     /// handler again. (A panic in the response's `Serialize` is not this:
     /// the handler's effects ran, so the key completes as not replayable.)
+    /// One exception: a detached handler whose task was cancelled (the
+    /// runtime shutting down) was cut off after an unknown part of its
+    /// effects, so its key is **not** released: a retry waits for the lease
+    /// to end, then takes the key over (the message says "cancelled").
     Panicked {
         /// The panic message, when it was a string.
         message: String,
