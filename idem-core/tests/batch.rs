@@ -35,6 +35,81 @@ async fn is_absent(store: &Store, k: &IdempotencyKey) -> bool {
     matches!(store.get(k).await, Ok(None))
 }
 
+/// How [`BatchFault`] fails a batch call.
+#[derive(Clone, Copy, PartialEq)]
+enum Fault {
+    /// `acquire_many` fails as a whole, nothing applied.
+    AcquireManyDown,
+    /// `complete_many` is applied, then its answer is lost.
+    CompleteManyReplyLost,
+}
+
+/// A tapped MemoryStore whose batch calls fail as `Fault` says; every
+/// other call goes through.
+struct BatchFault(Tap<MemoryStore>, Fault);
+
+impl BatchFault {
+    fn new(fault: Fault) -> Self {
+        BatchFault(Tap::new(MemoryStore::new()), fault)
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for BatchFault {
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.0.acquire(key, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(lease, response, retention).await
+    }
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.0.release(lease).await
+    }
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.0.extend(lease, lease_for).await
+    }
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.0.get(key).await
+    }
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.0.delete(key).await
+    }
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.0.purge_expired(max).await
+    }
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if self.1 == Fault::AcquireManyDown {
+            return Err(StoreError::unavailable("test: the store is restarting"));
+        }
+        self.0.acquire_many(items, lease).await
+    }
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let answer = self.0.complete_many(items, retention).await;
+        if self.1 == Fault::CompleteManyReplyLost {
+            return Err(StoreError::unavailable("test: the reply was lost"));
+        }
+        answer
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_batch_costs_one_acquire_many_and_one_complete_many() {
     let (store, idem) = tapped();
@@ -541,49 +616,7 @@ async fn a_payload_that_does_not_serialize_is_its_own_items_error() {
 /// (retryable) store error, no handler runs.
 #[tokio::test(start_paused = true)]
 async fn a_failed_acquire_many_is_every_items_error_and_runs_nothing() {
-    struct Down(MemoryStore);
-    #[async_trait]
-    impl IdempotencyStore for Down {
-        async fn acquire(
-            &self,
-            key: &IdempotencyKey,
-            fingerprint: Option<&Fingerprint>,
-            lease: Duration,
-        ) -> Result<Acquisition, StoreError> {
-            self.0.acquire(key, fingerprint, lease).await
-        }
-        async fn complete(
-            &self,
-            lease: &Lease,
-            response: &[u8],
-            retention: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(lease, response, retention).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-            self.0.release(lease).await
-        }
-        async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-            self.0.extend(lease, lease_for).await
-        }
-        async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-            self.0.get(key).await
-        }
-        async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-            self.0.delete(key).await
-        }
-        async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-            self.0.purge_expired(max).await
-        }
-        async fn acquire_many(
-            &self,
-            _: &[AcquireItem<'_>],
-            _: Duration,
-        ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
-            Err(StoreError::unavailable("test: the store is restarting"))
-        }
-    }
-    let idem = Idempotency::new(Down(MemoryStore::new()));
+    let idem = Idempotency::new(BatchFault::new(Fault::AcquireManyDown));
     let runs = Arc::new(AtomicUsize::new(0));
     let out = idem
         .process_batch(keys("down", 3).into_iter().zip(0u64..), |n| {
@@ -700,58 +733,7 @@ async fn a_slow_handler_does_not_hold_up_the_recording_of_the_others() {
 /// which records it; nothing is lost.
 #[tokio::test(start_paused = true)]
 async fn a_failed_complete_many_falls_back_to_each_items_own_completion() {
-    struct CompleteManyDown(Tap<MemoryStore>);
-    #[async_trait]
-    impl IdempotencyStore for CompleteManyDown {
-        async fn acquire(
-            &self,
-            key: &IdempotencyKey,
-            fingerprint: Option<&Fingerprint>,
-            lease: Duration,
-        ) -> Result<Acquisition, StoreError> {
-            self.0.acquire(key, fingerprint, lease).await
-        }
-        async fn complete(
-            &self,
-            lease: &Lease,
-            response: &[u8],
-            retention: Duration,
-        ) -> Result<(), StoreError> {
-            self.0.complete(lease, response, retention).await
-        }
-        async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-            self.0.release(lease).await
-        }
-        async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
-            self.0.extend(lease, lease_for).await
-        }
-        async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-            self.0.get(key).await
-        }
-        async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-            self.0.delete(key).await
-        }
-        async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-            self.0.purge_expired(max).await
-        }
-        async fn acquire_many(
-            &self,
-            items: &[AcquireItem<'_>],
-            lease: Duration,
-        ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
-            self.0.acquire_many(items, lease).await
-        }
-        async fn complete_many(
-            &self,
-            items: &[(&Lease, &[u8])],
-            retention: Duration,
-        ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
-            // Applied, then the answer is lost.
-            let _ = self.0.complete_many(items, retention).await;
-            Err(StoreError::unavailable("test: the reply was lost"))
-        }
-    }
-    let store = Arc::new(CompleteManyDown(Tap::new(MemoryStore::new())));
+    let store = Arc::new(BatchFault::new(Fault::CompleteManyReplyLost));
     let idem = Idempotency::from_arc(store.clone());
     let ks = keys("complete-many-down", 4);
     let out = idem

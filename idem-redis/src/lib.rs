@@ -1133,8 +1133,8 @@ fn time_of(ms: i64, key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
 }
 
 /// A stored time in ms (decoded as u64, at most 2^53 - 1: no overflow).
-fn time_ms(ms: u64, _key: &IdempotencyKey) -> Result<SystemTime, StoreError> {
-    Ok(UNIX_EPOCH + Duration::from_millis(ms))
+fn time_ms(ms: u64) -> SystemTime {
+    UNIX_EPOCH + Duration::from_millis(ms)
 }
 
 fn fence_of(n: i64, key: &IdempotencyKey) -> Result<u64, StoreError> {
@@ -1206,8 +1206,8 @@ fn decode_acquire(
                     stored.response,
                     stored.fingerprint.map(Fingerprint::from_array),
                     stored.attempt,
-                    time_ms(stored.completed_ms, key)?,
-                    time_ms(stored.expires_ms, key)?,
+                    time_ms(stored.completed_ms),
+                    time_ms(stored.expires_ms),
                 )
                 .with_fence(stored.fence)
                 .with_ttl(ttl),
@@ -1245,11 +1245,11 @@ fn decode_record(raw: Bytes, key: &IdempotencyKey) -> Result<Record, StoreError>
     let state = if stored.completed {
         RecordState::Completed {
             response: stored.response,
-            completed_at: time_ms(stored.completed_ms, key)?,
+            completed_at: time_ms(stored.completed_ms),
         }
     } else {
         RecordState::InProgress {
-            lease_expires_at: time_ms(stored.lease_until_ms, key)?,
+            lease_expires_at: time_ms(stored.lease_until_ms),
         }
     };
     Ok(Record::new(
@@ -1258,8 +1258,8 @@ fn decode_record(raw: Bytes, key: &IdempotencyKey) -> Result<Record, StoreError>
         stored.fingerprint.map(Fingerprint::from_array),
         LeaseToken::from_u128(u128::from_be_bytes(stored.token)),
         stored.attempt,
-        time_ms(stored.created_ms, key)?,
-        time_ms(stored.expires_ms, key)?,
+        time_ms(stored.created_ms),
+        time_ms(stored.expires_ms),
     )
     .with_fence(stored.fence))
 }
