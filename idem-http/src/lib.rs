@@ -812,6 +812,51 @@ fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
     id
 }
 
+/// The key under which the layer records a request: what an operator
+/// tool needs to find one request's record.
+///
+/// `scope` is the layer's scope (default `"http"`), `tenant` what the
+/// layer's tenant function returned (`""` for anonymous use), `method` and
+/// `path` the request's (the path of the original URI, before any nesting
+/// stripped it), and `header_value` the `Idempotency-Key` header as the
+/// client sent it (a token or a quoted string). Two different requests
+/// never share a key.
+///
+/// ```
+/// let key = idem_http::request_key("http", "tenant-1", "POST", "/payments", "\"k-1\"")?;
+/// assert_eq!(key.scope(), "http");
+/// assert_eq!(key, idem_http::request_key("http", "tenant-1", "POST", "/payments", "k-1")?);
+/// # Ok::<(), idem_http::RequestKeyError>(())
+/// ```
+pub fn request_key(
+    scope: &str,
+    tenant: &str,
+    method: &str,
+    path: &str,
+    header_value: &str,
+) -> Result<IdempotencyKey, RequestKeyError> {
+    let value =
+        HeaderValue::from_str(header_value).map_err(|_| RequestKeyError::MalformedHeader)?;
+    let client_key = parse_key(&value).ok_or(RequestKeyError::MalformedHeader)?;
+    IdempotencyKey::new(scope, key_id(tenant, method, path, client_key))
+        .map_err(RequestKeyError::Key)
+}
+
+/// Why [`request_key`] could not build a key.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RequestKeyError {
+    /// The header value is not 1 to 255 visible ASCII characters, as a
+    /// token or a quoted string: the layer answers such a request 400.
+    #[error(
+        "the Idempotency-Key value must be 1 to 255 visible ASCII characters, optionally quoted"
+    )]
+    MalformedHeader,
+    /// The scope is not a valid key scope.
+    #[error(transparent)]
+    Key(#[from] KeyError),
+}
+
 /// The default of [`IdempotencyLayer::record_status`]: `true` (record)
 /// for every status but those that say "nothing happened, try again":
 /// 401, 408, 425, 429, 502, 503, 504.
