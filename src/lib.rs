@@ -1,21 +1,36 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("guide.md")]
+//!
+//! ## Cargo features
+//!
+//! The default build is `idem-core` alone, with [`MemoryStore`]; a backend
+//! is one feature away:
+//!
+#![doc = document_features::document_features!()]
 #![deny(missing_docs)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use idem_core::*;
 
-/// The Redis and Redis Cluster store (feature `redis`).
+/// The Redis and Redis Cluster store, and the Redis Streams consumer
+/// (feature `redis`, crate `idem-redis`).
 #[cfg(feature = "redis")]
+#[doc(inline)]
 pub use idem_redis as redis;
 
-/// The PostgreSQL store (feature `postgres`).
+/// The PostgreSQL store and its in-transaction mode (feature `postgres`,
+/// crate `idem-postgres`).
 #[cfg(feature = "postgres")]
+#[doc(inline)]
 pub use idem_postgres as postgres;
 
-/// The tiered store (feature `tiered`).
+/// The tiered store: moka, then Redis, then a source of truth (feature
+/// `tiered`, crate `idem-tiered`).
 #[cfg(feature = "tiered")]
+#[doc(inline)]
 pub use idem_tiered as tiered;
 
-/// The `Idempotency-Key` layer for tower and axum (feature `http`).
+/// The `Idempotency-Key` layer for tower and axum (feature `http`, crate
+/// `idem-http`).
 #[cfg(feature = "http")]
+#[doc(inline)]
 pub use idem_http as http;

@@ -29,7 +29,7 @@
 //! # Ok(()) }
 //! ```
 #![deny(missing_docs)]
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod canonical;
 mod codec;

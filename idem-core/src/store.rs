@@ -13,7 +13,7 @@ use crate::record::{Acquisition, Lease, Record};
 /// Where idempotency records live. Every operation is one round trip to the
 /// backend and atomic there; time comes from the store's clock.
 ///
-/// The per-key state machine (DESIGN.md section 2):
+/// The per-key state machine:
 ///
 /// ```text
 /// absent --acquire--> InProgress(token t, lease L)

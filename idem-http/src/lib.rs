@@ -96,9 +96,20 @@
 //! differ in a digit never match, however large the number); the bytes of
 //! any other body, or of a body that is not valid JSON.
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod json;
 mod recorded;
+
+/// The axum this crate reads `OriginalUri` from (feature `axum`).
+#[cfg(feature = "axum")]
+pub use axum;
+/// The `http` crate whose types this layer takes and returns
+/// (`idem::http::http`).
+pub use http;
+/// The `tower` crate whose `Layer` and `Service` this crate implements
+/// (`idem::http::tower`).
+pub use tower;
 
 use std::convert::Infallible;
 use std::fmt;

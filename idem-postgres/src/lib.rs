@@ -129,6 +129,7 @@
 //! microseconds, so `Duration::MAX` means "as long as the store can hold"
 //! and no deadline overflows.
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod in_tx;
 
@@ -151,6 +152,10 @@ use tokio::time::Instant;
 
 pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
+/// The sqlx this crate is built on: a `PgPool` given to [`PgStore`] must come
+/// from this version (a pool of another sqlx major version is a different
+/// type). Name it as `idem::postgres::sqlx` to be sure.
+pub use sqlx;
 
 /// The migrations, in order: `(version, description, SQL template)`. The
 /// templates name the table `{{table}}`, its index `{{index}}` and its

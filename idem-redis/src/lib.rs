@@ -78,6 +78,7 @@
 //!   be taken over already) is released and answered
 //!   [`StoreError::Unavailable`], never handed out.
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod format;
 pub mod streams;

@@ -71,6 +71,7 @@
 //! answer (a completed record is shared; if it acquired the key, the others
 //! are told it is in progress, which it is).
 #![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 #[cfg(feature = "redis")]
 mod invalidation;
@@ -97,6 +98,9 @@ pub use idem_core;
 pub use invalidation::RedisInvalidation;
 #[cfg(feature = "moka")]
 pub use moka_cache::{MokaCache, ENTRY_OVERHEAD_BYTES};
+/// The redis crate this crate is built on, for [`RedisCache::new`] and
+/// [`RedisInvalidation`] connections (`idem::tiered::redis`).
+pub use redis;
 #[cfg(feature = "redis")]
 pub use redis_cache::RedisCache;
 
