@@ -4,10 +4,10 @@
 //! charged exactly once.
 //!
 //! ```text
-//! cargo run --example exactly_once
-//! cargo run --example exactly_once -- --messages 2000 --duplicates 4 --concurrency 64
-//! cargo run --features postgres --example exactly_once -- --backend postgres --postgres-url postgres://...
-//! cargo run --features redis --example exactly_once -- --backend redis --redis-url redis://127.0.0.1:6379/
+//! cargo run -p exactly-once
+//! cargo run -p exactly-once -- --messages 2000 --duplicates 4 --concurrency 64
+//! cargo run -p exactly-once --features postgres -- --backend postgres --postgres-url postgres://...
+//! cargo run -p exactly-once --features redis -- --backend redis --redis-url redis://127.0.0.1:6379/
 //! ```
 //!
 //! It prints a table of what happened and exits with status 1 if any
@@ -208,11 +208,9 @@ struct Tally {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Errors only: the table below is the output.
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "error".into()),
-        )
+        .with_max_level(tracing_subscriber::filter::LevelFilter::ERROR)
         .init();
     let args = Args::parse();
     let store: Arc<dyn IdempotencyStore> = match args.backend {
@@ -465,7 +463,7 @@ async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, Box<dyn std::e
         .postgres_url
         .as_deref()
         .ok_or("this backend needs --postgres-url (or IDEM_POSTGRES_URL)")?;
-    let pool = sqlx::postgres::PgPoolOptions::new()
+    let pool = idem::postgres::sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .test_before_acquire(false)
         .connect(url)
