@@ -2667,3 +2667,150 @@ async fn items_after_a_failed_statement_of_acquire_many_are_retryable_and_unwrit
         );
     }
 }
+
+// ------------------------------------------------------------------
+// Connecting: a bad URL fails fast with its cause (issue 15, item 4),
+// and a migrated table starts quietly (item 5).
+
+fn shared_target() -> (String, u16) {
+    let options: sqlx::postgres::PgConnectOptions = pg::shared_url()
+        .parse()
+        .unwrap_or_else(|e| panic!("IDEM_POSTGRES_URL does not parse: {e}"));
+    (options.get_host().to_owned(), options.get_port())
+}
+
+/// Connects through `idem::postgres::connect`, bounded far below sqlx's 30 s
+/// acquire timeout, and returns the error and how long it took.
+async fn connect_failure(url: &str) -> (StoreError, Duration) {
+    let started = std::time::Instant::now();
+    let outcome = tokio::time::timeout(Duration::from_secs(20), idem::postgres::connect(url))
+        .await
+        .unwrap_or_else(|_| panic!("connect({url}) still waiting after 20 s"));
+    match outcome {
+        Ok(_) => panic!("connect({url}) succeeded"),
+        Err(e) => (e, started.elapsed()),
+    }
+}
+
+#[tokio::test]
+async fn a_refused_connection_fails_fast_retryable_and_says_refused() {
+    let port = support::free_port();
+    let url = format!("postgres://app:s3cret-password@127.0.0.1:{port}/app");
+    let (e, took) = connect_failure(&url).await;
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(matches!(e, StoreError::Unavailable(_)), "{e:?}");
+    assert!(e.is_retryable());
+    let text = e.to_string();
+    assert!(text.contains("connection refused"), "{text}");
+    assert!(text.contains(&format!("127.0.0.1:{port}")), "{text}");
+    assert!(!text.contains("s3cret"), "the password leaked: {text}");
+}
+
+#[tokio::test]
+async fn an_unknown_role_fails_fast_not_retryable_and_says_authentication() {
+    let (host, port) = shared_target();
+    let url = format!("postgres://no_such_role_idem@{host}:{port}/postgres");
+    let (e, took) = connect_failure(&url).await;
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(matches!(e, StoreError::Backend(_)), "{e:?}");
+    assert!(!e.is_retryable());
+    let text = e.to_string();
+    assert!(text.contains("authentication failed"), "{text}");
+    assert!(text.contains("no_such_role_idem"), "{text}");
+}
+
+#[tokio::test]
+async fn an_unknown_database_fails_fast_not_retryable_and_says_so() {
+    let options: sqlx::postgres::PgConnectOptions = pg::shared_url()
+        .parse()
+        .unwrap_or_else(|e| panic!("IDEM_POSTGRES_URL does not parse: {e}"));
+    let url = format!(
+        "postgres://{}@{}:{}/no_such_database_idem",
+        options.get_username(),
+        options.get_host(),
+        options.get_port()
+    );
+    let (e, took) = connect_failure(&url).await;
+    assert!(took < Duration::from_secs(5), "took {took:?}");
+    assert!(!e.is_retryable(), "{e:?}");
+    let text = e.to_string();
+    assert!(text.contains("database does not exist"), "{text}");
+}
+
+#[tokio::test]
+async fn a_url_that_does_not_parse_is_an_invalid_argument() {
+    let (e, _) = connect_failure("postgres://127.0.0.1:notaport/db").await;
+    assert!(matches!(e, StoreError::InvalidArgument { .. }), "{e:?}");
+    let (e, _) = connect_failure("mysql://127.0.0.1/db").await;
+    assert!(matches!(e, StoreError::InvalidArgument { .. }), "{e:?}");
+}
+
+#[tokio::test]
+async fn connect_opens_a_working_pool() {
+    let pool = idem::postgres::connect(pg::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("connect: {e}"));
+    let one: i32 = sqlx::query_scalar("SELECT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("SELECT 1: {e}"));
+    assert_eq!(one, 1);
+}
+
+/// A `MakeWriter` into a shared buffer, to read what was logged.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn migrating_a_migrated_table_logs_nothing_at_info() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing_subscriber::util::SubscriberInitExt::set_default(subscriber);
+    let table = format!("quiet_{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 2).await)
+        .table(&table)
+        .build()
+        .unwrap_or_else(|e| panic!("build: {e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    let first =
+        String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert!(
+        first.contains("applied idem migration"),
+        "the first run says what it applied: {first}"
+    );
+    captured.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate again: {e}"));
+    let second =
+        String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert!(second.is_empty(), "a second start logged: {second}");
+}

@@ -556,6 +556,13 @@ impl PgStore {
     pub async fn migrate(&self) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let mut tx = inner.pool.begin().await.map_err(|e| self.error(e))?;
+        // `CREATE ... IF NOT EXISTS` on a migrated table makes the server
+        // send a NOTICE ("already exists, skipping"), which sqlx logs at
+        // INFO on every start: not worth a line. Warnings still come.
+        sqlx::query("SET LOCAL client_min_messages = warning")
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| self.error(e))?;
         let lock_name = format!("idem.migrate:{}", inner.qualified);
         sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1)::int8)")
             .bind(&lock_name)
@@ -1724,14 +1731,148 @@ impl Drop for Lent<'_> {
     }
 }
 
+/// Opens a pool on `url` and fails fast with the cause when it cannot.
+///
+/// `PgPoolOptions::connect` retries a refused connection until its acquire
+/// timeout (30 s by default) and then reports only `PoolTimedOut`; this
+/// makes one connection first and returns what went wrong at once:
+///
+/// | cause | error | retryable |
+/// |---|---|---|
+/// | connection refused, host unreachable, no answer within the pool's acquire timeout | [`StoreError::Unavailable`] | yes |
+/// | authentication failed, unknown role, unknown database | [`StoreError::Backend`] | no |
+/// | a URL that does not parse | [`StoreError::InvalidArgument`] | no |
+///
+/// The message names the host, port, user and database, never the
+/// password. Then the pool is opened as `PgPoolOptions::connect` would.
+///
+/// ```no_run
+/// # async fn run() -> Result<(), idem_core::StoreError> {
+/// let pool = idem_postgres::connect("postgres://app@127.0.0.1/app").await?;
+/// let store = idem_postgres::PgStore::new(pool);
+/// # Ok(()) }
+/// ```
+pub async fn connect(url: &str) -> Result<PgPool, StoreError> {
+    connect_with(sqlx::postgres::PgPoolOptions::new(), url).await
+}
+
+/// [`connect`] with your pool options (its acquire timeout bounds the
+/// first connection too).
+pub async fn connect_with(
+    options: sqlx::postgres::PgPoolOptions,
+    url: &str,
+) -> Result<PgPool, StoreError> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(StoreError::InvalidArgument {
+            detail: "a PostgreSQL URL starts with postgres:// or postgresql://".to_owned(),
+        });
+    }
+    let connect: sqlx::postgres::PgConnectOptions =
+        url.parse().map_err(|e| StoreError::InvalidArgument {
+            detail: format!("not a PostgreSQL URL: {e}"),
+        })?;
+    let target = format!(
+        "PostgreSQL at {}:{} (user {:?}, database {:?})",
+        connect.get_host(),
+        connect.get_port(),
+        connect.get_username(),
+        connect.get_database().unwrap_or(connect.get_username()),
+    );
+    let wait = options.get_acquire_timeout();
+    let probe = sqlx::ConnectOptions::connect(&connect);
+    match tokio::time::timeout(wait, probe).await {
+        Ok(Ok(conn)) => {
+            // Best effort: the pool opens its own connections.
+            let _ = sqlx::Connection::close(conn).await;
+        }
+        Ok(Err(e)) => return Err(connect_error(e, target)),
+        Err(_) => {
+            return Err(StoreError::Unavailable(Box::new(ConnectError {
+                target,
+                cause: format!("no answer within {wait:?}"),
+                source: None,
+            })))
+        }
+    }
+    options
+        .connect_with(connect)
+        .await
+        .map_err(|e| connect_error(e, target))
+}
+
+/// Why [`connect`] could not open a connection, with where it tried.
+#[derive(Debug)]
+struct ConnectError {
+    target: String,
+    cause: String,
+    source: Option<sqlx::Error>,
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot connect to {}: {}", self.target, self.cause)
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_ref().map(|e| e as _)
+    }
+}
+
+fn connect_error(e: sqlx::Error, target: String) -> StoreError {
+    let (cause, retryable) = match &e {
+        sqlx::Error::Io(io) => (
+            match io.kind() {
+                std::io::ErrorKind::ConnectionRefused => {
+                    "connection refused (is the server running, on this port?)".to_owned()
+                }
+                _ => format!("{io}"),
+            },
+            true,
+        ),
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            let what = match code.as_str() {
+                "28P01" | "28000" => "authentication failed",
+                "3D000" => "the database does not exist",
+                _ => "the server refused the connection",
+            };
+            let retryable = code.starts_with("08")
+                || matches!(code.as_str(), "57P01" | "57P02" | "57P03" | "53300");
+            (format!("{what}: {}", db.message()), retryable)
+        }
+        other => (other.to_string(), map_error_kind(other)),
+    };
+    let error = Box::new(ConnectError {
+        target,
+        cause,
+        source: Some(e),
+    });
+    if retryable {
+        StoreError::Unavailable(error)
+    } else {
+        StoreError::Backend(error)
+    }
+}
+
+/// Whether the error is a connection-level failure, retryable
+/// (`Unavailable`) whatever the statement was.
+fn map_error_kind(e: &sqlx::Error) -> bool {
+    matches!(
+        e,
+        sqlx::Error::Io(_)
+            | sqlx::Error::Tls(_)
+            | sqlx::Error::Protocol(_)
+            | sqlx::Error::PoolTimedOut
+            | sqlx::Error::PoolClosed
+            | sqlx::Error::WorkerCrashed
+    )
+}
+
 fn map_error(e: sqlx::Error, table: &str) -> StoreError {
     match &e {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => StoreError::Unavailable(Box::new(e)),
+        e2 if map_error_kind(e2) => StoreError::Unavailable(Box::new(e)),
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             // 08: connection exceptions; 57P01-03: server shutting down or

@@ -207,7 +207,14 @@ struct Tally {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() {
+    if let Err(e) = main_job().await {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+async fn main_job() -> Result<(), Box<dyn std::error::Error>> {
     // Errors only: the table below is the output.
     tracing_subscriber::fmt()
         .with_max_level(tracing_subscriber::filter::LevelFilter::ERROR)
@@ -463,11 +470,12 @@ async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, Box<dyn std::e
         .postgres_url
         .as_deref()
         .ok_or("this backend needs --postgres-url (or IDEM_POSTGRES_URL)")?;
-    let pool = idem::postgres::sqlx::postgres::PgPoolOptions::new()
+    // Fails at once with the cause (refused, authentication, unknown
+    // database), where PgPoolOptions::connect would wait 30 s.
+    let options = idem::postgres::sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
-        .test_before_acquire(false)
-        .connect(url)
-        .await?;
+        .test_before_acquire(false);
+    let pool = idem::postgres::connect_with(options, url).await?;
     let store = idem::postgres::PgStore::builder(pool)
         .connections(args.concurrency.clamp(2, 64))
         .build()?;
