@@ -79,8 +79,11 @@
 //!   [`StoreError::Unavailable`], never handed out.
 #![deny(missing_docs)]
 
+mod admin;
 mod format;
 pub mod streams;
+
+pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
