@@ -130,6 +130,7 @@
 //! and no deadline overflows.
 #![deny(missing_docs)]
 
+mod admin;
 mod in_tx;
 
 use std::collections::HashMap;
@@ -150,6 +151,7 @@ use sqlx::{AssertSqlSafe, PgConnection, Row};
 use tokio::time::Instant;
 
 pub use idem_core;
+pub use admin::{ListedRecord, ScopeCounts, StuckRows};
 pub use in_tx::{Claim, InTransaction, TxLease};
 
 /// The migrations, in order: `(version, description, SQL template)`. The
