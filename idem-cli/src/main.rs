@@ -47,7 +47,12 @@ pub(crate) struct StoreArgs {
     #[arg(long, env = "IDEM_SCHEMA", default_value = "public", global = true)]
     schema: String,
     /// Name of the records table (`PgStoreBuilder::table`).
-    #[arg(long, env = "IDEM_TABLE", default_value = "idem_records", global = true)]
+    #[arg(
+        long,
+        env = "IDEM_TABLE",
+        default_value = "idem_records",
+        global = true
+    )]
     table: String,
     /// Redis URL (the `redis` backend, or the tiered store's cache tier).
     #[arg(long, env = "IDEM_REDIS_URL", global = true, hide_env_values = true)]
@@ -63,7 +68,12 @@ pub(crate) struct StoreArgs {
     )]
     redis_cluster_urls: Vec<String>,
     /// Key prefix of RedisStore's records (`RedisStore::prefix`).
-    #[arg(long, env = "IDEM_REDIS_PREFIX", default_value = "idem:", global = true)]
+    #[arg(
+        long,
+        env = "IDEM_REDIS_PREFIX",
+        default_value = "idem:",
+        global = true
+    )]
     prefix: String,
     /// Key prefix of the tiered store's Redis cache tier (`RedisCache::prefix`).
     #[arg(
@@ -318,7 +328,9 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         });
     }
     if !(cli.store.timeout.is_finite() && cli.store.timeout > 0.0) {
-        return Err(Failure::Usage("--timeout must be a positive number of seconds".into()));
+        return Err(Failure::Usage(
+            "--timeout must be a positive number of seconds".into(),
+        ));
     }
     let timeout = Duration::try_from_secs_f64(cli.store.timeout)
         .map_err(|_| Failure::Usage("--timeout is out of range".into()))?;
@@ -375,12 +387,15 @@ fn main() {
         }
         Err(failure) => {
             if json {
-                emit(&serde_json::json!({
-                    "error": failure.kind(),
-                    "message": failure.message(),
-                    "retry_may_help": matches!(failure, Failure::Unavailable(_)),
-                    "exit_code": failure.code(),
-                }).to_string());
+                emit(
+                    &serde_json::json!({
+                        "error": failure.kind(),
+                        "message": failure.message(),
+                        "retry_may_help": matches!(failure, Failure::Unavailable(_)),
+                        "exit_code": failure.code(),
+                    })
+                    .to_string(),
+                );
             }
             eprintln!("idem: {}", failure.message());
             std::process::exit(failure.code());

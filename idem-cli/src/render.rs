@@ -151,7 +151,10 @@ mod tests {
         assert_eq!(duration(Duration::from_millis(12_340)), "12.3s");
         assert_eq!(duration(Duration::from_secs(302)), "5m 2s");
         assert_eq!(duration(Duration::from_secs(3 * 3_600 + 240)), "3h 4m");
-        assert_eq!(duration(Duration::from_secs(2 * 86_400 + 3 * 3_600)), "2d 3h");
+        assert_eq!(
+            duration(Duration::from_secs(2 * 86_400 + 3 * 3_600)),
+            "2d 3h"
+        );
         assert_eq!(signed(-1_500), "1.5s");
         let a = UNIX_EPOCH + Duration::from_secs(10);
         let b = UNIX_EPOCH + Duration::from_secs(12);

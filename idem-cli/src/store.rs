@@ -46,12 +46,16 @@ enum Cache {
     Cluster(RedisCache<ClusterConnection>, RedisStore<ClusterConnection>),
 }
 
-fn redis_failure(e: redis::RedisError) -> Failure {
-    if e.is_io_error() || e.is_timeout() || e.is_connection_refusal() || e.is_connection_dropped()
+fn redis_failure(e: redis::RedisError, what: &str) -> Failure {
+    if e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_cluster_error()
     {
-        Failure::Unavailable(e.to_string())
+        Failure::Unavailable(format!("{what}: {e}"))
     } else {
-        Failure::Other(format!("Redis: {e} (a retry will not help as is)"))
+        Failure::Other(format!("{what}: {e} (a retry will not help as is)"))
     }
 }
 
@@ -68,20 +72,29 @@ async fn connect_postgres(args: &StoreArgs, timeout: Duration) -> Result<PgStore
             "this backend needs --postgres-url (or IDEM_POSTGRES_URL)".into(),
         ));
     };
+    let options: sqlx::postgres::PgConnectOptions = url
+        .parse()
+        .map_err(|e| Failure::Usage(format!("invalid --postgres-url: {e}")))?;
+    // One connection first: a refused or unknown server fails at once,
+    // rather than after the pool's acquire timeout.
+    let probe = tokio::time::timeout(
+        timeout,
+        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
+    )
+    .await
+    .map_err(|_| Failure::Unavailable(format!("PostgreSQL did not answer within {timeout:?}")))?;
+    let probe: sqlx::PgConnection = probe.map_err(|e| match e {
+        sqlx::Error::Configuration(e) => Failure::Usage(format!("invalid --postgres-url: {e}")),
+        sqlx::Error::Database(e) => Failure::Other(format!(
+            "PostgreSQL refused the connection: {e} (a retry will not help as is)"
+        )),
+        other => Failure::Unavailable(format!("cannot connect to PostgreSQL: {other}")),
+    })?;
+    let _ = sqlx::Connection::close(probe).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .acquire_timeout(timeout)
-        .connect(url)
-        .await
-        .map_err(|e| match e {
-            sqlx::Error::Configuration(e) => {
-                Failure::Usage(format!("invalid --postgres-url: {e}"))
-            }
-            sqlx::Error::Database(e) => Failure::Other(format!(
-                "PostgreSQL refused the connection: {e} (a retry will not help as is)"
-            )),
-            other => Failure::Unavailable(format!("cannot connect to PostgreSQL: {other}")),
-        })?;
+        .connect_lazy_with(options);
     PgStore::builder(pool)
         .schema(args.schema.clone())
         .table(args.table.clone())
@@ -92,24 +105,30 @@ async fn connect_postgres(args: &StoreArgs, timeout: Duration) -> Result<PgStore
 }
 
 async fn connection_manager(url: &str, timeout: Duration) -> Result<ConnectionManager, Failure> {
-    let client = redis::Client::open(url)
-        .map_err(|e| Failure::Usage(format!("invalid Redis URL: {e}")))?;
+    let client =
+        redis::Client::open(url).map_err(|e| Failure::Usage(format!("invalid Redis URL: {e}")))?;
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(timeout))
         .set_response_timeout(None)
         .set_number_of_retries(1);
     ConnectionManager::new_with_config(client, config)
         .await
-        .map_err(redis_failure)
+        .map_err(|e| redis_failure(e, "cannot connect to Redis"))
 }
 
-async fn cluster_connection(urls: &[String], timeout: Duration) -> Result<ClusterConnection, Failure> {
+async fn cluster_connection(
+    urls: &[String],
+    timeout: Duration,
+) -> Result<ClusterConnection, Failure> {
     let client = redis::cluster::ClusterClient::builder(urls.to_vec())
         .connection_timeout(timeout)
         .retries(2)
         .build()
         .map_err(|e| Failure::Usage(format!("invalid Redis Cluster URLs: {e}")))?;
-    client.get_async_connection().await.map_err(redis_failure)
+    client
+        .get_async_connection()
+        .await
+        .map_err(|e| redis_failure(e, "cannot connect to the Redis Cluster"))
 }
 
 impl Stores {
@@ -129,13 +148,11 @@ impl Stores {
                 .collect();
                 match set.as_slice() {
                     [one] => *one,
-                    [] => {
-                        return Err(Failure::Usage(
-                            "no store given: set --postgres-url, --redis-url or --redis-cluster-urls \
+                    [] => return Err(Failure::Usage(
+                        "no store given: set --postgres-url, --redis-url or --redis-cluster-urls \
                              (or IDEM_POSTGRES_URL, IDEM_REDIS_URL, IDEM_REDIS_CLUSTER_URLS)"
-                                .into(),
-                        ))
-                    }
+                            .into(),
+                    )),
                     _ => {
                         return Err(Failure::Usage(
                             "several stores are configured: choose one with --backend \
@@ -153,7 +170,11 @@ impl Stores {
                     Failure::Usage("the redis backend needs --redis-url (or IDEM_REDIS_URL)".into())
                 })?;
                 let conn = connection_manager(url, timeout).await?;
-                Kind::Redis(RedisStore::new(conn).prefix(args.prefix.clone()).call_timeout(timeout))
+                Kind::Redis(
+                    RedisStore::new(conn)
+                        .prefix(args.prefix.clone())
+                        .call_timeout(timeout),
+                )
             }
             Backend::RedisCluster => {
                 if args.redis_cluster_urls.is_empty() {
@@ -163,7 +184,11 @@ impl Stores {
                     ));
                 }
                 let conn = cluster_connection(&args.redis_cluster_urls, timeout).await?;
-                Kind::Cluster(RedisStore::new(conn).prefix(args.prefix.clone()).call_timeout(timeout))
+                Kind::Cluster(
+                    RedisStore::new(conn)
+                        .prefix(args.prefix.clone())
+                        .call_timeout(timeout),
+                )
             }
             Backend::Tiered => {
                 let source = connect_postgres(args, timeout).await?;
@@ -235,7 +260,11 @@ impl Stores {
     }
 
     /// `idem inspect`.
-    pub(crate) async fn inspect(&self, key: &IdempotencyKey, json: bool) -> Result<String, Failure> {
+    pub(crate) async fn inspect(
+        &self,
+        key: &IdempotencyKey,
+        json: bool,
+    ) -> Result<String, Failure> {
         let (record, now) = self.record(key).await?;
         let cache = match &self.kind {
             Kind::Tiered(t) => Some(t.cache.entry(key).await?),
@@ -257,13 +286,21 @@ impl Stores {
             "found": record.is_some(),
         });
         let mut text = String::new();
-        let _ = writeln!(text, "key          {} {}", escape(key.scope()), escape(key.id()));
+        let _ = writeln!(
+            text,
+            "key          {} {}",
+            escape(key.scope()),
+            escape(key.id())
+        );
         let _ = writeln!(text, "where        {}", escape(&self.location(key)));
         let _ = writeln!(text, "store clock  {}", timestamp(now));
         match &record {
             Some(record) => describe(record, now, &mut doc, &mut text),
             None => {
-                let _ = writeln!(text, "state        absent (no live record in the source of truth)");
+                let _ = writeln!(
+                    text,
+                    "state        absent (no live record in the source of truth)"
+                );
             }
         }
         if let Some(cache) = cache {
@@ -399,7 +436,13 @@ impl Stores {
                     }));
                 }
                 Err(detail) => {
-                    let _ = writeln!(bad, "corrupt  {} {}: {}", escape(scope), escape(id), escape(detail));
+                    let _ = writeln!(
+                        bad,
+                        "corrupt  {} {}: {}",
+                        escape(scope),
+                        escape(id),
+                        escape(detail)
+                    );
                     corrupt.push(json!({ "scope": scope, "id": id, "detail": detail }));
                 }
             }
@@ -412,7 +455,8 @@ impl Stores {
             timestamp(now),
             match (complete, scanned) {
                 (true, Some(n)) => format!(" ({n} keys scanned)"),
-                (false, Some(n)) => format!(" (stopped after {n} keys: raise --limit or --scan-max)"),
+                (false, Some(n)) =>
+                    format!(" (stopped after {n} keys: raise --limit or --scan-max)"),
                 (false, None) => " (stopped at --limit)".to_owned(),
                 (true, None) => String::new(),
             }
@@ -449,15 +493,15 @@ impl Stores {
 
     /// `idem migrate`.
     pub(crate) async fn migrate(&self, json: bool) -> Result<String, Failure> {
-        let store = match &self.kind {
-            Kind::Postgres(s) => s,
-            Kind::Tiered(t) => &t.source,
-            Kind::Redis(_) | Kind::Cluster(_) => {
-                return Err(Failure::Usage(
-                    "migrate is for PostgreSQL (--backend postgres or tiered); Redis needs none".into(),
-                ))
-            }
-        };
+        let store =
+            match &self.kind {
+                Kind::Postgres(s) => s,
+                Kind::Tiered(t) => &t.source,
+                Kind::Redis(_) | Kind::Cluster(_) => return Err(Failure::Usage(
+                    "migrate is for PostgreSQL (--backend postgres or tiered); Redis needs none"
+                        .into(),
+                )),
+            };
         store.migrate().await?;
         let versions: Vec<i32> = store.migrations().into_iter().map(|(v, _)| v).collect();
         Ok(if json {
@@ -540,7 +584,11 @@ fn describe(record: &Record, now: SystemTime, doc: &mut Value, text: &mut String
             let _ = writeln!(
                 text,
                 "lease left   {}",
-                if left > 0 { signed(left) } else { "none".to_owned() }
+                if left > 0 {
+                    signed(left)
+                } else {
+                    "none".to_owned()
+                }
             );
         }
         RecordState::Completed {
@@ -552,7 +600,11 @@ fn describe(record: &Record, now: SystemTime, doc: &mut Value, text: &mut String
             doc["preview"] = json!(render::preview(response));
             let not_replayable = idem_core::not_replayable_reason(response);
             doc["not_replayable"] = json!(not_replayable);
-            let _ = writeln!(text, "state        completed at {}", timestamp(*completed_at));
+            let _ = writeln!(
+                text,
+                "state        completed at {}",
+                timestamp(*completed_at)
+            );
             match not_replayable {
                 Some(reason) => {
                     let _ = writeln!(
@@ -603,10 +655,12 @@ fn describe(record: &Record, now: SystemTime, doc: &mut Value, text: &mut String
 }
 
 fn to_hex(bytes: &[u8]) -> String {
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 type Listed = Vec<(String, String, Result<Record, String>)>;
@@ -701,7 +755,11 @@ where
         for (t, n) in total.iter_mut().zip(row) {
             *t += n;
         }
-        stats_row(text, scope, [Some(row[0]), Some(row[1]), Some(row[2]), None, Some(row[3])]);
+        stats_row(
+            text,
+            scope,
+            [Some(row[0]), Some(row[1]), Some(row[2]), None, Some(row[3])],
+        );
         scopes.insert(
             scope.clone(),
             json!({ "in_progress": c.in_progress, "stuck": c.stuck, "completed": c.completed,
@@ -711,7 +769,13 @@ where
     stats_row(
         text,
         "(all scopes)",
-        [Some(total[0]), Some(total[1]), Some(total[2]), None, Some(total[3])],
+        [
+            Some(total[0]),
+            Some(total[1]),
+            Some(total[2]),
+            None,
+            Some(total[3]),
+        ],
     );
     for (key, detail) in &scan.corrupt {
         let _ = writeln!(text, "corrupt  {}: {}", escape(key), escape(detail));
@@ -809,7 +873,10 @@ impl Cache {
                     "cache tier   redis {}: no entry (or a delete's tombstone)",
                     escape(&redis_key)
                 );
-                (false, json!({ "tier": "redis", "redis_key": redis_key, "entry": "none" }))
+                (
+                    false,
+                    json!({ "tier": "redis", "redis_key": redis_key, "entry": "none" }),
+                )
             }
             Err(CacheError::Undecodable(detail)) => {
                 let _ = writeln!(
@@ -867,7 +934,11 @@ impl Cache {
             "cache tier (redis, prefix {}): {} keys scanned{}\n{:<32} {:>11} {:>10} {:>11}\n",
             escape(prefix),
             names.len(),
-            if complete { "" } else { ", stopped at --scan-max" },
+            if complete {
+                ""
+            } else {
+                ", stopped at --scan-max"
+            },
             "SCOPE",
             "COMPLETED",
             "TOMBSTONE",

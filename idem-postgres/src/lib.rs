@@ -150,8 +150,8 @@ use sqlx::postgres::{PgDatabaseError, PgPool, PgRow, PgSeverity};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use tokio::time::Instant;
 
-pub use idem_core;
 pub use admin::{ListedRecord, ScopeCounts, StuckRows};
+pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
 
 /// The migrations, in order: `(version, description, SQL template)`. The

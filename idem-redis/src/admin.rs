@@ -236,14 +236,18 @@ where
                         let counts = by_scope.entry(record.key.scope().to_owned()).or_default();
                         match record.state {
                             RecordState::Completed { .. } => counts.completed += 1,
-                            RecordState::InProgress { lease_expires_at } if lease_expires_at <= now => {
+                            RecordState::InProgress { lease_expires_at }
+                                if lease_expires_at <= now =>
+                            {
                                 counts.stuck += 1
                             }
                             RecordState::InProgress { .. } => counts.in_progress += 1,
                         }
                     }
                     Err(detail) => {
-                        let scope = self.scope_of(found.redis_key.as_bytes()).unwrap_or_default();
+                        let scope = self
+                            .scope_of(found.redis_key.as_bytes())
+                            .unwrap_or_default();
                         by_scope.entry(scope).or_default().corrupt += 1;
                         if corrupt.len() < 100 {
                             corrupt.push((found.redis_key, detail));
@@ -324,7 +328,10 @@ where
     /// The nodes to scan: the connection, or every primary of a cluster
     /// (from `CLUSTER SLOTS`).
     async fn nodes(&self) -> Result<Vec<Node>, StoreError> {
-        if (&self.conn as &dyn Any).downcast_ref::<ClusterConnection>().is_none() {
+        if (&self.conn as &dyn Any)
+            .downcast_ref::<ClusterConnection>()
+            .is_none()
+        {
             if self.cluster.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(StoreError::backend(
                     "a cluster behind a connection type other than ClusterConnection cannot be scanned node by node",
@@ -334,11 +341,18 @@ where
         }
         let mut conn = self.conn.clone();
         let slots: Value = self
-            .timed(async { redis::cmd("CLUSTER").arg("SLOTS").query_async(&mut conn).await })
+            .timed(async {
+                redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(&mut conn)
+                    .await
+            })
             .await?;
         let mut primaries: Vec<(String, u16)> = Vec::new();
         let Value::Array(ranges) = slots else {
-            return Err(crate::unexpected(format!("CLUSTER SLOTS returned {slots:?}")));
+            return Err(crate::unexpected(format!(
+                "CLUSTER SLOTS returned {slots:?}"
+            )));
         };
         for range in ranges {
             let primary = match range {
@@ -351,8 +365,10 @@ where
             };
             let (host, port) = match primary {
                 Value::Array(node) if node.len() >= 2 => {
-                    let host: String = redis::from_redis_value(node[0].clone()).map_err(|e| crate::unexpected(e.to_string()))?;
-                    let port: u16 = redis::from_redis_value(node[1].clone()).map_err(|e| crate::unexpected(e.to_string()))?;
+                    let host: String = redis::from_redis_value(node[0].clone())
+                        .map_err(|e| crate::unexpected(e.to_string()))?;
+                    let port: u16 = redis::from_redis_value(node[1].clone())
+                        .map_err(|e| crate::unexpected(e.to_string()))?;
                     (host, port)
                 }
                 other => {
