@@ -131,6 +131,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
 mod in_tx;
 
 use std::collections::HashMap;
@@ -150,6 +151,7 @@ use sqlx::postgres::{PgDatabaseError, PgPool, PgRow, PgSeverity};
 use sqlx::{AssertSqlSafe, PgConnection, Row};
 use tokio::time::Instant;
 
+pub use admin::{ListedRecord, ScopeCounts, StuckRows};
 pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
 /// The sqlx this crate is built on: a `PgPool` given to [`PgStore`] must come

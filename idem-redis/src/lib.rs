@@ -80,8 +80,11 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
 mod format;
 pub mod streams;
+
+pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
