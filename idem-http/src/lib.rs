@@ -121,15 +121,49 @@ use idem_core::{
 pub use problem::{Problem, ProblemKind};
 use recorded::{Buffered, Outcome, Prefixed, Recorded};
 
-/// The request header that carries the key.
+/// The request header that carries the key (unless
+/// [`IdempotencyLayer::header_name`] names another).
+///
+/// ```
+/// use axum::{body::Body, routing::post, Router};
+/// use http::Request;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::{IdempotencyLayer, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+/// use tower::ServiceExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+/// let pay = || Request::post("/pay").header(IDEMPOTENCY_KEY, "k-1").body(Body::empty());
+/// let first = app.clone().oneshot(pay()?).await?;
+/// assert!(first.headers().get(IDEMPOTENT_REPLAYED).is_none());
+/// let again = app.oneshot(pay()?).await?;
+/// assert_eq!(again.headers()[IDEMPOTENT_REPLAYED], "true");
+/// # Ok(()) }
+/// ```
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-/// The response header set on a replayed response.
+/// The response header set on a replayed response (`true`); see
+/// [`IDEMPOTENCY_KEY`] for an example.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// The body of the layer's responses: the handler's own body, passed
-/// through, or a recorded or problem body.
+/// through, or a recorded or problem body. Read it as any
+/// [`http_body::Body`]:
+///
+/// ```
+/// use http_body_util::BodyExt;
+/// use idem_http::{Problem, ProblemKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idem_http::BoxError> {
+/// let body = Problem::new(ProblemKind::Mismatch).to_response().into_body();
+/// let bytes = body.collect().await?.to_bytes();
+/// assert!(bytes.starts_with(b"{"));
+/// # Ok(()) }
+/// ```
 pub type LayerBody = UnsyncBoxBody<Bytes, BoxError>;
-/// A boxed error.
+/// A boxed error: the error of a [`LayerBody`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type TenantFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
@@ -180,11 +214,57 @@ fn not_recorded_headers() -> Arc<[HeaderName]> {
     ])
 }
 
-/// The longest `Idempotency-Key` header value accepted, in bytes.
+/// The longest key accepted, in bytes (quotes not counted); a longer one
+/// gets `400`.
+///
+/// ```
+/// use axum::{body::Body, routing::post, Router};
+/// use http::Request;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+/// use tower::ServiceExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+/// let pay = |key: String| Request::post("/pay").header("idempotency-key", key).body(Body::empty());
+/// let longest = "k".repeat(idem_http::MAX_KEY_LEN);
+/// assert_eq!(app.clone().oneshot(pay(longest.clone())?).await?.status(), 200);
+/// assert_eq!(app.oneshot(pay(longest + "k")?).await?.status(), 400);
+/// # Ok(()) }
+/// ```
 pub const MAX_KEY_LEN: usize = 255;
 
 /// A [`tower::Layer`] that makes the requests it wraps idempotent by their
-/// `Idempotency-Key` header. See the [crate docs](crate).
+/// `Idempotency-Key` header. See the [crate docs](crate) for axum; on a
+/// plain tower service:
+///
+/// ```
+/// use std::convert::Infallible;
+///
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+/// use tower::{service_fn, Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+///     .tenant(|req| Some(req.headers.get("x-api-key")?.to_str().ok()?.to_owned()));
+/// let service = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("done"))))
+/// }));
+/// let request = Request::post("/jobs")
+///     .header("x-api-key", "tenant-1")
+///     .header("idempotency-key", "job-1")
+///     .body(Full::new(Bytes::new()))?;
+/// let response = service.oneshot(request).await?;
+/// assert_eq!(response.status(), 200);
+/// # Ok(()) }
+/// ```
 pub struct IdempotencyLayer<S: ?Sized, C = JsonCodec> {
     config: Arc<Config<S, C>>,
 }
@@ -270,6 +350,23 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// ([`default_record_status`]); response bodies recorded up to 1 MiB
     /// ([`max_response_bytes`](Self::max_response_bytes)); the handler runs
     /// [`detached`](Self::detached).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idem_core::{Idempotency, InProgressPolicy, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let idem = Idempotency::new(MemoryStore::new())
+    ///     .lease(Duration::from_secs(30))
+    ///     // a duplicate waits for the first request's response instead of a 409
+    ///     .on_in_progress(InProgressPolicy::Wait {
+    ///         max_wait: Duration::from_secs(10),
+    ///         poll: Duration::from_millis(50),
+    ///     });
+    /// let layer = IdempotencyLayer::new(idem);
+    /// # let _ = layer;
+    /// ```
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -330,13 +427,42 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         Ok(self.edit(|c| c.scope = scope))
     }
 
-    /// Whether a request without the header is refused with 400 (default
+    /// Whether a request without a key is refused with 400 (default
     /// `true`) or passed through without idempotency.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .required(false);
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let response = app.oneshot(Request::post("/pay").body(Body::empty())?).await?;
+    /// assert_eq!(response.status(), 200, "no key: passed through");
+    /// # Ok(()) }
+    /// ```
     pub fn required(self, required: bool) -> Self {
         self.edit(|c| c.required = required)
     }
 
-    /// The methods the layer applies to (default `POST` and `PATCH`).
+    /// The methods the layer applies to (default `POST` and `PATCH`);
+    /// requests with other methods pass through untouched.
+    ///
+    /// ```
+    /// use http::Method;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .methods([Method::POST, Method::PATCH, Method::DELETE]);
+    /// # let _ = layer;
+    /// ```
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.edit(|c| c.methods = methods)
@@ -344,6 +470,24 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
 
     /// The largest request body accepted (default 1 MiB); larger ones get
     /// 413 before anything is stored.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .max_body_bytes(16);
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let big = Request::post("/pay").header("idempotency-key", "k").body(Body::from("x".repeat(17)))?;
+    /// assert_eq!(app.oneshot(big).await?.status(), 413);
+    /// # Ok(()) }
+    /// ```
     pub fn max_body_bytes(self, max: usize) -> Self {
         self.edit(|c| c.max_body_bytes = max)
     }
@@ -389,6 +533,32 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// returns `None` or an empty string) is refused with `401
     /// Unauthorized` before anything runs or is stored, unless
     /// [`allow_anonymous`](Self::allow_anonymous) is on.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .tenant(|req| Some(req.headers.get("x-api-key")?.to_str().ok()?.to_owned()));
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = |tenant: &str| {
+    ///     Request::post("/pay")
+    ///         .header("x-api-key", tenant)
+    ///         .header("idempotency-key", "k-1")
+    ///         .body(Body::empty())
+    /// };
+    /// app.clone().oneshot(pay("alice")?).await?;
+    /// let bob = app.clone().oneshot(pay("bob")?).await?;
+    /// assert!(bob.headers().get("idempotent-replayed").is_none(), "bob's own request ran");
+    /// let nobody = Request::post("/pay").header("idempotency-key", "k-1").body(Body::empty())?;
+    /// assert_eq!(app.oneshot(nobody).await?.status(), 401);
+    /// # Ok(()) }
+    /// ```
     pub fn tenant(
         self,
         tenant: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
@@ -402,6 +572,15 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// execution, and the second one gets the first one's response. Turn it
     /// on only for an API without callers to tell apart, or whose keys are
     /// unguessable and never shared (random UUIDs from trusted clients).
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// // An internal API whose only client is one trusted service.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+    /// # let _ = layer;
+    /// ```
     pub fn allow_anonymous(self, allow: bool) -> Self {
         self.edit(|c| c.allow_anonymous = allow)
     }
@@ -416,6 +595,16 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// of its work before it failed, and running it again could do it twice
     /// (Stripe's API does the same). Release a status only if your handler
     /// guarantees it had no effect when it answers it.
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::{default_record_status, IdempotencyLayer};
+    ///
+    /// // This handler answers 409 only before it did anything: a retry may run.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .record_status(|status| status != 409 && default_record_status(status));
+    /// # let _ = layer;
+    /// ```
     pub fn record_status(
         self,
         record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
@@ -708,7 +897,31 @@ impl<S: ?Sized, C, Inner> tower::Layer<Inner> for IdempotencyLayer<S, C> {
     }
 }
 
-/// The service of [`IdempotencyLayer`].
+/// The service of [`IdempotencyLayer`]: what `layer.layer(inner)` (or
+/// axum's `Router::layer`) wraps `inner` in. It answers with
+/// `Response<`[`LayerBody`]`>` and fails only where `inner` fails.
+///
+/// ```
+/// use std::convert::Infallible;
+///
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::{IdempotencyLayer, IdempotencyService};
+/// use tower::{service_fn, Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let service: IdempotencyService<MemoryStore, _> = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("done"))))
+/// }));
+/// // No key on a POST: the layer answers 400; the inner service never runs.
+/// let response = service.oneshot(Request::post("/jobs").body(Full::new(Bytes::new()))?).await?;
+/// assert_eq!(response.status(), 400);
+/// # Ok(()) }
+/// ```
 pub struct IdempotencyService<S: ?Sized, Inner, C = JsonCodec> {
     config: Arc<Config<S, C>>,
     inner: Inner,
@@ -1293,16 +1506,29 @@ fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
 /// tool needs to find one request's record.
 ///
 /// `scope` is the layer's scope (default `"http"`), `tenant` what the
-/// layer's tenant function returned (`""` for anonymous use), `method` and
-/// `path` the request's (the path of the original URI, before any nesting
-/// stripped it), and `header_value` the `Idempotency-Key` header as the
-/// client sent it (a token or a quoted string). Two different requests
-/// never share a key.
+/// layer's tenant function returned (`""` for anonymous use), `method` the
+/// request's, `path` the request's path as the client sent it (before any
+/// nesting stripped it, no query) or, with
+/// [`route_template(true)`](IdempotencyLayer::route_template), the route
+/// template it matched (`/accounts/{id}/transfer`; the concrete path for a
+/// request that matched none), and `header_value` the client's key as it
+/// was sent: the key header's value (a token or a quoted string; the
+/// header's name does not matter), or what the
+/// [`key_from`](IdempotencyLayer::key_from) or
+/// [`key_from_body`](IdempotencyLayer::key_from_body) function returned.
+/// Two different requests never share a key.
 ///
 /// ```
-/// let key = idem_http::request_key("http", "tenant-1", "POST", "/payments", "\"k-1\"")?;
+/// use idem_http::request_key;
+///
+/// let key = request_key("http", "tenant-1", "POST", "/payments", "\"k-1\"")?;
 /// assert_eq!(key.scope(), "http");
-/// assert_eq!(key, idem_http::request_key("http", "tenant-1", "POST", "/payments", "k-1")?);
+/// assert_eq!(key, request_key("http", "tenant-1", "POST", "/payments", "k-1")?);
+/// assert_ne!(key, request_key("http", "tenant-2", "POST", "/payments", "k-1")?);
+/// // A layer with `.route_template(true)`:
+/// let key = request_key("http", "tenant-1", "POST", "/accounts/{id}/transfer", "k-1")?;
+/// # let _ = key;
+/// assert!(request_key("http", "tenant-1", "POST", "/p", "has space").is_err());
 /// # Ok::<(), idem_http::RequestKeyError>(())
 /// ```
 pub fn request_key(
@@ -1312,14 +1538,22 @@ pub fn request_key(
     path: &str,
     header_value: &str,
 ) -> Result<IdempotencyKey, RequestKeyError> {
-    let value =
-        HeaderValue::from_str(header_value).map_err(|_| RequestKeyError::MalformedHeader)?;
-    let client_key = parse_key(&value).ok_or(RequestKeyError::MalformedHeader)?;
+    let client_key = parse_key_str(header_value).ok_or(RequestKeyError::MalformedHeader)?;
     IdempotencyKey::new(scope, key_id(tenant, method, path, client_key))
         .map_err(RequestKeyError::Key)
 }
 
 /// Why [`request_key`] could not build a key.
+///
+/// ```
+/// use idem_http::{request_key, RequestKeyError};
+///
+/// assert!(matches!(
+///     request_key("http", "t", "POST", "/p", &"k".repeat(256)),
+///     Err(RequestKeyError::MalformedHeader)
+/// ));
+/// assert!(matches!(request_key("bad scope", "t", "POST", "/p", "k"), Err(RequestKeyError::Key(_))));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RequestKeyError {
@@ -1337,6 +1571,15 @@ pub enum RequestKeyError {
 /// The default of [`IdempotencyLayer::record_status`]: `true` (record)
 /// for every status but those that say "nothing happened, try again":
 /// 401, 408, 425, 429, 502, 503, 504.
+///
+/// ```
+/// use http::StatusCode;
+/// use idem_http::default_record_status;
+///
+/// assert!(default_record_status(StatusCode::CREATED));
+/// assert!(default_record_status(StatusCode::INTERNAL_SERVER_ERROR), "it may have done part of its work");
+/// assert!(!default_record_status(StatusCode::TOO_MANY_REQUESTS), "nothing happened: a retry runs");
+/// ```
 pub fn default_record_status(status: StatusCode) -> bool {
     !matches!(status.as_u16(), 401 | 408 | 425 | 429 | 502 | 503 | 504)
 }
