@@ -1586,11 +1586,6 @@ pub fn default_record_status(status: StatusCode) -> bool {
 
 /// The key from the header: a token, or a quoted string (the draft's
 /// structured-field form), of visible ASCII.
-fn parse_key(value: &HeaderValue) -> Option<&str> {
-    parse_key_str(value.to_str().ok()?)
-}
-
-/// [`parse_key`] on a string: what a key function returned.
 fn parse_key_str(raw: &str) -> Option<&str> {
     let raw = raw.trim();
     let key = match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
@@ -1755,11 +1750,107 @@ mod tests {
     }
 
     #[test]
+    fn header_names_that_cannot_carry_a_key_are_refused() {
+        for name in [
+            "connection",
+            "transfer-encoding",
+            "upgrade",
+            "te",
+            "host",
+            "content-length",
+            "authorization",
+            "cookie",
+            "set-cookie",
+            "proxy-authorization",
+            "proxy-anything",
+            "sec-fetch-site",
+        ] {
+            assert!(
+                is_forbidden_key_header(&HeaderName::from_static(name)),
+                "{name}"
+            );
+        }
+        for name in [
+            "idempotency-key",
+            "x-request-id",
+            "x-idempotency-key",
+            "request-id",
+        ] {
+            assert!(
+                !is_forbidden_key_header(&HeaderName::from_static(name)),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_problem_kind_has_its_status_and_a_distinct_name() {
+        use ProblemKind::*;
+        let kinds = [
+            (CallerUnknown, 401),
+            (KeyMissing, 400),
+            (KeyMalformed, 400),
+            (BodyTooLarge, 413),
+            (BodyUnreadable, 400),
+            (InProgress, 409),
+            (NotRecorded, 409),
+            (Mismatch, 422),
+            (StoreUnavailable, 503),
+            (Internal, 500),
+        ];
+        let mut names = std::collections::HashSet::new();
+        for (kind, status) in kinds {
+            let problem = Problem::new(kind);
+            assert_eq!(
+                (problem.status.as_u16(), kind.status().as_u16()),
+                (status, status)
+            );
+            assert!(names.insert(kind.as_str()), "{}", kind.as_str());
+            let response = problem
+                .retry_after(Duration::from_millis(1500))
+                .to_response();
+            assert_eq!(response.status().as_u16(), status);
+            assert_eq!(response.headers()[RETRY_AFTER], "2", "rounded up");
+        }
+    }
+
+    /// A layer inside a nested router, keyed by route template: the
+    /// template is the whole one (`/accounts/{id}/transfer`), as
+    /// `request_key` is told to take it.
+    #[tokio::test]
+    async fn a_nested_route_template_is_the_whole_template() {
+        use axum::{body::Body, routing::post, Router};
+        use idem_core::MemoryStore;
+        use tower::ServiceExt;
+
+        let store = Arc::new(MemoryStore::new());
+        let layer = IdempotencyLayer::new(Idempotency::new(store.clone()))
+            .allow_anonymous(true)
+            .route_template(true);
+        let app: Router = Router::new().nest(
+            "/accounts/{id}",
+            Router::new()
+                .route("/transfer", post(|| async { "moved" }))
+                .layer(layer),
+        );
+        let request = Request::post("/accounts/7/transfer")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let response = app.oneshot(request).await.unwrap_or_else(|e| match e {});
+        assert_eq!(response.status(), 200);
+        let key = request_key("http", "", "POST", "/accounts/{id}/transfer", "k")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(record.is_some(), "recorded under the whole template");
+    }
+
+    #[test]
     fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
         let parse = |s: &str| {
             HeaderValue::from_str(s)
                 .ok()
-                .and_then(|v| parse_key(&v).map(str::to_owned))
+                .and_then(|v| v.to_str().ok().and_then(parse_key_str).map(str::to_owned))
         };
         assert_eq!(parse("abc-123").as_deref(), Some("abc-123"));
         assert_eq!(
@@ -1774,5 +1865,17 @@ mod tests {
             Some(MAX_KEY_LEN)
         );
         assert_eq!(parse(&"k".repeat(MAX_KEY_LEN + 1)), None);
+        // What a key function returns is read the same way.
+        assert_eq!(parse_key_str(" \"k\" "), Some("k"));
+        for bad in [
+            "a\u{1}b",
+            "a\u{7f}",
+            "caf\u{e9}",
+            "\"\"",
+            "a\"b",
+            &"k".repeat(10 * 1024),
+        ] {
+            assert_eq!(parse_key_str(bad), None, "{bad:?}");
+        }
     }
 }
