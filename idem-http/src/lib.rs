@@ -48,7 +48,19 @@
 //! | the handler answers 401, 408, 425, 429, 502, 503 or 504 | passed through; the key is released, a retry runs again |
 //! | the handler answers anything else, 500 included | recorded and replayed: the handler may have done part of its work (`.record_status(...)` changes the policy) |
 //!
-//! The layer's own errors are `application/problem+json` (RFC 9457).
+//! The layer's own errors are `application/problem+json` (RFC 9457), or
+//! what [`IdempotencyLayer::problem_response`] renders from a [`Problem`]
+//! (its [`ProblemKind`], status, title and detail).
+//!
+//! **Hooks**:
+//!
+//! | method | what it does |
+//! |---|---|
+//! | [`header_name`](IdempotencyLayer::header_name) | the header that carries the key (default `Idempotency-Key`); hop-by-hop, browser-forbidden and credential headers are refused |
+//! | [`key_from`](IdempotencyLayer::key_from), [`key_from_body`](IdempotencyLayer::key_from_body) | the key from a function of the request head, or of the head and the buffered body; checked and scoped like the header's |
+//! | [`route_template`](IdempotencyLayer::route_template) | key by axum's `MatchedPath` instead of the concrete path; another path with the same key gets `422` |
+//! | [`on_replay`](IdempotencyLayer::on_replay) | edit or log every replayed response (never the executed one) |
+//! | [`problem_response`](IdempotencyLayer::problem_response) | render the layer's own errors |
 //!
 //! **The caller whose request ran** gets the handler's response as it is,
 //! every header included (`Set-Cookie`, repeated headers, non-ASCII
@@ -84,7 +96,8 @@
 //! such requests in, all in one shared key space.
 //!
 //! **Keys and fingerprints**: the key of a request is (tenant, method,
-//! path, header value) under the layer's scope, so two tenants, or two
+//! path or route template, client key) under the layer's scope
+//! ([`request_key`] computes it), so two tenants, or two
 //! routes, never collide and never read each other's responses; a tenant
 //! or path longer than 64 bytes is hashed (SHA-256) into the key, so a
 //! valid header value is never refused for the length of the path. The
