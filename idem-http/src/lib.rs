@@ -1060,7 +1060,7 @@ where
         RawKey::Missing => {
             let mut problem = Problem::new(ProblemKind::KeyMissing);
             if let KeySource::Header(name) = &config.key_source {
-                problem = problem.detail(format!(
+                problem = problem.with_detail(format!(
                     "This operation requires an idempotency key in the {} header.",
                     display_header(name)
                 ));
@@ -1072,7 +1072,7 @@ where
             return Ok(render(
                 &config,
                 Problem::new(ProblemKind::Internal)
-                    .detail("The request could not be processed. It did not run."),
+                    .with_detail("The request could not be processed. It did not run."),
             ));
         }
     };
@@ -1100,7 +1100,7 @@ where
             return Ok(render(
                 &config,
                 Problem::new(ProblemKind::Internal)
-                    .detail("The request could not be processed. It did not run."),
+                    .with_detail("The request could not be processed. It did not run."),
             ));
         }
     };
@@ -1209,15 +1209,15 @@ where
             Problem::new(ProblemKind::NotRecorded)
         }
         Err(IdemError::WaitTimeout { .. }) => {
-            Problem::new(ProblemKind::InProgress).retry_after(Duration::from_secs(1))
+            Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1))
         }
         Err(IdemError::InProgress { retry_after, .. }) => {
-            Problem::new(ProblemKind::InProgress).retry_after(retry_after)
+            Problem::new(ProblemKind::InProgress).with_retry_after(retry_after)
         }
         Err(IdemError::PayloadMismatch) => Problem::new(ProblemKind::Mismatch),
         Err(IdemError::Store(e)) if e.is_retryable() => {
             tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
-            Problem::new(ProblemKind::StoreUnavailable).retry_after(Duration::from_secs(1))
+            Problem::new(ProblemKind::StoreUnavailable).with_retry_after(Duration::from_secs(1))
         }
         Err(e) => {
             tracing::error!(error = %e, key = %key, "idempotency layer failed");
@@ -1266,12 +1266,12 @@ fn run_extractor(key: impl FnOnce() -> Option<String>) -> RawKey {
 fn malformed_key(source: &KeySource) -> Problem {
     let problem = Problem::new(ProblemKind::KeyMalformed);
     match source {
-        KeySource::Header(name) => problem.detail(format!(
+        KeySource::Header(name) => problem.with_detail(format!(
             "The {} header must be 1 to {MAX_KEY_LEN} visible ASCII characters (a string, \
              optionally quoted).",
             display_header(name)
         )),
-        _ => problem.detail(format!(
+        _ => problem.with_detail(format!(
             "The idempotency key must be 1 to {MAX_KEY_LEN} visible ASCII characters (a string, \
              optionally quoted)."
         )),
@@ -1299,7 +1299,7 @@ where
     B::Error: Into<BoxError>,
 {
     let too_large = || {
-        Problem::new(ProblemKind::BodyTooLarge).detail(format!(
+        Problem::new(ProblemKind::BodyTooLarge).with_detail(format!(
             "The body must be at most {} bytes.",
             config.max_body_bytes
         ))
@@ -1820,7 +1820,7 @@ mod tests {
             );
             assert!(names.insert(kind.as_str()), "{}", kind.as_str());
             let response = problem
-                .retry_after(Duration::from_millis(1500))
+                .with_retry_after(Duration::from_millis(1500))
                 .to_response();
             assert_eq!(response.status().as_u16(), status);
             assert_eq!(response.headers()[RETRY_AFTER], "2", "rounded up");

@@ -170,12 +170,12 @@ impl Problem {
         }
     }
 
-    pub(crate) fn detail(mut self, detail: impl Into<String>) -> Problem {
+    pub(crate) fn with_detail(mut self, detail: impl Into<String>) -> Problem {
         self.detail = detail.into();
         self
     }
 
-    pub(crate) fn retry_after(mut self, after: Duration) -> Problem {
+    pub(crate) fn with_retry_after(mut self, after: Duration) -> Problem {
         self.retry_after = Some(after);
         self
     }
