@@ -1458,6 +1458,17 @@ async fn header_name_moves_the_key_and_refuses_hop_by_hop_and_credentials() {
     assert_eq!((first.status, first.replayed()), (201, false));
     assert_eq!((again.status, again.replayed()), (201, true));
     assert_eq!(again.body, first.body);
+    // Two keys in one request: which one counts is ambiguous, so neither.
+    let twice = client()
+        .post(&url)
+        .header("x-api-key", "t1")
+        .header("x-request-id", "r-1")
+        .header("x-request-id", "r-2")
+        .body("a")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(twice.status(), 400);
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 

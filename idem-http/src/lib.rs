@@ -41,7 +41,7 @@
 //! | same key, different body (or method, path, media type) | `422 Unprocessable Content` |
 //! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
-//! | a malformed key | `400 Bad Request` |
+//! | a malformed key, or the key header sent twice | `400 Bad Request` |
 //! | a body over `max_body_bytes` (default 1 MiB) | `413 Content Too Large`, before anything is stored |
 //! | the store unreachable | `503 Service Unavailable` with `Retry-After`; nothing ran |
 //! | the layer fails otherwise | `500 Internal Server Error`, a generic detail (the error is logged with `tracing`, never sent) |
@@ -1245,12 +1245,18 @@ enum RawKey {
     Panicked,
 }
 
-/// The key from the header `name`; the first one if it is repeated.
+/// The key from the header `name`. A header sent twice is malformed: the
+/// draft's field holds one item, and picking one of two keys could key a
+/// request by another one than a proxy or the handler saw.
 fn header_key(headers: &http::HeaderMap, name: &HeaderName) -> RawKey {
-    match headers.get(name).map(HeaderValue::to_str) {
-        None => RawKey::Missing,
-        Some(Ok(value)) => RawKey::Value(value.to_owned()),
-        Some(Err(_)) => RawKey::Malformed,
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (None, _) => RawKey::Missing,
+        (Some(_), Some(_)) => RawKey::Malformed,
+        (Some(value), None) => match value.to_str() {
+            Ok(value) => RawKey::Value(value.to_owned()),
+            Err(_) => RawKey::Malformed,
+        },
     }
 }
 
