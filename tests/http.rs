@@ -1340,3 +1340,543 @@ async fn a_layer_in_a_nested_router_keys_by_the_whole_path() {
     let ran = done.lock().unwrap_or_else(|p| p.into_inner()).clone();
     assert_eq!(ran, ["1", "2"], "each account's transfer ran once");
 }
+
+// ---------------------------------------------------------------------------
+// Issue 15, item 10: the hooks (header name, key functions, route
+// templates, the replay hook, problem rendering), each with its attacks.
+
+/// A handler that counts its runs and answers with its run number and the
+/// body it got.
+fn counting_route(runs: &Arc<AtomicU64>) -> axum::routing::MethodRouter {
+    let runs = runs.clone();
+    post(move |body: String| {
+        let runs = runs.clone();
+        async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            (
+                StatusCode::CREATED,
+                Json(json!({ "run": run, "body": body })),
+            )
+        }
+    })
+}
+
+async fn send(
+    url: &str,
+    headers: &[(&str, &str)],
+    content_type: &str,
+    body: impl Into<reqwest::Body>,
+) -> RawReply {
+    let mut request = client()
+        .post(url)
+        .header("content-type", content_type)
+        .body(body);
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    let response = request.send().await.unwrap_or_else(|e| panic!("{e}"));
+    RawReply {
+        status: response.status().as_u16(),
+        headers: response.headers().clone(),
+        body: response
+            .bytes()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_vec(),
+    }
+}
+
+/// The key from another header: `Idempotency-Key` is then ignored, and a
+/// header that cannot carry a key (hop-by-hop, forbidden to browsers, a
+/// credential) is refused when the layer is built.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_name_moves_the_key_and_refuses_hop_by_hop_and_credentials() {
+    use axum::http::header::HeaderName;
+    let base = layer_on(Idempotency::new(pg_store().await));
+    for name in [
+        "connection",
+        "keep-alive",
+        "transfer-encoding",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "proxy-authorization",
+        "content-length",
+        "host",
+        "expect",
+        "origin",
+        "sec-fetch-mode",
+        "authorization",
+        "cookie",
+    ] {
+        let refused = base
+            .clone()
+            .header_name(HeaderName::from_static(name))
+            .map(|_| ());
+        let error = refused.expect_err(name);
+        assert_eq!(error.name(), name);
+    }
+    let layer = base
+        .header_name(HeaderName::from_static("x-request-id"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let runs = Arc::new(AtomicU64::new(0));
+    let url = spawn_server(
+        Router::new()
+            .route("/p", counting_route(&runs))
+            .layer(layer),
+    )
+    .await;
+    let url = format!("{url}/p");
+
+    let old = send(
+        &url,
+        &[("x-api-key", "t1"), ("idempotency-key", "k")],
+        "text/plain",
+        "a",
+    )
+    .await;
+    assert_eq!(
+        old.status, 400,
+        "the default header no longer carries a key"
+    );
+    assert!(String::from_utf8_lossy(&old.body).contains("x-request-id"));
+    let first = send(
+        &url,
+        &[("x-api-key", "t1"), ("x-request-id", "r-1")],
+        "text/plain",
+        "a",
+    )
+    .await;
+    let again = send(
+        &url,
+        &[("x-api-key", "t1"), ("x-request-id", "\"r-1\"")],
+        "text/plain",
+        "a",
+    )
+    .await;
+    assert_eq!((first.status, first.replayed()), (201, false));
+    assert_eq!((again.status, again.replayed()), (201, true));
+    assert_eq!(again.body, first.body);
+    // Two keys in one request: which one counts is ambiguous, so neither.
+    let twice = client()
+        .post(&url)
+        .header("x-api-key", "t1")
+        .header("x-request-id", "r-1")
+        .header("x-request-id", "r-2")
+        .body("a")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(twice.status(), 400);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A key function's result is checked like the header: a control
+/// character or 10 KiB is a 400 (never a panic, never a run), also when
+/// the key is not required; a panicking key function is a 500 without its
+/// text; two tenants and two paths with one key never share a record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_functions_are_checked_and_scoped_like_the_header() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let layer = layer_on(Idempotency::new(pg_store().await))
+        .required(false)
+        .key_from(|req| {
+            let value = req.headers.get("x-key")?.to_str().ok()?;
+            match value {
+                "control" => Some("a\u{1}b".to_owned()),
+                "huge" => Some("k".repeat(10 * 1024)),
+                "empty" => Some(String::new()),
+                "panic" => panic!("secret-extractor-text"),
+                other => Some(other.to_owned()),
+            }
+        });
+    let url = spawn_server(
+        Router::new()
+            .route("/a", counting_route(&runs))
+            .route("/b", counting_route(&runs))
+            .layer(layer),
+    )
+    .await;
+    let a = format!("{url}/a");
+    for bad in ["control", "huge", "empty"] {
+        let r = send(
+            &a,
+            &[("x-api-key", "t1"), ("x-key", bad)],
+            "text/plain",
+            "x",
+        )
+        .await;
+        assert_eq!(r.status, 400, "{bad}: {}", String::from_utf8_lossy(&r.body));
+        assert_eq!(r.json()["status"], 400);
+    }
+    let r = send(
+        &a,
+        &[("x-api-key", "t1"), ("x-key", "panic")],
+        "text/plain",
+        "x",
+    )
+    .await;
+    assert_eq!(r.status, 500);
+    assert!(!String::from_utf8_lossy(&r.body).contains("secret-extractor-text"));
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no bad key ran the handler");
+
+    // No key and not required: passed through, every time.
+    let r1 = send(&a, &[("x-api-key", "t1")], "text/plain", "x").await;
+    let r2 = send(&a, &[("x-api-key", "t1")], "text/plain", "x").await;
+    assert_eq!((r1.status, r2.status, r2.replayed()), (201, 201, false));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    // One key, two tenants and two paths: four records, four runs.
+    let b = format!("{url}/b");
+    let mut bodies = Vec::new();
+    for (tenant, url) in [("t1", &a), ("t2", &a), ("t1", &b), ("t2", &b)] {
+        let r = send(
+            url,
+            &[("x-api-key", tenant), ("x-key", "same")],
+            "text/plain",
+            "x",
+        )
+        .await;
+        assert_eq!((r.status, r.replayed()), (201, false), "{tenant} {url}");
+        bodies.push(r.json()["run"].clone());
+    }
+    assert_eq!(bodies, [json!(3), json!(4), json!(5), json!(6)]);
+    for (tenant, url, run) in [("t1", &a, 3), ("t2", &b, 6)] {
+        let r = send(
+            url,
+            &[("x-api-key", tenant), ("x-key", "same")],
+            "text/plain",
+            "x",
+        )
+        .await;
+        assert_eq!(
+            (r.status, r.replayed(), r.json()["run"].clone()),
+            (201, true, json!(run))
+        );
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 6);
+}
+
+/// The key in a JSON body field: the body is buffered first (413 over the
+/// limit), a request without the field passes through with its body
+/// intact when the key is not required, and the same key with another
+/// body is a mismatch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_from_the_body() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let layer = layer_on(Idempotency::new(pg_store().await))
+        .required(false)
+        .max_body_bytes(256)
+        .key_from_body(|_, body| {
+            let body: Value = serde_json::from_slice(body).ok()?;
+            Some(body.get("request_id")?.as_str()?.to_owned())
+        });
+    let url = spawn_server(
+        Router::new()
+            .route("/p", counting_route(&runs))
+            .layer(layer),
+    )
+    .await;
+    let url = format!("{url}/p");
+    let t1 = [("x-api-key", "t1")];
+    let ct = "application/json";
+
+    let first = send(&url, &t1, ct, r#"{"request_id":"r-1","amount":5}"#).await;
+    let again = send(&url, &t1, ct, r#"{ "amount": 5, "request_id": "r-1" }"#).await;
+    assert_eq!(
+        (first.status, again.status, again.replayed()),
+        (201, 201, true)
+    );
+    let other = send(&url, &t1, ct, r#"{"request_id":"r-1","amount":6}"#).await;
+    assert_eq!(other.status, 422, "one key, another body");
+    let bad = send(
+        &url,
+        &t1,
+        ct,
+        format!(r#"{{"request_id":"{}"}}"#, "k".repeat(300)),
+    )
+    .await;
+    assert_eq!(
+        bad.status, 413,
+        "over max_body_bytes before the key is read"
+    );
+    let bad = send(&url, &t1, ct, r#"{"request_id":"has\ttab"}"#).await;
+    assert_eq!(bad.status, 400);
+    let unkeyed = send(&url, &t1, ct, r#"{"amount":7}"#).await;
+    assert_eq!(unkeyed.status, 201);
+    assert_eq!(
+        unkeyed.json()["body"],
+        r#"{"amount":7}"#,
+        "the body reached the handler"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+
+    let anonymous = send(&url, &[], ct, r#"{"request_id":"r-2"}"#).await;
+    assert_eq!(anonymous.status, 401);
+}
+
+/// Route templates: two accounts share the route's record, so the same
+/// key on another account is a 422 (its fingerprint has the concrete
+/// path), never the other account's response and never a run;
+/// `request_key` with the template finds the record. A layer outside the
+/// router sees no `MatchedPath` and keys by the concrete path. On Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn route_templates_share_a_record_and_refuse_another_path() {
+    use axum::extract::Path;
+    let redis = support::redis_server::RedisServer::start(&[]);
+    let store = Arc::new(
+        idem::redis::RedisStore::connect(&redis.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    let runs: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+    let transfer = {
+        let runs = runs.clone();
+        post(move |Path(id): Path<String>| {
+            let runs = runs.clone();
+            async move {
+                runs.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(id.clone());
+                (StatusCode::CREATED, Json(json!({ "account": id })))
+            }
+        })
+    };
+    let scope = scope();
+    let layer = IdempotencyLayer::new(Idempotency::new(store.clone()))
+        .scope(scope.clone())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key)
+        .route_template(true);
+    let inside = spawn_server(
+        Router::new()
+            .route("/accounts/{id}/transfer", transfer.clone())
+            .layer(layer.clone()),
+    )
+    .await;
+    let outside_scope = format!("{scope}.out");
+    let outside_layer = layer
+        .scope(outside_scope.clone())
+        .unwrap_or_else(|e| panic!("{e}"));
+    // The layer wraps the whole router, which is served as a fallback (no
+    // route of the outer router matches, so no MatchedPath).
+    let outside = spawn_server(Router::new().fallback_service(tower::Layer::layer(
+        &outside_layer,
+        Router::new().route("/accounts/{id}/transfer", transfer),
+    )))
+    .await;
+    let h = [("x-api-key", "t1"), ("idempotency-key", "k-1")];
+    let ct = "application/json";
+
+    let one = send(&format!("{inside}/accounts/1/transfer"), &h, ct, "{}").await;
+    assert_eq!(
+        (one.status, one.json()["account"].clone()),
+        (201, json!("1"))
+    );
+    let two = send(&format!("{inside}/accounts/2/transfer"), &h, ct, "{}").await;
+    assert_eq!(two.status, 422, "{}", String::from_utf8_lossy(&two.body));
+    assert!(!String::from_utf8_lossy(&two.body).contains("\"1\""));
+    let one_again = send(&format!("{inside}/accounts/1/transfer?"), &h, ct, "{}").await;
+    assert_eq!(
+        one_again.status, 422,
+        "the query is part of the fingerprint"
+    );
+    let one_again = send(&format!("{inside}/accounts/1/transfer"), &h, ct, "{}").await;
+    assert_eq!((one_again.status, one_again.replayed()), (201, true));
+    assert_eq!(one_again.body, one.body);
+    let template = idem::http::request_key(&scope, "t1", "POST", "/accounts/{id}/transfer", "k-1")
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        idem::IdempotencyStore::get(&*store, &template)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_some(),
+        "request_key with the template finds the record"
+    );
+
+    // Outside the router: no MatchedPath, the concrete path.
+    let one = send(&format!("{outside}/accounts/1/transfer"), &h, ct, "{}").await;
+    let two = send(&format!("{outside}/accounts/2/transfer"), &h, ct, "{}").await;
+    assert_eq!((one.status, two.status, two.replayed()), (201, 201, false));
+    assert_eq!(two.json()["account"], "2");
+    for path in ["/accounts/1/transfer", "/accounts/2/transfer"] {
+        let key = idem::http::request_key(&outside_scope, "t1", "POST", path, "k-1")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            idem::IdempotencyStore::get(&*store, &key)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .is_some(),
+            "{path}"
+        );
+    }
+    let ran = runs.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert_eq!(ran, ["1", "1", "2"]);
+}
+
+/// The replay hook runs on replays only, never on the response of the
+/// request that ran nor on problems; a panicking hook answers a 500
+/// problem (no half-edited replay, no panic text) and never runs the
+/// handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replay_hook_sees_replays_only_and_a_panic_is_a_clean_500() {
+    use axum::http::HeaderValue;
+    let runs = Arc::new(AtomicU64::new(0));
+    let hooked = Arc::new(AtomicU64::new(0));
+    let layer = {
+        let hooked = hooked.clone();
+        layer_on(Idempotency::new(pg_store().await)).on_replay(move |response, key| {
+            hooked.fetch_add(1, Ordering::SeqCst);
+            assert!(key.id().ends_with("/k") || key.id().ends_with("/boom"));
+            response
+                .headers_mut()
+                .insert("x-replay-hook", HeaderValue::from_static("yes"));
+            if key.id().ends_with("/boom") {
+                *response.status_mut() = StatusCode::OK;
+                panic!("secret-hook-text");
+            }
+        })
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/p", counting_route(&runs))
+            .layer(layer),
+    )
+    .await;
+    let url = format!("{url}/p");
+    let t1 = |key| [("x-api-key", "t1"), ("idempotency-key", key)];
+
+    let first = send(&url, &t1("k"), "text/plain", "a").await;
+    assert_eq!(
+        (first.status, first.headers.get("x-replay-hook")),
+        (201, None)
+    );
+    assert_eq!(
+        hooked.load(Ordering::SeqCst),
+        0,
+        "not on the executed response"
+    );
+    let again = send(&url, &t1("k"), "text/plain", "a").await;
+    assert_eq!(again.status, 201);
+    assert!(again.replayed());
+    assert_eq!(
+        again.headers.get("x-replay-hook").map(|v| v.as_bytes()),
+        Some(&b"yes"[..])
+    );
+    let mismatch = send(&url, &t1("k"), "text/plain", "b").await;
+    assert_eq!(
+        (mismatch.status, mismatch.headers.get("x-replay-hook")),
+        (422, None)
+    );
+    assert_eq!(hooked.load(Ordering::SeqCst), 1);
+
+    let boom = send(&url, &t1("boom"), "text/plain", "a").await;
+    assert_eq!(boom.status, 201, "the executed response: no hook");
+    for _ in 0..2 {
+        let r = send(&url, &t1("boom"), "text/plain", "a").await;
+        let text = String::from_utf8_lossy(&r.body);
+        assert_eq!(r.status, 500, "{text}");
+        assert!(
+            r.headers.get("x-replay-hook").is_none(),
+            "nothing of the edited replay"
+        );
+        assert!(!r.replayed());
+        assert!(
+            !text.contains("secret-hook-text") && !text.contains("\"run\""),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the handler ran once per key"
+    );
+}
+
+/// A custom problem rendering gets every problem with its kind; the
+/// layer keeps `Retry-After` on an in-progress 409; a panicking renderer
+/// falls back to the default; a store error's text never reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn custom_problem_rendering() {
+    use axum::response::IntoResponse;
+    use idem::http::Problem;
+    let render = |problem: &Problem| {
+        if problem.kind == idem::http::ProblemKind::CallerUnknown {
+            panic!("renderer bug");
+        }
+        let body = json!({
+            "code": problem.kind.as_str(),
+            "message": problem.detail,
+            "status": problem.status.as_u16(),
+        });
+        (problem.status, Json(body)).into_response()
+    };
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let entered = Arc::new(tokio::sync::Semaphore::new(0));
+    let slow = {
+        let (gate, entered) = (gate.clone(), entered.clone());
+        post(move || {
+            let (gate, entered) = (gate.clone(), entered.clone());
+            async move {
+                entered.add_permits(1);
+                let _permit = gate.acquire().await;
+                "done"
+            }
+        })
+    };
+    let layer = layer_on(Idempotency::new(pg_store().await))
+        .max_body_bytes(8)
+        .problem_response(render);
+    let url = spawn_server(Router::new().route("/slow", slow).layer(layer)).await;
+    let url = format!("{url}/slow");
+    let code = |r: &RawReply| r.json()["code"].as_str().unwrap_or("").to_owned();
+
+    let r = send(&url, &[("x-api-key", "t1")], "text/plain", "").await;
+    assert_eq!((r.status, code(&r).as_str()), (400, "key_missing"));
+    let r = send(
+        &url,
+        &[("x-api-key", "t1"), ("idempotency-key", "a b")],
+        "text/plain",
+        "",
+    )
+    .await;
+    assert_eq!((r.status, code(&r).as_str()), (400, "key_malformed"));
+    let r = send(
+        &url,
+        &[("x-api-key", "t1"), ("idempotency-key", "k")],
+        "text/plain",
+        "123456789",
+    )
+    .await;
+    assert_eq!((r.status, code(&r).as_str()), (413, "body_too_large"));
+    let r = send(&url, &[("idempotency-key", "k")], "text/plain", "").await;
+    assert_eq!(
+        r.status, 401,
+        "the renderer panicked: the default rendering"
+    );
+    assert_eq!(
+        r.headers.get("content-type").map(|v| v.as_bytes()),
+        Some(&b"application/problem+json"[..])
+    );
+
+    let h = [("x-api-key", "t1"), ("idempotency-key", "running")];
+    let running = tokio::spawn({
+        let url = url.clone();
+        async move { send(&url, &h, "text/plain", "").await }
+    });
+    // The first request is in the handler: a duplicate now is in progress.
+    let _entered = entered.acquire().await;
+    let busy = send(&url, &h, "text/plain", "").await;
+    assert_eq!(busy.status, 409);
+    assert_eq!(code(&busy), "in_progress");
+    assert!(
+        busy.headers.get("retry-after").is_some(),
+        "Retry-After is kept"
+    );
+    gate.add_permits(1);
+    let done = running.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(done.status, 200);
+    let r = send(&url, &h, "text/plain", "other").await;
+    assert_eq!((r.status, code(&r).as_str()), (422, "mismatch"));
+}

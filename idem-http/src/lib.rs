@@ -41,14 +41,26 @@
 //! | same key, different body (or method, path, media type) | `422 Unprocessable Content` |
 //! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
-//! | a malformed key | `400 Bad Request` |
+//! | a malformed key, or the key header sent twice | `400 Bad Request` |
 //! | a body over `max_body_bytes` (default 1 MiB) | `413 Content Too Large`, before anything is stored |
 //! | the store unreachable | `503 Service Unavailable` with `Retry-After`; nothing ran |
 //! | the layer fails otherwise | `500 Internal Server Error`, a generic detail (the error is logged with `tracing`, never sent) |
 //! | the handler answers 401, 408, 425, 429, 502, 503 or 504 | passed through; the key is released, a retry runs again |
 //! | the handler answers anything else, 500 included | recorded and replayed: the handler may have done part of its work (`.record_status(...)` changes the policy) |
 //!
-//! The layer's own errors are `application/problem+json` (RFC 9457).
+//! The layer's own errors are `application/problem+json` (RFC 9457), or
+//! what [`IdempotencyLayer::problem_response`] renders from a [`Problem`]
+//! (its [`ProblemKind`], status, title and detail).
+//!
+//! **Hooks**:
+//!
+//! | method | what it does |
+//! |---|---|
+//! | [`header_name`](IdempotencyLayer::header_name) | the header that carries the key (default `Idempotency-Key`); hop-by-hop, browser-forbidden and credential headers are refused |
+//! | [`key_from`](IdempotencyLayer::key_from), [`key_from_body`](IdempotencyLayer::key_from_body) | the key from a function of the request head, or of the head and the buffered body; checked and scoped like the header's |
+//! | [`route_template`](IdempotencyLayer::route_template) | key by axum's `MatchedPath` instead of the concrete path; another path with the same key gets `422` |
+//! | [`on_replay`](IdempotencyLayer::on_replay) | edit or log every replayed response (never the executed one) |
+//! | [`problem_response`](IdempotencyLayer::problem_response) | render the layer's own errors |
 //!
 //! **The caller whose request ran** gets the handler's response as it is,
 //! every header included (`Set-Cookie`, repeated headers, non-ASCII
@@ -84,7 +96,8 @@
 //! such requests in, all in one shared key space.
 //!
 //! **Keys and fingerprints**: the key of a request is (tenant, method,
-//! path, header value) under the layer's scope, so two tenants, or two
+//! path or route template, client key) under the layer's scope
+//! ([`request_key`] computes it), so two tenants, or two
 //! routes, never collide and never read each other's responses; a tenant
 //! or path longer than 64 bytes is hashed (SHA-256) into the key, so a
 //! valid header value is never refused for the length of the path. The
@@ -99,6 +112,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod json;
+mod problem;
 mod recorded;
 
 /// The axum this crate reads `OriginalUri` from (feature `axum`).
@@ -128,21 +142,81 @@ use idem_core::{
     Codec, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec,
     KeyError, Processed,
 };
+pub use problem::{Problem, ProblemKind};
 use recorded::{Buffered, Outcome, Prefixed, Recorded};
 
-/// The request header that carries the key.
+/// The request header that carries the key (unless
+/// [`IdempotencyLayer::header_name`] names another).
+///
+/// ```
+/// use axum::{body::Body, routing::post, Router};
+/// use http::Request;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::{IdempotencyLayer, IDEMPOTENCY_KEY, IDEMPOTENT_REPLAYED};
+/// use tower::ServiceExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+/// let pay = || Request::post("/pay").header(IDEMPOTENCY_KEY, "k-1").body(Body::empty());
+/// let first = app.clone().oneshot(pay()?).await?;
+/// assert!(first.headers().get(IDEMPOTENT_REPLAYED).is_none());
+/// let again = app.oneshot(pay()?).await?;
+/// assert_eq!(again.headers()[IDEMPOTENT_REPLAYED], "true");
+/// # Ok(()) }
+/// ```
 pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
-/// The response header set on a replayed response.
+/// The response header set on a replayed response (`true`); see
+/// [`IDEMPOTENCY_KEY`] for an example.
 pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
 
 /// The body of the layer's responses: the handler's own body, passed
-/// through, or a recorded or problem body.
+/// through, or a recorded or problem body. Read it as any
+/// [`http_body::Body`]:
+///
+/// ```
+/// use http_body_util::BodyExt;
+/// use idem_http::{Problem, ProblemKind};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), idem_http::BoxError> {
+/// let body = Problem::new(ProblemKind::Mismatch).to_response().into_body();
+/// let bytes = body.collect().await?.to_bytes();
+/// assert!(bytes.starts_with(b"{"));
+/// # Ok(()) }
+/// ```
 pub type LayerBody = UnsyncBoxBody<Bytes, BoxError>;
-/// A boxed error.
+/// A boxed error: the error of a [`LayerBody`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 type TenantFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
 type StatusFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+type HeadKeyFn = dyn Fn(&http::request::Parts) -> Option<String> + Send + Sync;
+type BodyKeyFn = dyn Fn(&http::request::Parts, &[u8]) -> Option<String> + Send + Sync;
+type ReplayFn = dyn Fn(&mut Response<Bytes>, &IdempotencyKey) + Send + Sync;
+type RenderFn = dyn Fn(&Problem) -> Response<LayerBody> + Send + Sync;
+
+/// Where the client's key is read from.
+#[derive(Clone)]
+enum KeySource {
+    /// A header (default `Idempotency-Key`).
+    Header(HeaderName),
+    /// A function of the request head.
+    Head(Arc<HeadKeyFn>),
+    /// A function of the request head and its buffered body.
+    Body(Arc<BodyKeyFn>),
+}
+
+impl fmt::Debug for KeySource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeySource::Header(name) => write!(f, "Header({name})"),
+            KeySource::Head(_) => f.write_str("Head(..)"),
+            KeySource::Body(_) => f.write_str("Body(..)"),
+        }
+    }
+}
 
 /// The response headers that are passed to the caller whose request ran
 /// but left out of the recorded copy: hop-by-hop headers (and any that
@@ -164,11 +238,57 @@ fn not_recorded_headers() -> Arc<[HeaderName]> {
     ])
 }
 
-/// The longest `Idempotency-Key` header value accepted, in bytes.
+/// The longest key accepted, in bytes (quotes not counted); a longer one
+/// gets `400`.
+///
+/// ```
+/// use axum::{body::Body, routing::post, Router};
+/// use http::Request;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+/// use tower::ServiceExt;
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+/// let pay = |key: String| Request::post("/pay").header("idempotency-key", key).body(Body::empty());
+/// let longest = "k".repeat(idem_http::MAX_KEY_LEN);
+/// assert_eq!(app.clone().oneshot(pay(longest.clone())?).await?.status(), 200);
+/// assert_eq!(app.oneshot(pay(longest + "k")?).await?.status(), 400);
+/// # Ok(()) }
+/// ```
 pub const MAX_KEY_LEN: usize = 255;
 
 /// A [`tower::Layer`] that makes the requests it wraps idempotent by their
-/// `Idempotency-Key` header. See the [crate docs](crate).
+/// `Idempotency-Key` header. See the [crate docs](crate) for axum; on a
+/// plain tower service:
+///
+/// ```
+/// use std::convert::Infallible;
+///
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+/// use tower::{service_fn, Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+///     .tenant(|req| Some(req.headers.get("x-api-key")?.to_str().ok()?.to_owned()));
+/// let service = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("done"))))
+/// }));
+/// let request = Request::post("/jobs")
+///     .header("x-api-key", "tenant-1")
+///     .header("idempotency-key", "job-1")
+///     .body(Full::new(Bytes::new()))?;
+/// let response = service.oneshot(request).await?;
+/// assert_eq!(response.status(), 200);
+/// # Ok(()) }
+/// ```
 pub struct IdempotencyLayer<S: ?Sized, C = JsonCodec> {
     config: Arc<Config<S, C>>,
 }
@@ -185,6 +305,10 @@ struct Config<S: ?Sized, C> {
     allow_anonymous: bool,
     record: Arc<StatusFn>,
     skip_headers: Arc<[HeaderName]>,
+    key_source: KeySource,
+    route_template: bool,
+    on_replay: Option<Arc<ReplayFn>>,
+    render: Option<Arc<RenderFn>>,
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {
@@ -201,6 +325,10 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             allow_anonymous: self.allow_anonymous,
             record: self.record.clone(),
             skip_headers: self.skip_headers.clone(),
+            key_source: self.key_source.clone(),
+            route_template: self.route_template,
+            on_replay: self.on_replay.clone(),
+            render: self.render.clone(),
         }
     }
 }
@@ -224,6 +352,10 @@ impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
             .field("detached", &self.config.detached)
             .field("tenant", &self.config.tenant.is_some())
             .field("allow_anonymous", &self.config.allow_anonymous)
+            .field("key_source", &self.config.key_source)
+            .field("route_template", &self.config.route_template)
+            .field("on_replay", &self.config.on_replay.is_some())
+            .field("problem_response", &self.config.render.is_some())
             .finish()
     }
 }
@@ -242,6 +374,23 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// ([`default_record_status`]); response bodies recorded up to 1 MiB
     /// ([`max_response_bytes`](Self::max_response_bytes)); the handler runs
     /// [`detached`](Self::detached).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    ///
+    /// use idem_core::{Idempotency, InProgressPolicy, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let idem = Idempotency::new(MemoryStore::new())
+    ///     .lease(Duration::from_secs(30))
+    ///     // a duplicate waits for the first request's response instead of a 409
+    ///     .on_in_progress(InProgressPolicy::Wait {
+    ///         max_wait: Duration::from_secs(10),
+    ///         poll: Duration::from_millis(50),
+    ///     });
+    /// let layer = IdempotencyLayer::new(idem);
+    /// # let _ = layer;
+    /// ```
     pub fn new(idem: Idempotency<S, C>) -> Self {
         IdempotencyLayer {
             config: Arc::new(Config {
@@ -256,6 +405,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 allow_anonymous: false,
                 record: Arc::new(default_record_status),
                 skip_headers: not_recorded_headers(),
+                key_source: KeySource::Header(IDEMPOTENCY_KEY),
+                route_template: false,
+                on_replay: None,
+                render: None,
             }),
         }
     }
@@ -298,13 +451,42 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         Ok(self.edit(|c| c.scope = scope))
     }
 
-    /// Whether a request without the header is refused with 400 (default
+    /// Whether a request without a key is refused with 400 (default
     /// `true`) or passed through without idempotency.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .required(false);
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let response = app.oneshot(Request::post("/pay").body(Body::empty())?).await?;
+    /// assert_eq!(response.status(), 200, "no key: passed through");
+    /// # Ok(()) }
+    /// ```
     pub fn required(self, required: bool) -> Self {
         self.edit(|c| c.required = required)
     }
 
-    /// The methods the layer applies to (default `POST` and `PATCH`).
+    /// The methods the layer applies to (default `POST` and `PATCH`);
+    /// requests with other methods pass through untouched.
+    ///
+    /// ```
+    /// use http::Method;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .methods([Method::POST, Method::PATCH, Method::DELETE]);
+    /// # let _ = layer;
+    /// ```
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
         self.edit(|c| c.methods = methods)
@@ -312,6 +494,24 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
 
     /// The largest request body accepted (default 1 MiB); larger ones get
     /// 413 before anything is stored.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .max_body_bytes(16);
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let big = Request::post("/pay").header("idempotency-key", "k").body(Body::from("x".repeat(17)))?;
+    /// assert_eq!(app.oneshot(big).await?.status(), 413);
+    /// # Ok(()) }
+    /// ```
     pub fn max_body_bytes(self, max: usize) -> Self {
         self.edit(|c| c.max_body_bytes = max)
     }
@@ -357,6 +557,32 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// returns `None` or an empty string) is refused with `401
     /// Unauthorized` before anything runs or is stored, unless
     /// [`allow_anonymous`](Self::allow_anonymous) is on.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .tenant(|req| Some(req.headers.get("x-api-key")?.to_str().ok()?.to_owned()));
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = |tenant: &str| {
+    ///     Request::post("/pay")
+    ///         .header("x-api-key", tenant)
+    ///         .header("idempotency-key", "k-1")
+    ///         .body(Body::empty())
+    /// };
+    /// app.clone().oneshot(pay("alice")?).await?;
+    /// let bob = app.clone().oneshot(pay("bob")?).await?;
+    /// assert!(bob.headers().get("idempotent-replayed").is_none(), "bob's own request ran");
+    /// let nobody = Request::post("/pay").header("idempotency-key", "k-1").body(Body::empty())?;
+    /// assert_eq!(app.oneshot(nobody).await?.status(), 401);
+    /// # Ok(()) }
+    /// ```
     pub fn tenant(
         self,
         tenant: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
@@ -370,6 +596,15 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// execution, and the second one gets the first one's response. Turn it
     /// on only for an API without callers to tell apart, or whose keys are
     /// unguessable and never shared (random UUIDs from trusted clients).
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// // An internal API whose only client is one trusted service.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+    /// # let _ = layer;
+    /// ```
     pub fn allow_anonymous(self, allow: bool) -> Self {
         self.edit(|c| c.allow_anonymous = allow)
     }
@@ -384,11 +619,294 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// of its work before it failed, and running it again could do it twice
     /// (Stripe's API does the same). Release a status only if your handler
     /// guarantees it had no effect when it answers it.
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::{default_record_status, IdempotencyLayer};
+    ///
+    /// // This handler answers 409 only before it did anything: a retry may run.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .record_status(|status| status != 409 && default_record_status(status));
+    /// # let _ = layer;
+    /// ```
     pub fn record_status(
         self,
         record: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.edit(|c| c.record = Arc::new(record))
+    }
+
+    /// The header that carries the client's key (default
+    /// `Idempotency-Key`), for clients that send it under another name.
+    /// The value is read as the draft's: a token or a quoted string of 1 to
+    /// 255 visible ASCII characters. Replaces a [`key_from`](Self::key_from)
+    /// or [`key_from_body`](Self::key_from_body) function (the last call
+    /// wins).
+    ///
+    /// # Errors
+    ///
+    /// A header that cannot carry a key from the client to the layer, or
+    /// must not be stored, is refused here with the layer unchanged:
+    /// hop-by-hop and framing headers (`Connection`, `Keep-Alive`, `TE`,
+    /// `Trailer`, `Transfer-Encoding`, `Upgrade`, `Content-Length`, `Host`,
+    /// `Expect`...), which proxies drop or rewrite; the ones a browser may
+    /// not set (`Origin`, `Referer`, `Date`, `Via`, `Proxy-*`, `Sec-*`...);
+    /// and credentials (`Authorization`, `Cookie`): the key is part of the
+    /// record's id, stored and logged.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::{header::HeaderName, Request};
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true) // one caller in this example
+    ///     .header_name(HeaderName::from_static("x-request-id"))?;
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer.clone());
+    /// let pay = || Request::post("/pay").header("x-request-id", "r-1").body(Body::empty());
+    /// app.clone().oneshot(pay()?).await?;
+    /// let again = app.oneshot(pay()?).await?;
+    /// assert_eq!(again.headers()["idempotent-replayed"], "true");
+    ///
+    /// // A proxy drops `Connection`: the key would never arrive.
+    /// assert!(layer.header_name(http::header::CONNECTION).is_err());
+    /// # Ok(()) }
+    /// ```
+    pub fn header_name(self, name: HeaderName) -> Result<Self, ForbiddenHeaderName> {
+        if is_forbidden_key_header(&name) {
+            return Err(ForbiddenHeaderName(name));
+        }
+        Ok(self.edit(|c| c.key_source = KeySource::Header(name)))
+    }
+
+    /// Reads the client's key with `key`, from the request head, instead
+    /// of from the `Idempotency-Key` header: another header, a query
+    /// parameter, an extension an earlier layer put there. Replaces
+    /// [`header_name`](Self::header_name) and
+    /// [`key_from_body`](Self::key_from_body) (the last call wins).
+    ///
+    /// `None` means "no key": `400` where a key is
+    /// [`required`](Self::required), passed through otherwise. A value is
+    /// checked like the header's (1 to 255 visible ASCII characters,
+    /// optionally quoted; else `400`) and keyed the same way, under the
+    /// tenant, method and path, so two tenants or two paths never share a
+    /// record. A panic in `key` answers `500`; nothing runs.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // The key in a query parameter: `POST /pay?request_id=r-1`.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .key_from(|req| {
+    ///         let query = req.uri.query()?;
+    ///         let value = query.split('&').find_map(|kv| kv.strip_prefix("request_id="))?;
+    ///         Some(value.to_owned())
+    ///     });
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = || Request::post("/pay?request_id=r-1").body(Body::empty());
+    /// app.clone().oneshot(pay()?).await?;
+    /// let again = app.clone().oneshot(pay()?).await?;
+    /// assert_eq!(again.headers()["idempotent-replayed"], "true");
+    /// let missing = app.oneshot(Request::post("/pay").body(Body::empty())?).await?;
+    /// assert_eq!(missing.status(), 400);
+    /// # Ok(()) }
+    /// ```
+    pub fn key_from(
+        self,
+        key: impl Fn(&http::request::Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.key_source = KeySource::Head(Arc::new(key)))
+    }
+
+    /// Reads the client's key with `key` from the request head and its
+    /// body (a field of a JSON body, say) instead of from the
+    /// `Idempotency-Key` header. Replaces [`header_name`](Self::header_name)
+    /// and [`key_from`](Self::key_from) (the last call wins). Its result is
+    /// checked and keyed as with [`key_from`](Self::key_from).
+    ///
+    /// The body is read (up to [`max_body_bytes`](Self::max_body_bytes),
+    /// `413` over it) before the key is known, so with `.required(false)`
+    /// every request of the layer's [`methods`](Self::methods) is buffered,
+    /// whether it carries a key or not.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// // The key in the body: `{"request_id": "r-1", "amount": 5}`.
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .key_from_body(|_head, body| {
+    ///         let body: serde_json::Value = serde_json::from_slice(body).ok()?;
+    ///         Some(body.get("request_id")?.as_str()?.to_owned())
+    ///     });
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = || {
+    ///     Request::post("/pay")
+    ///         .header("content-type", "application/json")
+    ///         .body(Body::from(r#"{"request_id": "r-1", "amount": 5}"#))
+    /// };
+    /// app.clone().oneshot(pay()?).await?;
+    /// let again = app.oneshot(pay()?).await?;
+    /// assert_eq!(again.headers()["idempotent-replayed"], "true");
+    /// # Ok(()) }
+    /// ```
+    pub fn key_from_body(
+        self,
+        key: impl Fn(&http::request::Parts, &[u8]) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.key_source = KeySource::Body(Arc::new(key)))
+    }
+
+    /// Keys requests by the route they matched, axum's
+    /// [`MatchedPath`](axum::extract::MatchedPath)
+    /// (`/accounts/{id}/transfer`), instead of their concrete path
+    /// (`/accounts/1/transfer`). Default `false`. Feature `axum`.
+    ///
+    /// What it means: a client's key names one record per tenant, method
+    /// and **route**, not per resource. A request to `/accounts/2/transfer`
+    /// with the key already used on `/accounts/1/transfer` finds that
+    /// record; the fingerprint still covers the concrete path (and query),
+    /// so it gets `422` (key reused with a different request): it never
+    /// gets the other path's response, and never runs. Turn it on when
+    /// clients make their keys unique per operation (as most do, with
+    /// UUIDs) and a reused key should be refused; leave it off to let one
+    /// key be used on two resources.
+    ///
+    /// Where a request has no `MatchedPath` (the layer wraps the `Router`
+    /// from outside instead of being added with `Router::layer`, or no
+    /// route matched), the concrete path is used, as when this is off.
+    /// [`request_key`] then takes the template as its `path`.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .route_template(true);
+    /// let app = Router::new()
+    ///     .route("/accounts/{id}/transfer", post(|| async { "moved" }))
+    ///     .layer(layer);
+    /// let transfer = |id: u32| {
+    ///     Request::post(format!("/accounts/{id}/transfer"))
+    ///         .header("idempotency-key", "k-1")
+    ///         .body(Body::empty())
+    /// };
+    /// assert_eq!(app.clone().oneshot(transfer(1)?).await?.status(), 200);
+    /// // The same key on another account: refused, not replayed.
+    /// assert_eq!(app.oneshot(transfer(2)?).await?.status(), 422);
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "axum")]
+    pub fn route_template(self, on: bool) -> Self {
+        self.edit(|c| c.route_template = on)
+    }
+
+    /// Called on every replayed response (a recorded one, marked
+    /// `Idempotent-Replayed: true`) before it goes to the client, with the
+    /// key it was recorded under: to add a header, log, count. It is never
+    /// called on the response of the request that ran, nor on the layer's
+    /// problems (a `409`, a `422`...).
+    ///
+    /// If `hook` panics, the replay it was editing is dropped and the
+    /// client gets a `500` problem (no panic text); the handler does not
+    /// run again, and a retry is replayed again.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::{HeaderValue, Request};
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .on_replay(|response, key| {
+    ///         tracing::info!(%key, "replayed");
+    ///         response.headers_mut().insert("x-cache", HeaderValue::from_static("replay"));
+    ///     });
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = || Request::post("/pay").header("idempotency-key", "k-1").body(Body::empty());
+    /// let first = app.clone().oneshot(pay()?).await?;
+    /// assert!(first.headers().get("x-cache").is_none());
+    /// let again = app.oneshot(pay()?).await?;
+    /// assert_eq!(again.headers()["x-cache"], "replay");
+    /// # Ok(()) }
+    /// ```
+    pub fn on_replay(
+        self,
+        hook: impl Fn(&mut Response<Bytes>, &IdempotencyKey) + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.on_replay = Some(Arc::new(hook)))
+    }
+
+    /// Renders the layer's own answers (a missing key, a mismatch, the
+    /// store down...: every [`ProblemKind`]) with `render` instead of as
+    /// RFC 9457 `application/problem+json` ([`Problem::to_response`], the
+    /// default, which `render` can fall back to). The layer sets
+    /// `Retry-After` from [`Problem::retry_after`] when `render` did not.
+    /// The problem's texts are the layer's own, never an internal error's.
+    /// If `render` panics, the default rendering is sent.
+    ///
+    /// ```
+    /// use axum::{body::Body, response::IntoResponse, routing::post, Json, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .problem_response(|problem| {
+    ///         let body = serde_json::json!({
+    ///             "error": { "code": problem.kind.as_str(), "message": problem.detail }
+    ///         });
+    ///         (problem.status, Json(body)).into_response()
+    ///     });
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let response = app.oneshot(Request::post("/pay").body(Body::empty())?).await?;
+    /// assert_eq!(response.status(), 400);
+    /// let body = axum::body::to_bytes(response.into_body(), 1 << 20).await?;
+    /// let body: serde_json::Value = serde_json::from_slice(&body)?;
+    /// assert_eq!(body["error"]["code"], "key_missing");
+    /// # Ok(()) }
+    /// ```
+    pub fn problem_response<B>(
+        self,
+        render: impl Fn(&Problem) -> Response<B> + Send + Sync + 'static,
+    ) -> Self
+    where
+        B: http_body::Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let render = move |problem: &Problem| box_response(render(problem));
+        self.edit(|c| c.render = Some(Arc::new(render)))
     }
 }
 
@@ -403,7 +921,31 @@ impl<S: ?Sized, C, Inner> tower::Layer<Inner> for IdempotencyLayer<S, C> {
     }
 }
 
-/// The service of [`IdempotencyLayer`].
+/// The service of [`IdempotencyLayer`]: what `layer.layer(inner)` (or
+/// axum's `Router::layer`) wraps `inner` in. It answers with
+/// `Response<`[`LayerBody`]`>` and fails only where `inner` fails.
+///
+/// ```
+/// use std::convert::Infallible;
+///
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::{IdempotencyLayer, IdempotencyService};
+/// use tower::{service_fn, Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let service: IdempotencyService<MemoryStore, _> = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("done"))))
+/// }));
+/// // No key on a POST: the layer answers 400; the inner service never runs.
+/// let response = service.oneshot(Request::post("/jobs").body(Full::new(Bytes::new()))?).await?;
+/// assert_eq!(response.status(), 400);
+/// # Ok(()) }
+/// ```
 pub struct IdempotencyService<S: ?Sized, Inner, C = JsonCodec> {
     config: Arc<Config<S, C>>,
     inner: Inner,
@@ -492,78 +1034,72 @@ where
     if !config.methods.contains(request.method()) {
         return inner.call(request).await.map(box_response);
     }
-    let header = request.headers().get(&IDEMPOTENCY_KEY).cloned();
-    if header.is_none() && !config.required {
-        return inner.call(request).await.map(box_response);
-    }
     let (parts, body) = request.into_parts();
+    // The client's key, read from the head before the body when it can be.
+    let (raw, body) = match &config.key_source {
+        KeySource::Header(name) => (header_key(&parts.headers, name), Pending::Unread(body)),
+        KeySource::Head(key) => (run_extractor(|| key(&parts)), Pending::Unread(body)),
+        KeySource::Body(key) => {
+            let bytes = match read_body(&config, &parts, body).await {
+                Ok(bytes) => bytes,
+                Err(problem) => return Ok(render(&config, problem)),
+            };
+            (run_extractor(|| key(&parts, &bytes)), Pending::Read(bytes))
+        }
+    };
+    if matches!(raw, RawKey::Missing) && !config.required {
+        let body = match body {
+            Pending::Unread(body) => body,
+            Pending::Read(bytes) => ReqBody::from(bytes),
+        };
+        return inner
+            .call(Request::from_parts(parts, body))
+            .await
+            .map(box_response);
+    }
     let tenant = match config.tenant.as_ref().and_then(|f| f(&parts)) {
         Some(tenant) if !tenant.is_empty() => tenant,
         _ if config.allow_anonymous => String::new(),
-        _ => {
-            return Ok(problem(
-                StatusCode::UNAUTHORIZED,
-                "Caller unknown",
-                "Idempotent requests are scoped by caller; this request does not say who is \
-                 calling.",
-            ))
+        _ => return Ok(render(&config, Problem::new(ProblemKind::CallerUnknown))),
+    };
+    let client_key = match raw {
+        RawKey::Value(value) => match parse_key_str(&value) {
+            Some(key) => key.to_owned(),
+            None => return Ok(render(&config, malformed_key(&config.key_source))),
+        },
+        RawKey::Malformed => return Ok(render(&config, malformed_key(&config.key_source))),
+        RawKey::Missing => {
+            let mut problem = Problem::new(ProblemKind::KeyMissing);
+            if let KeySource::Header(name) = &config.key_source {
+                problem = problem.with_detail(format!(
+                    "This operation requires an idempotency key in the {} header.",
+                    display_header(name)
+                ));
+            }
+            return Ok(render(&config, problem));
         }
-    };
-    let request = Request::from_parts(parts, body);
-    let header = match header {
-        Some(value) => value,
-        None => {
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "Idempotency-Key is missing",
-                "This operation requires an Idempotency-Key header.",
-            ))
-        }
-    };
-    let Some(client_key) = parse_key(&header) else {
-        return Ok(problem(
-            StatusCode::BAD_REQUEST,
-            "Idempotency-Key is malformed",
-            &format!(
-                "The Idempotency-Key header must be 1 to {MAX_KEY_LEN} visible ASCII characters \
-                 (a string, optionally quoted)."
-            ),
-        ));
-    };
-    let too_large = || {
-        problem(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "Request body too large",
-            &format!("The body must be at most {} bytes.", config.max_body_bytes),
-        )
-    };
-    let declared = request
-        .headers()
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
-        return Ok(too_large());
-    }
-    let (parts, body) = request.into_parts();
-    let body = match Limited::new(body, config.max_body_bytes).collect().await {
-        Ok(collected) => collected.to_bytes(),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => return Ok(too_large()),
-        Err(e) => {
-            tracing::debug!(error = %e, "idempotency layer: the request body could not be read");
-            return Ok(problem(
-                StatusCode::BAD_REQUEST,
-                "Request body could not be read",
-                "The request body could not be read. Nothing ran.",
+        RawKey::Panicked => {
+            tracing::error!("idempotency layer: the key function panicked");
+            return Ok(render(
+                &config,
+                Problem::new(ProblemKind::Internal)
+                    .with_detail("The request could not be processed. It did not run."),
             ));
         }
+    };
+    let body = match body {
+        Pending::Read(bytes) => bytes,
+        Pending::Unread(unread) => match read_body(&config, &parts, unread).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Ok(render(&config, problem)),
+        },
     };
 
     let id = key_id(
         &tenant,
         parts.method.as_str(),
-        original_uri(&parts).path(),
-        client_key,
+        key_path(&parts, config.route_template),
+        &client_key,
     );
     let key = match IdempotencyKey::new(config.scope.clone(), id) {
         Ok(key) => key,
@@ -572,10 +1108,10 @@ where
         // characters. Not the client's fault if it does.
         Err(e) => {
             tracing::error!(error = %e, "idempotency layer: the key id was refused");
-            return Ok(problem(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "Idempotent processing failed",
-                "The request could not be processed. It did not run.",
+            return Ok(render(
+                &config,
+                Problem::new(ProblemKind::Internal)
+                    .with_detail("The request could not be processed. It did not run."),
             ));
         }
     };
@@ -664,8 +1200,10 @@ where
         }
         return Ok(live);
     }
-    Ok(match outcome {
-        Ok(Processed::Replayed(Outcome::Recorded(recorded))) => replay(recorded),
+    let problem = match outcome {
+        Ok(Processed::Replayed(Outcome::Recorded(recorded))) => {
+            return Ok(replay(&config, &key, recorded))
+        }
         Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),
         Ok(
             Processed::Executed(_)
@@ -675,56 +1213,227 @@ where
             // Cannot happen: the handler puts its response before it ends
             // well, and a not recordable outcome never decodes.
             tracing::error!(key = %key, "idempotency layer: the handler ran but left no response");
-            internal_error()
+            Problem::new(ProblemKind::Internal)
         }
         Err(IdemError::ResultUnavailable { reason }) => {
             tracing::debug!(key = %key, %reason, "idempotency layer: a duplicate of a key whose response was not recorded");
-            problem(
-                StatusCode::CONFLICT,
-                "The original response was not recorded",
-                "A request with this Idempotency-Key was processed, but its response could not \
-                 be recorded for replay (it was streamed, too large, or not storable). It will \
-                 not be processed again with this key.",
-            )
+            Problem::new(ProblemKind::NotRecorded)
         }
-        Err(IdemError::WaitTimeout { .. }) => with_retry_after(
-            problem(
-                StatusCode::CONFLICT,
-                "A request with this Idempotency-Key is being processed",
-                "Retry after the time given in Retry-After to get its response.",
-            ),
-            Duration::from_secs(1),
-        ),
-        Err(IdemError::InProgress { retry_after, .. }) => with_retry_after(
-            problem(
-                StatusCode::CONFLICT,
-                "A request with this Idempotency-Key is being processed",
-                "Retry after the time given in Retry-After to get its response.",
-            ),
-            retry_after,
-        ),
-        Err(IdemError::PayloadMismatch) => problem(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "Idempotency-Key reused with a different request",
-            "This key was used with another method, path or body. Use a new key for a new request.",
-        ),
+        Err(IdemError::WaitTimeout { .. }) => {
+            Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1))
+        }
+        Err(IdemError::InProgress { retry_after, .. }) => {
+            Problem::new(ProblemKind::InProgress).with_retry_after(retry_after)
+        }
+        Err(IdemError::PayloadMismatch) => Problem::new(ProblemKind::Mismatch),
         Err(IdemError::Store(e)) if e.is_retryable() => {
             tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
-            with_retry_after(
-                problem(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "Idempotency store unavailable",
-                    "The request could not be processed now. Retry after the time given in \
-                     Retry-After.",
-                ),
-                Duration::from_secs(1),
-            )
+            Problem::new(ProblemKind::StoreUnavailable).with_retry_after(Duration::from_secs(1))
         }
         Err(e) => {
             tracing::error!(error = %e, key = %key, "idempotency layer failed");
-            internal_error()
+            Problem::new(ProblemKind::Internal)
         }
-    })
+    };
+    Ok(render(&config, problem))
+}
+
+/// How far the request body is: not read yet, or buffered.
+enum Pending<B> {
+    Unread(B),
+    Read(Bytes),
+}
+
+/// The client's key as found, before it is checked.
+enum RawKey {
+    /// No key: no header, or the key function returned `None`.
+    Missing,
+    /// A value, to check with [`parse_key_str`].
+    Value(String),
+    /// A header value that is not visible ASCII.
+    Malformed,
+    /// The key function panicked.
+    Panicked,
+}
+
+/// The key from the header `name`. A header sent twice is malformed: the
+/// draft's field holds one item, and picking one of two keys could key a
+/// request by another one than a proxy or the handler saw.
+fn header_key(headers: &http::HeaderMap, name: &HeaderName) -> RawKey {
+    let mut values = headers.get_all(name).iter();
+    match (values.next(), values.next()) {
+        (None, _) => RawKey::Missing,
+        (Some(_), Some(_)) => RawKey::Malformed,
+        (Some(value), None) => match value.to_str() {
+            Ok(value) => RawKey::Value(value.to_owned()),
+            Err(_) => RawKey::Malformed,
+        },
+    }
+}
+
+/// Runs a key function; a panic is caught (and is the server's fault).
+fn run_extractor(key: impl FnOnce() -> Option<String>) -> RawKey {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(key)) {
+        Ok(Some(value)) => RawKey::Value(value),
+        Ok(None) => RawKey::Missing,
+        Err(_) => RawKey::Panicked,
+    }
+}
+
+fn malformed_key(source: &KeySource) -> Problem {
+    let problem = Problem::new(ProblemKind::KeyMalformed);
+    match source {
+        KeySource::Header(name) => problem.with_detail(format!(
+            "The {} header must be 1 to {MAX_KEY_LEN} visible ASCII characters (a string, \
+             optionally quoted).",
+            display_header(name)
+        )),
+        _ => problem.with_detail(format!(
+            "The idempotency key must be 1 to {MAX_KEY_LEN} visible ASCII characters (a string, \
+             optionally quoted)."
+        )),
+    }
+}
+
+/// `Idempotency-Key` for the default header (as the draft spells it),
+/// the name as configured otherwise.
+fn display_header(name: &HeaderName) -> &str {
+    if name == IDEMPOTENCY_KEY {
+        "Idempotency-Key"
+    } else {
+        name.as_str()
+    }
+}
+
+/// Reads the request body up to the layer's limit.
+async fn read_body<S: ?Sized, C, B>(
+    config: &Config<S, C>,
+    parts: &http::request::Parts,
+    body: B,
+) -> Result<Bytes, Problem>
+where
+    B: http_body::Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let too_large = || {
+        Problem::new(ProblemKind::BodyTooLarge).with_detail(format!(
+            "The body must be at most {} bytes.",
+            config.max_body_bytes
+        ))
+    };
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > config.max_body_bytes as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, config.max_body_bytes).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => {
+            tracing::debug!(error = %e, "idempotency layer: the request body could not be read");
+            Err(Problem::new(ProblemKind::BodyUnreadable))
+        }
+    }
+}
+
+/// A problem as the layer's renderer makes it: the custom one if set
+/// (the default if that panics), with `Retry-After` when it has one.
+fn render<S: ?Sized, C>(config: &Config<S, C>, problem: Problem) -> Response<LayerBody> {
+    let Some(custom) = &config.render else {
+        return problem.to_response();
+    };
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| custom(&problem))) {
+        Ok(mut response) => {
+            if let Some(after) = problem.retry_after {
+                if !response.headers().contains_key(RETRY_AFTER) {
+                    problem::set_retry_after(&mut response, after);
+                }
+            }
+            response
+        }
+        Err(_) => {
+            tracing::error!(
+                kind = problem.kind.as_str(),
+                "idempotency layer: the problem renderer panicked; the default rendering was sent"
+            );
+            problem.to_response()
+        }
+    }
+}
+
+/// The path a request is keyed by: its route template if asked for and
+/// known, else the path as the client sent it.
+fn key_path(parts: &http::request::Parts, route_template: bool) -> &str {
+    #[cfg(feature = "axum")]
+    if route_template {
+        if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
+            return matched.as_str();
+        }
+    }
+    #[cfg(not(feature = "axum"))]
+    let _ = route_template;
+    original_uri(parts).path()
+}
+
+/// Headers refused by [`IdempotencyLayer::header_name`].
+fn is_forbidden_key_header(name: &HeaderName) -> bool {
+    const FORBIDDEN: &[&str] = &[
+        // Hop-by-hop and framing: proxies drop or rewrite them.
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "host",
+        "expect",
+        // Not settable by a browser (Fetch's forbidden request headers).
+        "accept-charset",
+        "accept-encoding",
+        "access-control-request-headers",
+        "access-control-request-method",
+        "cookie2",
+        "date",
+        "dnt",
+        "origin",
+        "referer",
+        "set-cookie",
+        "via",
+        // Credentials: the key is stored in the record's id and logged.
+        "authorization",
+        "cookie",
+    ];
+    let name = name.as_str();
+    FORBIDDEN.contains(&name) || name.starts_with("proxy-") || name.starts_with("sec-")
+}
+
+/// Why [`IdempotencyLayer::header_name`] refused a header.
+///
+/// ```
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::IdempotencyLayer;
+///
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()));
+/// let refused = layer.header_name(http::header::TRANSFER_ENCODING).unwrap_err();
+/// assert_eq!(refused.name(), "transfer-encoding");
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the header `{0}` cannot carry an idempotency key (hop-by-hop, not settable by clients, or a \
+     credential)"
+)]
+pub struct ForbiddenHeaderName(HeaderName);
+
+impl ForbiddenHeaderName {
+    /// The header that was refused.
+    pub fn name(&self) -> &HeaderName {
+        &self.0
+    }
 }
 
 /// The fingerprint of a request: SHA-256 over its method, its path and
@@ -827,16 +1536,29 @@ fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
 /// tool needs to find one request's record.
 ///
 /// `scope` is the layer's scope (default `"http"`), `tenant` what the
-/// layer's tenant function returned (`""` for anonymous use), `method` and
-/// `path` the request's (the path of the original URI, before any nesting
-/// stripped it), and `header_value` the `Idempotency-Key` header as the
-/// client sent it (a token or a quoted string). Two different requests
-/// never share a key.
+/// layer's tenant function returned (`""` for anonymous use), `method` the
+/// request's, `path` the request's path as the client sent it (before any
+/// nesting stripped it, no query) or, with
+/// [`route_template(true)`](IdempotencyLayer::route_template), the route
+/// template it matched (`/accounts/{id}/transfer`; the concrete path for a
+/// request that matched none), and `header_value` the client's key as it
+/// was sent: the key header's value (a token or a quoted string; the
+/// header's name does not matter), or what the
+/// [`key_from`](IdempotencyLayer::key_from) or
+/// [`key_from_body`](IdempotencyLayer::key_from_body) function returned.
+/// Two different requests never share a key.
 ///
 /// ```
-/// let key = idem_http::request_key("http", "tenant-1", "POST", "/payments", "\"k-1\"")?;
+/// use idem_http::request_key;
+///
+/// let key = request_key("http", "tenant-1", "POST", "/payments", "\"k-1\"")?;
 /// assert_eq!(key.scope(), "http");
-/// assert_eq!(key, idem_http::request_key("http", "tenant-1", "POST", "/payments", "k-1")?);
+/// assert_eq!(key, request_key("http", "tenant-1", "POST", "/payments", "k-1")?);
+/// assert_ne!(key, request_key("http", "tenant-2", "POST", "/payments", "k-1")?);
+/// // A layer with `.route_template(true)`:
+/// let key = request_key("http", "tenant-1", "POST", "/accounts/{id}/transfer", "k-1")?;
+/// # let _ = key;
+/// assert!(request_key("http", "tenant-1", "POST", "/p", "has space").is_err());
 /// # Ok::<(), idem_http::RequestKeyError>(())
 /// ```
 pub fn request_key(
@@ -846,14 +1568,22 @@ pub fn request_key(
     path: &str,
     header_value: &str,
 ) -> Result<IdempotencyKey, RequestKeyError> {
-    let value =
-        HeaderValue::from_str(header_value).map_err(|_| RequestKeyError::MalformedHeader)?;
-    let client_key = parse_key(&value).ok_or(RequestKeyError::MalformedHeader)?;
+    let client_key = parse_key_str(header_value).ok_or(RequestKeyError::MalformedHeader)?;
     IdempotencyKey::new(scope, key_id(tenant, method, path, client_key))
         .map_err(RequestKeyError::Key)
 }
 
 /// Why [`request_key`] could not build a key.
+///
+/// ```
+/// use idem_http::{request_key, RequestKeyError};
+///
+/// assert!(matches!(
+///     request_key("http", "t", "POST", "/p", &"k".repeat(256)),
+///     Err(RequestKeyError::MalformedHeader)
+/// ));
+/// assert!(matches!(request_key("bad scope", "t", "POST", "/p", "k"), Err(RequestKeyError::Key(_))));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum RequestKeyError {
@@ -871,14 +1601,23 @@ pub enum RequestKeyError {
 /// The default of [`IdempotencyLayer::record_status`]: `true` (record)
 /// for every status but those that say "nothing happened, try again":
 /// 401, 408, 425, 429, 502, 503, 504.
+///
+/// ```
+/// use http::StatusCode;
+/// use idem_http::default_record_status;
+///
+/// assert!(default_record_status(StatusCode::CREATED));
+/// assert!(default_record_status(StatusCode::INTERNAL_SERVER_ERROR), "it may have done part of its work");
+/// assert!(!default_record_status(StatusCode::TOO_MANY_REQUESTS), "nothing happened: a retry runs");
+/// ```
 pub fn default_record_status(status: StatusCode) -> bool {
     !matches!(status.as_u16(), 401 | 408 | 425 | 429 | 502 | 503 | 504)
 }
 
 /// The key from the header: a token, or a quoted string (the draft's
 /// structured-field form), of visible ASCII.
-fn parse_key(value: &HeaderValue) -> Option<&str> {
-    let raw = value.to_str().ok()?.trim();
+fn parse_key_str(raw: &str) -> Option<&str> {
+    let raw = raw.trim();
     let key = match raw.strip_prefix('"').and_then(|r| r.strip_suffix('"')) {
         Some(inner) => inner,
         None => raw,
@@ -901,22 +1640,37 @@ fn full(bytes: impl Into<Bytes>) -> LayerBody {
         .boxed_unsync()
 }
 
-/// The replay of a recorded response, marked `Idempotent-Replayed: true`.
-fn replay(recorded: Recorded) -> Response<LayerBody> {
+/// The replay of a recorded response, marked `Idempotent-Replayed: true`,
+/// through the replay hook if there is one.
+fn replay<S: ?Sized, C>(
+    config: &Config<S, C>,
+    key: &IdempotencyKey,
+    recorded: Recorded,
+) -> Response<LayerBody> {
     let Ok(status) = StatusCode::from_u16(recorded.status) else {
         tracing::error!(
             status = recorded.status,
+            key = %key,
             "idempotency layer: the recorded status is not valid"
         );
-        return internal_error();
+        return render(config, Problem::new(ProblemKind::Internal));
     };
-    let mut response = Response::new(full(recorded.body.0.clone()));
+    let mut response = Response::new(recorded.body.0.clone());
     *response.status_mut() = status;
     *response.headers_mut() = recorded.header_map();
     response
         .headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
-    response
+    if let Some(hook) = &config.on_replay {
+        let hooked =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&mut response, key)));
+        if hooked.is_err() {
+            // The response may be half edited: none of it is sent.
+            tracing::error!(key = %key, "idempotency layer: the replay hook panicked");
+            return render(config, Problem::new(ProblemKind::Internal));
+        }
+    }
+    response.map(full)
 }
 
 /// Whether a response is a `text/event-stream`.
@@ -932,40 +1686,6 @@ fn is_event_stream(headers: &http::HeaderMap) -> bool {
 
 fn put<T>(slot: &Mutex<Option<T>>, value: T) {
     *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
-}
-
-/// The layer's own 500: a generic detail, the error itself is logged.
-fn internal_error() -> Response<LayerBody> {
-    problem(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "Idempotent processing failed",
-        "The request could not be processed. The error was logged.",
-    )
-}
-
-/// An `application/problem+json` response (RFC 9457).
-fn problem(status: StatusCode, title: &str, detail: &str) -> Response<LayerBody> {
-    let body = serde_json::json!({
-        "type": "about:blank",
-        "title": title,
-        "status": status.as_u16(),
-        "detail": detail,
-    });
-    let mut response = Response::new(full(body.to_string()));
-    *response.status_mut() = status;
-    response.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    response
-}
-
-fn with_retry_after(mut response: Response<LayerBody>, after: Duration) -> Response<LayerBody> {
-    let seconds = after.as_secs() + u64::from(after.subsec_nanos() > 0);
-    response
-        .headers_mut()
-        .insert(RETRY_AFTER, HeaderValue::from(seconds.max(1)));
-    response
 }
 
 #[cfg(test)]
@@ -1060,11 +1780,107 @@ mod tests {
     }
 
     #[test]
+    fn header_names_that_cannot_carry_a_key_are_refused() {
+        for name in [
+            "connection",
+            "transfer-encoding",
+            "upgrade",
+            "te",
+            "host",
+            "content-length",
+            "authorization",
+            "cookie",
+            "set-cookie",
+            "proxy-authorization",
+            "proxy-anything",
+            "sec-fetch-site",
+        ] {
+            assert!(
+                is_forbidden_key_header(&HeaderName::from_static(name)),
+                "{name}"
+            );
+        }
+        for name in [
+            "idempotency-key",
+            "x-request-id",
+            "x-idempotency-key",
+            "request-id",
+        ] {
+            assert!(
+                !is_forbidden_key_header(&HeaderName::from_static(name)),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_problem_kind_has_its_status_and_a_distinct_name() {
+        use ProblemKind::*;
+        let kinds = [
+            (CallerUnknown, 401),
+            (KeyMissing, 400),
+            (KeyMalformed, 400),
+            (BodyTooLarge, 413),
+            (BodyUnreadable, 400),
+            (InProgress, 409),
+            (NotRecorded, 409),
+            (Mismatch, 422),
+            (StoreUnavailable, 503),
+            (Internal, 500),
+        ];
+        let mut names = std::collections::HashSet::new();
+        for (kind, status) in kinds {
+            let problem = Problem::new(kind);
+            assert_eq!(
+                (problem.status.as_u16(), kind.status().as_u16()),
+                (status, status)
+            );
+            assert!(names.insert(kind.as_str()), "{}", kind.as_str());
+            let response = problem
+                .with_retry_after(Duration::from_millis(1500))
+                .to_response();
+            assert_eq!(response.status().as_u16(), status);
+            assert_eq!(response.headers()[RETRY_AFTER], "2", "rounded up");
+        }
+    }
+
+    /// A layer inside a nested router, keyed by route template: the
+    /// template is the whole one (`/accounts/{id}/transfer`), as
+    /// `request_key` is told to take it.
+    #[tokio::test]
+    async fn a_nested_route_template_is_the_whole_template() {
+        use axum::{body::Body, routing::post, Router};
+        use idem_core::MemoryStore;
+        use tower::ServiceExt;
+
+        let store = Arc::new(MemoryStore::new());
+        let layer = IdempotencyLayer::new(Idempotency::new(store.clone()))
+            .allow_anonymous(true)
+            .route_template(true);
+        let app: Router = Router::new().nest(
+            "/accounts/{id}",
+            Router::new()
+                .route("/transfer", post(|| async { "moved" }))
+                .layer(layer),
+        );
+        let request = Request::post("/accounts/7/transfer")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap_or_else(|e| panic!("{e}"));
+        let response = app.oneshot(request).await.unwrap_or_else(|e| match e {});
+        assert_eq!(response.status(), 200);
+        let key = request_key("http", "", "POST", "/accounts/{id}/transfer", "k")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let record = store.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+        assert!(record.is_some(), "recorded under the whole template");
+    }
+
+    #[test]
     fn keys_are_tokens_or_quoted_strings_of_visible_ascii() {
         let parse = |s: &str| {
             HeaderValue::from_str(s)
                 .ok()
-                .and_then(|v| parse_key(&v).map(str::to_owned))
+                .and_then(|v| v.to_str().ok().and_then(parse_key_str).map(str::to_owned))
         };
         assert_eq!(parse("abc-123").as_deref(), Some("abc-123"));
         assert_eq!(
@@ -1079,5 +1895,17 @@ mod tests {
             Some(MAX_KEY_LEN)
         );
         assert_eq!(parse(&"k".repeat(MAX_KEY_LEN + 1)), None);
+        // What a key function returns is read the same way.
+        assert_eq!(parse_key_str(" \"k\" "), Some("k"));
+        for bad in [
+            "a\u{1}b",
+            "a\u{7f}",
+            "caf\u{e9}",
+            "\"\"",
+            "a\"b",
+            &"k".repeat(10 * 1024),
+        ] {
+            assert_eq!(parse_key_str(bad), None, "{bad:?}");
+        }
     }
 }
