@@ -2814,3 +2814,71 @@ async fn migrating_a_migrated_table_logs_nothing_at_info() {
         String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
     assert!(second.is_empty(), "a second start logged: {second}");
 }
+
+#[tokio::test]
+async fn the_sqlx_migrator_composes_with_the_users_own() {
+    use sqlx::migrate::{Migration, MigrationType, Migrator};
+    use sqlx::SqlSafeStr;
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let schema = format!("migrator_{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .schema(&schema)
+        .build()
+        .unwrap_or_else(|e| panic!("build: {e}"));
+    // The user's own migrations: version 1 as well, their own history table.
+    let mut user = Migrator::with_migrations(vec![Migration::new(
+        1,
+        "payments".into(),
+        MigrationType::Simple,
+        sqlx::AssertSqlSafe(format!(
+            "CREATE TABLE \"{schema}\".payments (id bigint PRIMARY KEY)"
+        ))
+        .into_sql_str(),
+        false,
+    )]);
+    user.dangerous_set_table_name(format!("\"{schema}\".app_migrations"));
+    // idem's first: it creates the schema.
+    store
+        .migrator()
+        .run(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("idem's migrator: {e}"));
+    user.run(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("the user's migrator: {e}"));
+    // Again, in the other order: both no-ops, neither sees the other's
+    // version 1 as its own.
+    user.run(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("the user's migrator again: {e}"));
+    store
+        .migrator()
+        .run(&pool)
+        .await
+        .unwrap_or_else(|e| panic!("idem's migrator again: {e}"));
+    let versions: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT version FROM \"{schema}\".idem_records_sqlx_migrations WHERE success ORDER BY version"
+    )))
+    .fetch_all(&pool)
+    .await
+    .unwrap_or_else(|e| panic!("history: {e}"));
+    assert_eq!(versions, vec![1, 2]);
+    // The table works, and migrate() on it afterwards changes nothing.
+    let key = IdempotencyKey::new("migrator", "k").unwrap_or_else(|e| panic!("{e}"));
+    let lease = match store.acquire(&key, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("acquire: {other:?}"),
+    };
+    store
+        .complete(&lease, b"done", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("complete: {e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate after the migrator: {e}"));
+    match store.acquire(&key, None, Duration::from_secs(5)).await {
+        Ok(Acquisition::Completed(done)) => assert_eq!(&done.response[..], b"done"),
+        other => panic!("replay: {other:?}"),
+    }
+}

@@ -533,6 +533,52 @@ impl PgStore {
         &self.inner.qualified
     }
 
+    /// The migrations of this store's table as a sqlx [`Migrator`], to run
+    /// beside your own `sqlx::migrate!()` (instead of [`PgStore::migrate`]).
+    ///
+    /// It keeps its own history table, `<table>_sqlx_migrations` in the
+    /// store's schema (created with the schema if missing), so its version
+    /// numbers never clash with yours in `_sqlx_migrations`, and neither
+    /// migrator reports the other's versions as missing. Its migrations
+    /// are idempotent (`IF NOT EXISTS`), so a table that
+    /// [`PgStore::migrate`] created already is left as it is.
+    ///
+    /// ```no_run
+    /// # async fn run(pool: idem_postgres::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+    /// let store = idem_postgres::PgStore::new(pool.clone());
+    /// // sqlx::migrate!().run(&pool).await?;   // yours, from ./migrations
+    /// store.migrator().run(&pool).await?;       // idem's
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// [`Migrator`]: sqlx::migrate::Migrator
+    pub fn migrator(&self) -> sqlx::migrate::Migrator {
+        use sqlx::migrate::{Migration, MigrationType, Migrator};
+        use sqlx::SqlSafeStr;
+        let migrations = self
+            .migrations()
+            .into_iter()
+            .zip(MIGRATIONS)
+            .map(|((version, sql), (_, description, _))| {
+                Migration::new(
+                    i64::from(version),
+                    std::borrow::Cow::Borrowed(*description),
+                    MigrationType::Simple,
+                    AssertSqlSafe(sql).into_sql_str(),
+                    false,
+                )
+            })
+            .collect();
+        let mut migrator = Migrator::with_migrations(migrations);
+        // Names validated by the builder: quoted, they are safe in SQL.
+        migrator.dangerous_set_table_name(format!(
+            "\"{}\".\"{}_sqlx_migrations\"",
+            self.inner.schema, self.inner.table
+        ));
+        migrator.create_schema(format!("\"{}\"", self.inner.schema));
+        migrator
+    }
+
     /// The migrations for this store's table, in order, as SQL ready to
     /// run, for teams that apply migrations with their own tool.
     pub fn migrations(&self) -> Vec<(i32, String)> {
