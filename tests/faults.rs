@@ -373,7 +373,7 @@ async fn storm(
     let fault = fault.map(|f| tokio::spawn(f(progress.clone())));
     let run = run_id();
     let mut deliveries: Vec<u64> = (0..messages)
-        .flat_map(|m| std::iter::repeat(m).take(fastrand::usize(1..=8)))
+        .flat_map(|m| std::iter::repeat_n(m, fastrand::usize(1..=8)))
         .collect();
     fastrand::shuffle(&mut deliveries);
     let planned = deliveries.len() as u64;

@@ -1963,7 +1963,7 @@ fn map_error(e: sqlx::Error, table: &str) -> StoreError {
 /// lease.
 fn micros(d: Duration) -> i64 {
     let d = saturate(d);
-    let us = d.as_micros() + u128::from(d.subsec_nanos() % 1_000 != 0);
+    let us = d.as_micros() + u128::from(!d.subsec_nanos().is_multiple_of(1_000));
     // MAX_DURATION is about 3.2e15 µs: always fits.
     i64::try_from(us).unwrap_or(i64::MAX)
 }

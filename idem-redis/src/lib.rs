@@ -1048,7 +1048,7 @@ fn delete_marker(prefix: &str, redis_key: &str, request: &str) -> Option<String>
 /// less than a millisecond is not a zero lease.
 fn millis(d: Duration) -> u64 {
     let d = saturate(d);
-    let ms = d.as_millis() + u128::from(d.subsec_nanos() % 1_000_000 != 0);
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
     // MAX_DURATION is about 3.2e12 ms: always fits.
     u64::try_from(ms).unwrap_or(u64::MAX)
 }

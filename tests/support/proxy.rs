@@ -47,7 +47,7 @@ impl Loss {
         }
         let seen = self.seen.fetch_add(1, Ordering::SeqCst) + 1;
         let every = self.every.load(Ordering::SeqCst).max(1);
-        seen % every == 0
+        seen.is_multiple_of(every)
             && self
                 .budget
                 .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |b| b.checked_sub(1))
