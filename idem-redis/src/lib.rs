@@ -108,6 +108,17 @@ pub use redis;
 
 /// A call that did not finish within the store's call timeout; the source
 /// of [`StoreError::Unavailable`].
+///
+/// ```
+/// use idem_core::StoreError;
+/// use idem_redis::CallTimeout;
+///
+/// fn waited_too_long(e: &StoreError) -> bool {
+///     matches!(e, StoreError::Unavailable(source) if source.downcast_ref::<CallTimeout>().is_some())
+/// }
+/// # let e = StoreError::Unavailable(Box::new(CallTimeout(std::time::Duration::from_millis(500))));
+/// # assert!(waited_too_long(&e) && e.is_retryable());
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("Redis did not answer within {0:?}")]
 pub struct CallTimeout(pub Duration);
@@ -115,6 +126,16 @@ pub struct CallTimeout(pub Duration);
 /// A reply of a shape the scripts never produce (a different script loaded
 /// under the same SHA, a proxy in the way); the source of
 /// [`StoreError::Backend`].
+///
+/// ```
+/// use idem_core::StoreError;
+/// use idem_redis::UnexpectedReply;
+///
+/// fn is_unexpected_reply(e: &StoreError) -> bool {
+///     matches!(e, StoreError::Backend(source) if source.downcast_ref::<UnexpectedReply>().is_some())
+/// }
+/// # assert!(!is_unexpected_reply(&StoreError::LeaseLost));
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[error("unexpected reply from Redis: {0}")]
 pub struct UnexpectedReply(String);
@@ -149,6 +170,26 @@ impl Scripts {
 /// that pipelines concurrent calls and reconnects after a server restart),
 /// a `MultiplexedConnection`, or a [`ClusterConnection`]
 /// ([`connect_cluster`](RedisStore::connect_cluster)). Cloning is cheap.
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_core::{Idempotency, IdempotencyKey, Processed};
+/// use idem_redis::RedisStore;
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = RedisStore::connect("redis://127.0.0.1:6379/")
+///     .await?
+///     .prefix("orders-api:")
+///     .call_timeout(Duration::from_millis(500));
+/// let idem = Idempotency::new(store);
+/// let key = IdempotencyKey::new("orders.ship", "order-17")?;
+/// match idem.process(&key, &17u64, |order| async move { Ok::<_, std::io::Error>(*order * 2) }).await? {
+///     Processed::Executed(n) => println!("shipped: {n}"),
+///     Processed::Replayed(n) => println!("a duplicate, already shipped: {n}"),
+///     other => println!("{other:?}"),
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisStore<C = ConnectionManager> {
     conn: C,
@@ -178,7 +219,12 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How many times the cluster client retries a call (a resend after a lost
 /// reply, a redirection, a reconnection), within the call timeout.
 const CLUSTER_RETRIES: u32 = 6;
-/// The default largest response: 64 MiB.
+/// The default largest response: 64 MiB. A larger one is refused
+/// (`StoreError::ResponseTooLarge`) before anything is written.
+///
+/// ```
+/// assert_eq!(idem_redis::DEFAULT_MAX_RESPONSE_BYTES, 64 * 1024 * 1024);
+/// ```
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
 impl RedisStore<ConnectionManager> {

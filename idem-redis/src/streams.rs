@@ -112,6 +112,18 @@ use serde::Serialize;
 use crate::{map_error, millis, CallTimeout, UnexpectedReply};
 
 /// One stream entry, as the handler gets it.
+///
+/// ```
+/// use std::collections::BTreeMap;
+/// use idem_redis::streams::StreamEntry;
+///
+/// let entry = StreamEntry {
+///     id: "1700000000000-0".to_owned(),
+///     fields: BTreeMap::from([("amount".to_owned(), b"1999".to_vec())]),
+/// };
+/// assert_eq!(entry.text("amount"), Some("1999"));
+/// assert_eq!(entry.field("missing"), None);
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamEntry {
     /// The entry ID (`1700000000000-0`).
@@ -132,7 +144,15 @@ impl StreamEntry {
     }
 }
 
-/// Where an entry's idempotency key comes from.
+/// Where an entry's idempotency key comes from: set with
+/// [`StreamConsumer::key_field`] or [`StreamConsumer::key_from_content`].
+///
+/// ```
+/// use idem_redis::streams::KeySource;
+///
+/// let by_id = KeySource::Field("message_id".to_owned()); // a producer-set ID
+/// assert_ne!(by_id, KeySource::Content);                 // or the content's hash
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeySource {
     /// The value of this field (a message ID set by the producer).
@@ -142,7 +162,18 @@ pub enum KeySource {
     Content,
 }
 
-/// What a consumer did, counted since it started.
+/// What a consumer did, counted since it started: returned by
+/// [`StreamConsumer::run`], and by [`StreamConsumer::stats`] while it runs.
+///
+/// ```
+/// use idem_redis::streams::ConsumerStats;
+///
+/// fn duplicate_share(stats: &ConsumerStats) -> f64 {
+///     let seen = stats.executed + stats.replayed;
+///     if seen == 0 { 0.0 } else { stats.replayed as f64 / seen as f64 }
+/// }
+/// assert_eq!(duplicate_share(&ConsumerStats { executed: 3, replayed: 1, ..Default::default() }), 0.25);
+/// ```
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ConsumerStats {
     /// Entries whose handler ran and whose result was recorded.
@@ -173,6 +204,10 @@ struct Counters {
 }
 
 /// The default of [`StreamConsumer::max_deliveries`].
+///
+/// ```
+/// assert_eq!(idem_redis::streams::DEFAULT_MAX_DELIVERIES, 10);
+/// ```
 pub const DEFAULT_MAX_DELIVERIES: u64 = 10;
 const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
@@ -181,6 +216,28 @@ const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 /// `R` is the connection: a [`ConnectionManager`] made by
 /// [`connect`](Self::connect), or any connection of the `redis` crate given
 /// to [`new`](Self::new) (a `MultiplexedConnection`, a `ClusterConnection`).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_core::Idempotency;
+/// use idem_redis::streams::{StreamConsumer, StreamEntry};
+/// use idem_redis::RedisStore;
+///
+/// # async fn run(url: &str) -> Result<(), Box<dyn std::error::Error>> {
+/// let idem = Idempotency::new(RedisStore::connect(url).await?);
+/// let consumer = StreamConsumer::connect(url, "payments", "billing", "worker-1", idem)
+///     .await?
+///     .key_field("message_id")
+///     .claim_idle(Duration::from_secs(30));
+/// let stats = consumer
+///     .run(
+///         |entry: StreamEntry| async move { Ok::<_, std::io::Error>(entry.id) },
+///         async { let _ = tokio::signal::ctrl_c().await; }, // stop on Ctrl-C
+///     )
+///     .await?;
+/// println!("{stats:?}");
+/// # Ok(()) }
+/// ```
 pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     conn: R,
     stream: String,
@@ -911,6 +968,13 @@ struct Unusable {
 /// their 7th byte (`.` or `:`), and different names give different
 /// `stream.{stream}` scopes and (but for a SHA-256 collision) different
 /// hashes, so two streams never share a default scope.
+///
+/// ```
+/// use idem_redis::streams::default_scope;
+///
+/// assert_eq!(default_scope("payments"), "stream.payments");
+/// assert!(default_scope("a stream name with spaces").starts_with("stream:"));
+/// ```
 pub fn default_scope(stream: &str) -> String {
     let scope = format!("stream.{stream}");
     if IdempotencyKey::new(scope.clone(), "x").is_ok() {

@@ -100,12 +100,20 @@ pub use invalidation::RedisInvalidation;
 pub use moka_cache::{MokaCache, ENTRY_OVERHEAD_BYTES};
 /// The redis crate this crate is built on, for [`RedisCache::new`] and
 /// [`RedisInvalidation`] connections (`idem::tiered::redis`).
+#[cfg(feature = "redis")]
 pub use redis;
 #[cfg(feature = "redis")]
 pub use redis_cache::RedisCache;
 
 /// A failure of a cache tier. Never fatal: the tiered store logs it and
 /// falls back to slower tiers.
+///
+/// ```
+/// use idem_tiered::CacheError;
+///
+/// let e = CacheError::Undecodable("bad header".to_owned());
+/// assert_eq!(e.to_string(), "cache entry does not decode: bad header");
+/// ```
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum CacheError {
@@ -122,6 +130,30 @@ pub enum CacheError {
 /// Entries are ordered by the record's fence ([`CompletedRecord::fence`]):
 /// an entry is only ever replaced by one with a higher fence, and a
 /// tombstone refuses every record with a fence up to its own.
+///
+/// A tier is used through [`TieredStore::with_cache`]; called directly:
+///
+/// ```
+/// # #[cfg(feature = "moka")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::{Duration, SystemTime};
+/// use idem_core::{CompletedRecord, IdempotencyKey};
+/// use idem_tiered::{MokaCache, RecordCache};
+///
+/// let tier = MokaCache::new(1_000, 1 << 20);
+/// let key = IdempotencyKey::new("orders.ship", "o-1")?;
+/// let now = SystemTime::now();
+/// let shipped = bytes::Bytes::from_static(b"shipped");
+/// let record = CompletedRecord::new(key.clone(), shipped.clone(), None, 1, now, now + Duration::from_secs(60))
+///     .with_fence(7);
+/// tier.put(&record, Duration::from_secs(60)).await?;
+/// assert_eq!(tier.get(&key).await?.map(|r| r.response), Some(shipped));
+/// tier.invalidate(&key).await?;
+/// assert!(tier.get(&key).await?.is_none());
+/// # Ok(()) }
+/// # #[cfg(not(feature = "moka"))] fn main() {}
+/// ```
 #[async_trait]
 pub trait RecordCache: Send + Sync + 'static {
     /// A short name for logs and metrics (`moka`, `redis`).
@@ -175,6 +207,28 @@ enum Flight {
 }
 
 /// Cache tiers in front of a source of truth; see the crate docs.
+///
+/// ```
+/// # #[cfg(feature = "moka")]
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use idem_core::{Idempotency, IdempotencyKey, MemoryStore, Processed};
+/// use idem_tiered::{MokaCache, TieredStore};
+///
+/// let store = TieredStore::new(MemoryStore::new()) // in production: a PgStore
+///     .with_cache(MokaCache::new(10_000, 16 << 20))
+///     .cache_timeout(Duration::from_millis(50));
+/// let idem = Idempotency::new(store);
+/// let key = IdempotencyKey::new("emails.send", "welcome-7")?;
+/// let send = |to: &String| { let to = to.clone(); async move { Ok::<_, std::io::Error>(format!("sent to {to}")) } };
+/// let first = idem.process(&key, &"a@b.c".to_owned(), send).await?;
+/// let again = idem.process(&key, &"a@b.c".to_owned(), send).await?; // from moka
+/// assert_eq!(first, Processed::Executed("sent to a@b.c".to_owned()));
+/// assert_eq!(again, Processed::Replayed("sent to a@b.c".to_owned()));
+/// # Ok(()) }
+/// # #[cfg(not(feature = "moka"))] fn main() {}
+/// ```
 pub struct TieredStore<S> {
     source: Arc<S>,
     caches: Vec<Arc<dyn RecordCache>>,
@@ -205,6 +259,22 @@ impl<S> Clone for TieredStore<S> {
 
 /// Carries deletes to the other instances of the application, whose
 /// in-process tiers then tombstone the key; see [`RedisInvalidation`].
+///
+/// ```no_run
+/// # #[cfg(feature = "redis")]
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_core::IdempotencyKey;
+/// use idem_tiered::{Invalidation, InvalidationChannel, RedisInvalidation};
+///
+/// let channel = RedisInvalidation::connect("redis://127.0.0.1:6379/").await?;
+/// // What a TieredStore does with it: listen, and publish its deletes.
+/// let _subscription = channel.subscribe(Box::new(|message: Invalidation| {
+///     println!("{message:?}");
+///     true // keep listening
+/// }));
+/// channel.publish(&IdempotencyKey::new("orders.ship", "o-1")?, 7).await?;
+/// # Ok(()) }
+/// ```
 #[async_trait]
 pub trait InvalidationChannel: Send + Sync + 'static {
     /// Tells every instance (this one included) that `key` was deleted
@@ -222,6 +292,18 @@ pub trait InvalidationChannel: Send + Sync + 'static {
 
 /// A running subscription of an [`InvalidationChannel`]: dropping it stops
 /// the subscriber (its task and its connection).
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use idem_tiered::Subscription;
+///
+/// let task = tokio::spawn(std::future::pending::<()>());
+/// let subscription = Subscription::new(task.abort_handle());
+/// drop(subscription); // stops the task
+/// assert!(task.await.unwrap_err().is_cancelled());
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct Subscription(Option<tokio::task::AbortHandle>);
 
@@ -246,6 +328,20 @@ impl Drop for Subscription {
 }
 
 /// What an [`InvalidationChannel`] delivers.
+///
+/// ```
+/// use idem_core::IdempotencyKey;
+/// use idem_tiered::Invalidation;
+///
+/// # fn main() -> Result<(), idem_core::KeyError> {
+/// let message = Invalidation::Key { key: IdempotencyKey::new("orders.ship", "o-1")?, fence: 7 };
+/// match message {
+///     Invalidation::Key { key, fence } => println!("tombstone {key} up to fence {fence}"),
+///     Invalidation::All => println!("drop every in-process entry"),
+///     _ => {}
+/// }
+/// # Ok(()) }
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Invalidation {

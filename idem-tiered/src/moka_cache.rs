@@ -73,6 +73,12 @@ impl Expiry<IdempotencyKey, Arc<Entry>> for PerEntryTtl {
 /// and moka 0.12 as the growth of resident memory per entry over 200,000
 /// entries (`tests/moka_memory.rs`, which checks the weight against it
 /// within 25%).
+///
+/// ```
+/// // A million 200-byte responses under 40-byte keys weigh about 1 GB:
+/// let per_entry = 200 + 2 * 40 + idem_tiered::ENTRY_OVERHEAD_BYTES;
+/// assert!(per_entry * 1_000_000 < 1 << 30);
+/// ```
 pub const ENTRY_OVERHEAD_BYTES: u64 = 720;
 
 /// An in-process cache tier on a moka `future::Cache`, bounded by both a
@@ -82,6 +88,16 @@ pub const ENTRY_OVERHEAD_BYTES: u64 = 720;
 /// never replaces an entry with a higher or equal fence, and a delete's
 /// tombstone refuses records up to its fence. Like every moka cache it may
 /// refuse or evict entries (TinyLFU): a cache miss only costs a slower tier.
+///
+/// ```
+/// use std::time::Duration;
+/// use idem_tiered::MokaCache;
+///
+/// // At most 100,000 entries and 256 MiB; no entry outlives an hour, which
+/// // bounds how long a missed invalidation can replay a deleted key.
+/// let tier = MokaCache::new(100_000, 256 << 20).max_ttl(Duration::from_secs(3_600));
+/// assert_eq!(tier.entry_count(), 0);
+/// ```
 #[derive(Clone)]
 pub struct MokaCache {
     cache: Cache<IdempotencyKey, Arc<Entry>>,

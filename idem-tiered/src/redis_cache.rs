@@ -24,6 +24,16 @@ static PUT: std::sync::LazyLock<redis::Script> =
 /// written by a script that keeps the entry with the highest fence (a delete
 /// leaves a tombstone that refuses stale fills). Works on any shared
 /// connection of the `redis` crate, cluster included (one key per call).
+///
+/// ```no_run
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_core::MemoryStore;
+/// use idem_tiered::{RedisCache, TieredStore};
+///
+/// let tier = RedisCache::connect("redis://127.0.0.1:6379/").await?;
+/// let store = TieredStore::new(MemoryStore::new()).with_cache(tier); // in production: a PgStore
+/// # Ok(()) }
+/// ```
 #[derive(Clone)]
 pub struct RedisCache<C = ConnectionManager> {
     conn: C,
