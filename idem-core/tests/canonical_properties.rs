@@ -1,11 +1,12 @@
 //! Property tests of the canonical JSON (RFC 8785) behind keys from
-//! content and fingerprints: member order and whitespace never change
-//! the bytes, and the form is a fixed point.
+//! content and fingerprints: whitespace and member order never change the
+//! bytes, the form is a fixed point, and two integers never share a key
+//! (member order alone: tests/properties.rs).
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
 
-use idem_core::{canonical_json, Fingerprint, IdempotencyKey};
+use idem_core::{canonical_json, IdempotencyKey};
 use proptest::prelude::*;
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
 
@@ -88,18 +89,6 @@ fn canon<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
-
-    /// Member order at any depth changes neither the bytes, the key nor
-    /// the fingerprint.
-    #[test]
-    fn member_order_never_changes_the_result(n in node(), a in any::<u64>(), b in any::<u64>()) {
-        prop_assert_eq!(canon(&Ordered(&n, a)), canon(&Ordered(&n, b)));
-        let ka = IdempotencyKey::from_content("s", &Ordered(&n, a));
-        let kb = IdempotencyKey::from_content("s", &Ordered(&n, b));
-        prop_assert!(ka.is_ok());
-        prop_assert_eq!(ka.ok(), kb.ok());
-        prop_assert_eq!(Fingerprint::of(&Ordered(&n, a)).ok(), Fingerprint::of(&Ordered(&n, b)).ok());
-    }
 
     /// The same value written as text with whitespace (pretty printed,
     /// members in another order) and read back canonicalizes alike; the
