@@ -52,9 +52,9 @@ pub(crate) const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
 /// Whether the canonical form of the integer of magnitude `abs` (its
 /// nearest double, in ECMAScript form) is its own decimal digits. Beyond
 /// 2^53 that holds for the integers a double-based producer (JavaScript)
-/// writes, such as `9223372036854776000`, and fails for the others (`2^53
-/// + 1`, `2^63`, `u64::MAX`). Accepted integers keep distinct forms: two of
-/// them with one form would have the same digits.
+/// writes, such as `9223372036854776000`, and fails for the others
+/// (`2^53 + 1`, `2^63`, `u64::MAX`). Accepted integers keep distinct
+/// forms: two of them with one form would have the same digits.
 pub(crate) fn written_exactly(abs: u128) -> bool {
     if abs <= u128::from(MAX_SAFE_INTEGER) {
         return true;
