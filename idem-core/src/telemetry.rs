@@ -168,12 +168,12 @@ where
     let seconds = started.elapsed().as_secs_f64();
     let ok = result.is_ok();
     let outcome = if ok { "ok" } else { "error" };
-    match static_labels(backend) {
-        Some(table) => {
-            let key = Key::from_static_parts(
-                STORE_DURATION_SECONDS,
-                &table[operation as usize][usize::from(!ok)],
-            );
+    let labels = static_labels(backend)
+        .and_then(|table| table.get(operation as usize))
+        .map(|by_outcome| &by_outcome[usize::from(!ok)]);
+    match labels {
+        Some(labels) => {
+            let key = Key::from_static_parts(STORE_DURATION_SECONDS, labels);
             metrics::with_recorder(|r| r.register_histogram(&key, &METADATA)).record(seconds);
         }
         None => metrics::histogram!(
