@@ -126,6 +126,13 @@ mod on_cluster {
     }
 }
 
+/// The `backend` label of the store-call histogram.
+#[tokio::test]
+async fn the_backend_label_is_redis_standalone_and_cluster() {
+    assert_eq!(standalone().await.backend_name(), "redis");
+    assert_eq!(cluster().await.backend_name(), "redis");
+}
+
 #[tokio::test]
 async fn undecodable_records_are_corrupt_never_absent() {
     let store = standalone().await;

@@ -161,6 +161,8 @@ async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
             .with_cache(moka.clone())
             .with_cache(redis.clone()),
     );
+    assert_eq!(store.backend_name(), "tiered");
+    assert_eq!(store.source().backend_name(), "postgres");
     let idem = Idempotency::from_arc(store.clone());
     let key = testkit::unique_key("tiers");
     let first = idem

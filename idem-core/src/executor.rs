@@ -16,9 +16,10 @@ use crate::error::{CodecError, IdemError, StoreError};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{
-    not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, NOT_REPLAYABLE,
+    not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, Record, NOT_REPLAYABLE,
 };
 use crate::store::IdempotencyStore;
+use crate::telemetry::{timed, StoreOperation};
 
 mod batch;
 pub use batch::BatchOutcome;
@@ -300,9 +301,47 @@ where
         self
     }
 
-    /// The store.
+    /// The store. Calls made on it directly are not timed in
+    /// [`STORE_DURATION_SECONDS`](crate::STORE_DURATION_SECONDS); those
+    /// through [`get`](Self::get), [`delete`](Self::delete) and
+    /// [`purge_expired`](Self::purge_expired) are.
     pub fn store(&self) -> &Arc<S> {
         &self.store
+    }
+
+    /// Reads the live record of `key` from the store
+    /// ([`IdempotencyStore::get`]), timing the call.
+    pub async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        timed(
+            self.store.backend_name(),
+            StoreOperation::Get,
+            self.store.get(key),
+        )
+        .await
+    }
+
+    /// Removes the record of `key` whatever its state
+    /// ([`IdempotencyStore::delete`]), timing the call. An operator's tool:
+    /// deleting an in-progress key lets a duplicate run.
+    pub async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        timed(
+            self.store.backend_name(),
+            StoreOperation::Delete,
+            self.store.delete(key),
+        )
+        .await
+    }
+
+    /// Removes up to `max` expired records
+    /// ([`IdempotencyStore::purge_expired`]), timing the call.
+    pub async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        let call = self.store.purge_expired(max);
+        timed(
+            self.store.backend_name(),
+            StoreOperation::PurgeExpired,
+            call,
+        )
+        .await
     }
 
     /// Runs `handler(payload)` once for `key` and records its result; a
@@ -682,7 +721,8 @@ where
         let give_up = later(Instant::now(), budget);
         let mut pause = Duration::from_millis(10);
         loop {
-            match self.store.complete(lease, response, self.retention).await {
+            let call = self.store.complete(lease, response, self.retention);
+            match timed(self.store.backend_name(), StoreOperation::Complete, call).await {
                 Err(e) if e.is_retryable() => {
                     let resume = later(Instant::now(), pause);
                     let lease_over = *lock(lease_end);
@@ -714,7 +754,8 @@ where
         };
         loop {
             let sent_at = Instant::now();
-            match self.store.acquire(key, fingerprint, self.lease).await? {
+            let call = self.store.acquire(key, fingerprint, self.lease);
+            match timed(self.store.backend_name(), StoreOperation::Acquire, call).await? {
                 Acquisition::Acquired(lease) => return Ok(Acquired::Lease(lease, sent_at)),
                 Acquisition::Completed(record) => return Ok(Acquired::Replay(record.response)),
                 Acquisition::Mismatch => {
@@ -748,7 +789,8 @@ where
 
     async fn release(&self, lease: &Lease) {
         count("idem_released_total", lease.key.scope());
-        if let Err(e) = self.store.release(lease).await {
+        let call = self.store.release(lease);
+        if let Err(e) = timed(self.store.backend_name(), StoreOperation::Release, call).await {
             tracing::warn!(key = %lease.key, error = %e, "could not release the key; it frees itself when the lease ends");
         }
     }
@@ -766,7 +808,8 @@ async fn heartbeat_loop<S: IdempotencyStore + ?Sized>(
     loop {
         tokio::time::sleep(every).await;
         let sent_at = Instant::now();
-        match store.extend(&lease, lease_for).await {
+        let call = store.extend(&lease, lease_for);
+        match timed(store.backend_name(), StoreOperation::Extend, call).await {
             Ok(_) => {
                 let mut end = lock(&lease_end);
                 *end = (*end).max(later(sent_at, lease_for));

@@ -15,8 +15,9 @@ use crate::canonical::canonical_json;
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
-    /// The fingerprint of a payload: SHA-256 of its canonical JSON (object
-    /// keys sorted, so field order does not matter).
+    /// The fingerprint of a payload: SHA-256 of its canonical JSON
+    /// ([`canonical_json`](crate::canonical_json), RFC 8785), so field order
+    /// does not matter.
     pub fn of<T: Serialize + ?Sized>(payload: &T) -> Result<Self, serde_json::Error> {
         Ok(Self::of_bytes(&canonical_json(payload)?))
     }

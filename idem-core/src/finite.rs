@@ -1,10 +1,13 @@
-//! A pass over a `Serialize` value that refuses non-finite floats.
+//! A pass over a `Serialize` value that refuses what has no exact JSON
+//! form.
 //!
 //! serde_json writes NaN, `inf` and `-inf` as `null` (and `to_value` maps
 //! them to `Value::Null`), so two different payloads would share one
 //! fingerprint or content key, and a recorded response would replay as
 //! something else. [`check`] walks the value with a serializer that
 //! produces nothing and fails on the first non-finite float.
+//! [`check_canonical`] also refuses integers beyond ±(2^53 − 1), which
+//! RFC 8785 (JCS) would round to a neighbouring double (see `canonical`).
 
 use std::fmt;
 
@@ -31,7 +34,36 @@ impl ser::Error for NonFinite {
 /// `Ok` when `value` serializes and holds no NaN or infinite float.
 /// A `Serialize` impl that fails is reported with its own message.
 pub(crate) fn check<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
-    value.serialize(Check)
+    value.serialize(Check { exact_ints: false })
+}
+
+/// Like [`check`], and also refuses an integer (a value or a map key)
+/// that the canonical form would not write as its own digits: RFC 8785
+/// writes numbers as IEEE doubles, so `2^53 + 1` would be written
+/// `9007199254740992`, the form of `2^53` too (see [`written_exactly`]).
+pub(crate) fn check_canonical<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
+    value.serialize(Check { exact_ints: true })
+}
+
+/// 2^53 − 1: every integer up to it is an exact double (ECMAScript's
+/// `Number.MAX_SAFE_INTEGER`), written as its digits.
+pub(crate) const MAX_SAFE_INTEGER: u64 = (1 << 53) - 1;
+
+/// Whether the canonical form of the integer of magnitude `abs` (its
+/// nearest double, in ECMAScript form) is its own decimal digits. Beyond
+/// 2^53 that holds for the integers a double-based producer (JavaScript)
+/// writes, such as `9223372036854776000`, and fails for the others
+/// (`2^53 + 1`, `2^63`, `u64::MAX`). Accepted integers keep distinct
+/// forms: two of them with one form would have the same digits.
+pub(crate) fn written_exactly(abs: u128) -> bool {
+    if abs <= u128::from(MAX_SAFE_INTEGER) {
+        return true;
+    }
+    // `as` rounds to the nearest double (ties to even), as a JSON parser
+    // reading the digits does.
+    let nearest = abs as f64;
+    serde_json_canonicalizer::to_vec(&nearest)
+        .is_ok_and(|form| form == abs.to_string().into_bytes())
 }
 
 fn float(v: f64) -> Result<(), NonFinite> {
@@ -44,7 +76,22 @@ fn float(v: f64) -> Result<(), NonFinite> {
     }
 }
 
-struct Check;
+/// The check of an integer whose magnitude is `abs`.
+fn integer(check: Check, abs: u128, shown: &dyn fmt::Display) -> Result<(), NonFinite> {
+    if !check.exact_ints || written_exactly(abs) {
+        return Ok(());
+    }
+    Err(NonFinite(format!(
+        "the integer {shown} has no exact canonical form: RFC 8785 writes numbers as IEEE \
+         doubles, and its nearest double is also another integer's; serialize it as a string"
+    )))
+}
+
+#[derive(Clone, Copy)]
+struct Check {
+    /// Refuse integers that are not exact doubles.
+    exact_ints: bool,
+}
 
 macro_rules! ok_scalars {
     ($($name:ident: $ty:ty),*) => {
@@ -64,10 +111,21 @@ impl ser::Serializer for Check {
     type SerializeStructVariant = Check;
 
     ok_scalars!(serialize_bool: bool, serialize_i8: i8, serialize_i16: i16,
-        serialize_i32: i32, serialize_i64: i64, serialize_i128: i128,
-        serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
-        serialize_u64: u64, serialize_u128: u128, serialize_char: char,
-        serialize_str: &str, serialize_bytes: &[u8]);
+        serialize_i32: i32, serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
+        serialize_char: char, serialize_str: &str, serialize_bytes: &[u8]);
+
+    fn serialize_i64(self, v: i64) -> Result<(), NonFinite> {
+        integer(self, u128::from(v.unsigned_abs()), &v)
+    }
+    fn serialize_i128(self, v: i128) -> Result<(), NonFinite> {
+        integer(self, v.unsigned_abs(), &v)
+    }
+    fn serialize_u64(self, v: u64) -> Result<(), NonFinite> {
+        integer(self, u128::from(v), &v)
+    }
+    fn serialize_u128(self, v: u128) -> Result<(), NonFinite> {
+        integer(self, v, &v)
+    }
 
     fn serialize_f32(self, v: f32) -> Result<(), NonFinite> {
         float(f64::from(v))
@@ -79,7 +137,7 @@ impl ser::Serializer for Check {
         Ok(())
     }
     fn serialize_some<T: Serialize + ?Sized>(self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
+        v.serialize(self)
     }
     fn serialize_unit(self) -> Result<(), NonFinite> {
         Ok(())
@@ -100,7 +158,7 @@ impl ser::Serializer for Check {
         _: &'static str,
         v: &T,
     ) -> Result<(), NonFinite> {
-        v.serialize(Check)
+        v.serialize(self)
     }
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
         self,
@@ -109,16 +167,16 @@ impl ser::Serializer for Check {
         _: &'static str,
         v: &T,
     ) -> Result<(), NonFinite> {
-        v.serialize(Check)
+        v.serialize(self)
     }
     fn serialize_seq(self, _: Option<usize>) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_tuple(self, _: usize) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_tuple_struct(self, _: &'static str, _: usize) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_tuple_variant(
         self,
@@ -127,13 +185,13 @@ impl ser::Serializer for Check {
         _: &'static str,
         _: usize,
     ) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_map(self, _: Option<usize>) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_struct(self, _: &'static str, _: usize) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
     fn serialize_struct_variant(
         self,
@@ -142,7 +200,7 @@ impl ser::Serializer for Check {
         _: &'static str,
         _: usize,
     ) -> Result<Check, NonFinite> {
-        Ok(Check)
+        Ok(self)
     }
 }
 
@@ -153,7 +211,7 @@ macro_rules! check_elements {
             type Ok = ();
             type Error = NonFinite;
             fn $method<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-                v.serialize(Check)
+                v.serialize(*self)
             }
             fn end(self) -> Result<(), NonFinite> {
                 Ok(())
@@ -173,10 +231,10 @@ impl ser::SerializeMap for Check {
     type Ok = ();
     type Error = NonFinite;
     fn serialize_key<T: Serialize + ?Sized>(&mut self, k: &T) -> Result<(), NonFinite> {
-        k.serialize(Check)
+        k.serialize(*self)
     }
     fn serialize_value<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), NonFinite> {
-        v.serialize(Check)
+        v.serialize(*self)
     }
     fn end(self) -> Result<(), NonFinite> {
         Ok(())
@@ -194,7 +252,7 @@ macro_rules! check_fields {
                 _: &'static str,
                 v: &T,
             ) -> Result<(), NonFinite> {
-                v.serialize(Check)
+                v.serialize(*self)
             }
             fn end(self) -> Result<(), NonFinite> {
                 Ok(())
@@ -220,5 +278,52 @@ mod tests {
         m.insert("a", (1u8, [0.0f64, f64::NAN]));
         assert!(check(&m).is_err());
         assert!(check(&serde_json::json!({"a": [1, 2.5, null]})).is_ok());
+    }
+
+    #[test]
+    fn only_the_canonical_check_refuses_inexact_integers() {
+        let big = vec![(1u64 << 63) + 1];
+        // A response keeps its u64 exactly (serde_json does): fine to record.
+        assert!(check(&big).is_ok());
+        assert!(check_canonical(&big).is_err());
+        assert!(check_canonical(&[MAX_SAFE_INTEGER, MAX_SAFE_INTEGER + 1]).is_ok());
+        assert!(check_canonical(&[-(MAX_SAFE_INTEGER as i64) - 1]).is_ok());
+        assert!(check_canonical(&[MAX_SAFE_INTEGER + 2]).is_err());
+        assert!(check_canonical(&[-(MAX_SAFE_INTEGER as i64) - 2]).is_err());
+        for v in [i64::MIN, i64::MAX] {
+            assert!(check_canonical(&Some(v)).is_err(), "{v}");
+        }
+        for v in [u64::MAX, u64::MAX - 1, 1 << 63, (1 << 63) + 1] {
+            assert!(check_canonical(&v).is_err(), "{v}");
+        }
+        // What JavaScript writes for 2^63 and for 1e19: their own digits.
+        assert!(check_canonical(&9_223_372_036_854_776_000u64).is_ok());
+        assert!(check_canonical(&-1_434_269_174_621_768_700i64).is_ok());
+        assert!(check_canonical(&10_000_000_000_000_000_000u64).is_ok());
+        assert!(check_canonical(&100_000_000_000_000_000_000u128).is_ok());
+        // From 1e21 on, the form has an exponent: never the digits.
+        assert!(check_canonical(&1_000_000_000_000_000_000_000u128).is_err());
+        assert!(check_canonical(&u128::MAX).is_err());
+        assert!(check_canonical(&i128::MIN).is_err());
+        // Map keys too (the canonical writer formats them as doubles).
+        let mut m = BTreeMap::new();
+        m.insert(9_223_372_036_854_776_000u64, 1u64);
+        assert!(check_canonical(&m).is_ok());
+        m.insert(u64::MAX, 1);
+        assert!(check_canonical(&m).is_err());
+        assert!(check(&m).is_ok());
+    }
+
+    #[test]
+    fn written_exactly_around_the_powers_of_two() {
+        assert!(written_exactly(0));
+        assert!(written_exactly(u128::from(MAX_SAFE_INTEGER)));
+        assert!(written_exactly(1 << 53), "2^53 is 9007199254740992");
+        assert!(!written_exactly((1 << 53) + 1));
+        for shift in 54..=70u32 {
+            let p = 1u128 << shift;
+            assert!(!written_exactly(p + 1), "2^{shift} + 1");
+            assert!(!written_exactly(p - 1), "2^{shift} - 1");
+        }
     }
 }

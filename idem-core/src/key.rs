@@ -111,9 +111,16 @@ impl IdempotencyKey {
         Self::new(scope, id)
     }
 
-    /// A key derived from the content of a message: the hex SHA-256 of its
-    /// canonical JSON (object keys sorted at every depth, no whitespace), so
-    /// the order of fields never changes the key.
+    /// A key derived from the content of a message: the lowercase hex
+    /// SHA-256 of its canonical JSON in RFC 8785's form (JCS: members
+    /// sorted by UTF-16 code units at every depth, no whitespace, numbers
+    /// in ECMAScript form), so the order of fields never changes the key
+    /// and a producer in another language computes the same one (Python:
+    /// `hashlib.sha256(rfc8785.dumps(payload)).hexdigest()`).
+    ///
+    /// [`KeyError::Content`] when the content has no exact canonical form:
+    /// a non-finite float, a repeated member name, or an integer that JCS
+    /// would write as a neighbour's double (see [`canonical_json`](crate::canonical_json)).
     ///
     /// ```
     /// use idem_core::IdempotencyKey;

@@ -41,6 +41,7 @@ mod key;
 mod memory;
 mod record;
 mod store;
+mod telemetry;
 
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -57,5 +58,6 @@ pub use record::{
     RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,
 };
 pub use store::{purge_periodically, AcquireItem, IdempotencyStore};
+pub use telemetry::{describe_metrics, StoreOperation, STORE_DURATION_SECONDS};
 
 pub use async_trait::async_trait;

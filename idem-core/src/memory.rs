@@ -474,6 +474,10 @@ fn mismatch(stored: Option<Fingerprint>, given: Option<&Fingerprint>) -> bool {
 
 #[async_trait]
 impl IdempotencyStore for MemoryStore {
+    fn backend_name(&self) -> &'static str {
+        "memory"
+    }
+
     async fn acquire(
         &self,
         key: &IdempotencyKey,

@@ -9,6 +9,7 @@ use crate::error::StoreError;
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{Acquisition, Lease, Record};
+use crate::telemetry::StoreOperation;
 
 /// Where idempotency records live. Every operation is one round trip to the
 /// backend and atomic there; time comes from the store's clock.
@@ -31,6 +32,14 @@ use crate::record::{Acquisition, Lease, Record};
 /// `idem_core::testkit` (feature `testkit`).
 #[async_trait]
 pub trait IdempotencyStore: Send + Sync + 'static {
+    /// The `backend` label of the store-call latency histogram
+    /// ([`STORE_DURATION_SECONDS`](crate::STORE_DURATION_SECONDS)): a short
+    /// static name such as `"memory"`, `"redis"`, `"postgres"`, `"tiered"`.
+    /// The default is `"custom"`; a wrapper forwards its inner store's.
+    fn backend_name(&self) -> &'static str {
+        "custom"
+    }
+
     /// Reserves `key` for `lease`, or reports why not. A fingerprint is
     /// stored on first acquisition; a live record with a different one gives
     /// [`Acquisition::Mismatch`] whatever its state (checked only when both
@@ -193,6 +202,9 @@ macro_rules! forward_store {
     ($ty:ty) => {
         #[async_trait]
         impl<S: IdempotencyStore + ?Sized> IdempotencyStore for $ty {
+            fn backend_name(&self) -> &'static str {
+                (**self).backend_name()
+            }
             // The hot calls hand back the inner store's boxed future as it
             // is: an `async fn` here would box a second future around it
             // on every call (an `Arc<S>`, as the executor holds, resolves
@@ -299,7 +311,14 @@ where
         loop {
             ticks.tick().await;
             loop {
-                match store.purge_expired(batch).await {
+                let call = store.purge_expired(batch);
+                match crate::telemetry::timed(
+                    store.backend_name(),
+                    StoreOperation::PurgeExpired,
+                    call,
+                )
+                .await
+                {
                     Ok(n) => {
                         if n > 0 {
                             tracing::debug!(purged = n, "purged expired idempotency records");

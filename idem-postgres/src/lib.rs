@@ -1226,6 +1226,10 @@ fn statement_failed(e: &sqlx::Error) -> bool {
 
 #[async_trait]
 impl IdempotencyStore for PgStore {
+    fn backend_name(&self) -> &'static str {
+        "postgres"
+    }
+
     async fn acquire(
         &self,
         key: &IdempotencyKey,

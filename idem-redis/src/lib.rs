@@ -590,6 +590,10 @@ impl<C> IdempotencyStore for RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    fn backend_name(&self) -> &'static str {
+        "redis"
+    }
+
     async fn acquire(
         &self,
         key: &IdempotencyKey,

@@ -757,6 +757,10 @@ fn tier_counter(name: &'static str, tier: &str) {
 
 #[async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
+    fn backend_name(&self) -> &'static str {
+        "tiered"
+    }
+
     async fn acquire(
         &self,
         key: &IdempotencyKey,

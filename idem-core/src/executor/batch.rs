@@ -25,6 +25,7 @@ use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{Acquisition, Lease};
 use crate::store::{AcquireItem, IdempotencyStore};
+use crate::telemetry::{timed, StoreOperation};
 
 /// The outcome of one item of a batch.
 pub type BatchOutcome<T, E> = Result<Processed<T>, IdemError<E>>;
@@ -296,7 +297,8 @@ where
                 .iter()
                 .map(|i| AcquireItem::new(&i.key, i.fingerprint.as_ref()))
                 .collect();
-            self.store.acquire_many(&asked, self.lease).await
+            let call = self.store.acquire_many(&asked, self.lease);
+            timed(self.store.backend_name(), StoreOperation::AcquireMany, call).await
         };
         let answers = match answers {
             Ok(answers) if answers.len() == items.len() => answers,
@@ -480,7 +482,13 @@ where
                         .iter()
                         .map(|(k, _, bytes)| (&held[*k].lease, bytes.as_slice()))
                         .collect();
-                    let answers = self.store.complete_many(&items, self.retention).await;
+                    let call = self.store.complete_many(&items, self.retention);
+                    let answers = timed(
+                        self.store.backend_name(),
+                        StoreOperation::CompleteMany,
+                        call,
+                    )
+                    .await;
                     (batch, answers)
                 }));
             }
@@ -589,7 +597,11 @@ where
                     return;
                 }
                 let sent_at = Instant::now();
-                let renewed = join_all(live.iter().map(|h| store.extend(&h.lease, lease_for))).await;
+                let backend = store.backend_name();
+                let renewed = join_all(live.iter().map(|h| {
+                    timed(backend, StoreOperation::Extend, store.extend(&h.lease, lease_for))
+                }))
+                .await;
                 for (h, renewed) in live.into_iter().zip(renewed) {
                     match renewed {
                         Ok(_) => {

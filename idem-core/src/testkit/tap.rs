@@ -190,6 +190,10 @@ async fn hold(slot: &Held) {
 
 #[async_trait]
 impl<S: IdempotencyStore> IdempotencyStore for Tap<S> {
+    fn backend_name(&self) -> &'static str {
+        self.inner.backend_name()
+    }
+
     async fn acquire(
         &self,
         key: &IdempotencyKey,
