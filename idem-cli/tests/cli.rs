@@ -844,3 +844,90 @@ async fn usage_errors_exit_2_and_say_so() {
     let out = expect(0, args(&["--help"])).await;
     assert!(stdout(&out).contains("inspect"));
 }
+
+// ---------------------------------------------------------------------------
+// Review of issue 15: `idem delete` without --force.
+
+/// The backends (by pid) waiting on a lock right now.
+async fn lock_waiters(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE cardinality(pg_blocking_pids(pid)) > 0",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+async fn until_waiters(pool: &sqlx::PgPool, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while lock_waiters(pool).await < n {
+        assert!(Instant::now() < deadline, "never {n} lock waiters");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `idem delete` without `--force` is meant to refuse a key whose lease is
+/// live ("its handler may still be running, and a delete lets a duplicate
+/// run it again"). But it checks with one statement (`get_with_time`) and
+/// deletes with another (`DELETE ... WHERE scope AND key`, whatever the
+/// state): a client retry that takes a stuck key over between the two has
+/// its live lease deleted, and the next duplicate runs the handler a
+/// second time while the first still runs.
+///
+/// The window is pinned, not widened by a mock: a transaction holds the
+/// stuck row for a moment (as any concurrent writer may), the takeover
+/// queues on the row first, the CLI's check runs (the lease is over: no
+/// --force needed, as `idem stuck` advises) and its DELETE queues second.
+#[tokio::test(flavor = "multi_thread")]
+async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_check() {
+    let store = pg_store().await;
+    let scope = unique("race");
+    let k = key(&scope, "k");
+    let stuck = acquire(&store, &k, Duration::from_millis(50)).await;
+    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
+    until_past(stuck.expires_at, clock).await;
+
+    let pool = support::pg::pool(support::pg::shared_url(), 2).await;
+    assert_eq!(lock_waiters(&pool).await, 0, "run this test alone");
+    let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
+        .bind(&scope)
+        .execute(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // The client's retry takes the stuck key over (it waits on the row).
+    let takeover = tokio::spawn({
+        let (store, k) = (store.clone(), k.clone());
+        async move {
+            let fp = Fingerprint::of_bytes(k.id().as_bytes());
+            store.acquire(&k, Some(&fp), Duration::from_secs(3_600)).await
+        }
+    });
+    until_waiters(&pool, 1).await;
+    // The operator deletes the stuck key, without --force.
+    let cli = tokio::spawn(idem(with(pg_args(), &["delete", &scope, "k", "--json"])));
+    until_waiters(&pool, 2).await;
+    holder.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let lease = match takeover.await.unwrap_or_else(|e| panic!("{e}")) {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("the takeover: {other:?}"),
+    };
+    assert_eq!(lease.attempt, 2, "a takeover of the stuck key");
+    let out = cli.await.unwrap_or_else(|e| panic!("{e}"));
+    // The new holder's handler now runs, its lease live for an hour. A
+    // duplicate must get "in progress", never the key.
+    let fp = Fingerprint::of_bytes(k.id().as_bytes());
+    let duplicate = store
+        .acquire(&k, Some(&fp), Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(duplicate, Acquisition::InProgress { .. }),
+        "without --force, `idem delete` deleted a live lease (exit {:?}, {}): a duplicate got {duplicate:?}, \
+         so the handler runs twice",
+        out.status.code(),
+        stdout(&out).trim()
+    );
+}
