@@ -2882,3 +2882,32 @@ async fn the_sqlx_migrator_composes_with_the_users_own() {
         other => panic!("replay: {other:?}"),
     }
 }
+
+/// Review of issue 15 (item 4): `connect` says "retryable" when retrying
+/// cannot help. A URL asking for TLS (`sslmode=require`) can never connect
+/// with this build (sqlx without a TLS feature) nor to a server without
+/// TLS, however often it is retried: the same configuration error as an
+/// unknown database. `connect_error` falls through to `map_error_kind`,
+/// which counts `sqlx::Error::Tls` as a connection failure, so it comes
+/// back `Unavailable` (DESIGN §3: `Unavailable` is "connection, timeout:
+/// retryable").
+#[tokio::test]
+async fn review_a_url_that_requires_tls_is_not_retryable() {
+    let (host, port) = shared_target();
+    let options: sqlx::postgres::PgConnectOptions = pg::shared_url()
+        .parse()
+        .unwrap_or_else(|e| panic!("IDEM_POSTGRES_URL does not parse: {e}"));
+    let url = format!(
+        "postgres://{}:s3cret-password@{host}:{port}/postgres?sslmode=require",
+        options.get_username()
+    );
+    for _ in 0..3 {
+        let (e, took) = connect_failure(&url).await;
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+        assert!(!e.to_string().contains("s3cret"), "{e}");
+        assert!(
+            !e.is_retryable(),
+            "the same failure on every retry, yet called retryable: {e:?}"
+        );
+    }
+}

@@ -931,3 +931,32 @@ async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_
         stdout(&out).trim()
     );
 }
+
+/// `idem` against a PostgreSQL URL that asks for TLS (`sslmode=require`):
+/// this build has no TLS, so no retry can ever connect, yet the command
+/// exits 3, "store unavailable ... (a retry may help)" (`connect_postgres`
+/// maps every error but `Configuration`/`Database` to `Unavailable`). An
+/// operator script that retries on 3 loops for ever.
+#[tokio::test(flavor = "multi_thread")]
+async fn review_a_url_that_requires_tls_is_not_called_retryable() {
+    let base = support::pg::shared_url();
+    let sep = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{sep}sslmode=require");
+    let out = idem(args(&[
+        "--backend",
+        "postgres",
+        "--postgres-url",
+        &url,
+        "stats",
+        "--json",
+    ]))
+    .await;
+    let doc: Value = serde_json::from_slice(&out.stdout).unwrap_or(Value::Null);
+    assert_ne!(
+        out.status.code(),
+        Some(3),
+        "exit 3 (retry may help) for a permanent configuration error: {doc}\n{}",
+        stderr(&out)
+    );
+    assert_eq!(doc["retry_may_help"], false, "{doc}");
+}
