@@ -848,20 +848,22 @@ async fn usage_errors_exit_2_and_say_so() {
 // ---------------------------------------------------------------------------
 // Review of issue 15: `idem delete` without --force.
 
-/// The backends (by pid) waiting on a lock right now.
-async fn lock_waiters(pool: &sqlx::PgPool) -> i64 {
-    sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE cardinality(pg_blocking_pids(pid)) > 0",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap_or_else(|e| panic!("{e}"))
-}
-
-async fn until_waiters(pool: &sqlx::PgPool, n: i64) {
+/// The backend waiting on a lock that backend `blocker` holds (or is
+/// queued ahead for), once there is one.
+async fn waiter_on(pool: &sqlx::PgPool, blocker: i32) -> i32 {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while lock_waiters(pool).await < n {
-        assert!(Instant::now() < deadline, "never {n} lock waiters");
+    loop {
+        let waiter: Option<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) LIMIT 1",
+        )
+        .bind(blocker)
+        .fetch_optional(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if let Some(pid) = waiter {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "nobody waits on backend {blocker}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -888,8 +890,11 @@ async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_
     until_past(stuck.expires_at, clock).await;
 
     let pool = support::pg::pool(support::pg::shared_url(), 2).await;
-    assert_eq!(lock_waiters(&pool).await, 0, "run this test alone");
     let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
         .bind(&scope)
         .execute(&mut *holder)
@@ -904,10 +909,11 @@ async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_
             store.acquire(&k, Some(&fp), Duration::from_secs(3_600)).await
         }
     });
-    until_waiters(&pool, 1).await;
+    let takeover_pid = waiter_on(&pool, holder_pid).await;
     // The operator deletes the stuck key, without --force.
     let cli = tokio::spawn(idem(with(pg_args(), &["delete", &scope, "k", "--json"])));
-    until_waiters(&pool, 2).await;
+    // Its DELETE queues behind the takeover.
+    waiter_on(&pool, takeover_pid).await;
     holder.rollback().await.unwrap_or_else(|e| panic!("{e}"));
 
     let lease = match takeover.await.unwrap_or_else(|e| panic!("{e}")) {
