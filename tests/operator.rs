@@ -233,3 +233,83 @@ async fn redis_cluster_scans_reach_every_primary() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(record.is_some_and(|r| r.expires_at > now));
 }
+
+/// The checked-then-deleted record is the one deleted: a takeover between
+/// the check and the delete gives the record another token, and
+/// `delete_if_token` with the old token leaves the new holder alone.
+async fn delete_if_token_spares_a_takeover<S, D, Fut, C, CFut>(store: &S, delete_if: D, clock: C)
+where
+    S: IdempotencyStore,
+    D: Fn(IdempotencyKey, idem::LeaseToken) -> Fut,
+    Fut: std::future::Future<Output = Result<bool, idem::StoreError>>,
+    C: Fn() -> CFut,
+    CFut: std::future::Future<Output = SystemTime>,
+{
+    let k = key(&format!("del{:08x}", fastrand::u32(..)), "k");
+    let stuck = acquire(store, &k, Duration::from_millis(50)).await;
+    until_past(stuck.expires_at, &clock).await;
+    let taken = acquire(store, &k, Duration::from_secs(3_600)).await;
+    assert_eq!(taken.attempt, 2);
+    let deleted = delete_if(k.clone(), stuck.token)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(!deleted, "the old token deleted the new holder's record");
+    match store.acquire(&k, None, Duration::from_secs(60)).await {
+        Ok(Acquisition::InProgress { attempt, .. }) => assert_eq!(attempt, 2),
+        other => panic!("a duplicate must see the takeover in progress: {other:?}"),
+    }
+    assert!(delete_if(k.clone(), taken.token)
+        .await
+        .unwrap_or_else(|e| panic!("{e}")));
+    assert!(store
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_none());
+    // Sent again (a resend after a lost reply): nothing there, nothing done.
+    assert!(!delete_if(k.clone(), taken.token)
+        .await
+        .unwrap_or_else(|e| panic!("{e}")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn postgres_delete_if_token_spares_a_takeover() {
+    let pool = support::pg::pool(support::pg::shared_url(), 4).await;
+    let store = PgStore::new(pool);
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    delete_if_token_spares_a_takeover(
+        &store,
+        |k, t| {
+            let store = store.clone();
+            async move { store.delete_if_token(&k, &t).await }
+        },
+        || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn redis_delete_if_token_spares_a_takeover() {
+    let store = RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let clock_store = store.clone();
+    delete_if_token_spares_a_takeover(
+        &store,
+        |k, t| {
+            let store = store.clone();
+            async move { store.delete_if_token(&k, &t).await }
+        },
+        move || {
+            let store = clock_store.clone();
+            async move {
+                store
+                    .get_with_time(&key("clock", "x"))
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"))
+                    .1
+            }
+        },
+    )
+    .await;
+}

@@ -72,29 +72,21 @@ async fn connect_postgres(args: &StoreArgs, timeout: Duration) -> Result<PgStore
             "this backend needs --postgres-url (or IDEM_POSTGRES_URL)".into(),
         ));
     };
-    let options: sqlx::postgres::PgConnectOptions = url
-        .parse()
-        .map_err(|e| Failure::Usage(format!("invalid --postgres-url: {e}")))?;
-    // One connection first: a refused or unknown server fails at once,
-    // rather than after the pool's acquire timeout.
-    let probe = tokio::time::timeout(
-        timeout,
-        <sqlx::PgConnection as sqlx::Connection>::connect_with(&options),
-    )
-    .await
-    .map_err(|_| Failure::Unavailable(format!("PostgreSQL did not answer within {timeout:?}")))?;
-    let probe: sqlx::PgConnection = probe.map_err(|e| match e {
-        sqlx::Error::Configuration(e) => Failure::Usage(format!("invalid --postgres-url: {e}")),
-        sqlx::Error::Database(e) => Failure::Other(format!(
-            "PostgreSQL refused the connection: {e} (a retry will not help as is)"
-        )),
-        other => Failure::Unavailable(format!("cannot connect to PostgreSQL: {other}")),
-    })?;
-    let _ = sqlx::Connection::close(probe).await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
+    // idem_postgres::connect fails at once with the cause (refused,
+    // authentication, unknown database, TLS), retryable or not, rather than
+    // after the pool's acquire timeout.
+    let options = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
-        .acquire_timeout(timeout)
-        .connect_lazy_with(options);
+        .acquire_timeout(timeout);
+    let pool = idem_postgres::connect_with(options, url)
+        .await
+        .map_err(|e| match e {
+            StoreError::InvalidArgument { detail } => {
+                Failure::Usage(format!("invalid --postgres-url: {detail}"))
+            }
+            StoreError::Unavailable(e) => Failure::Unavailable(e.to_string()),
+            other => Failure::Other(format!("{other} (a retry will not help as is)")),
+        })?;
     PgStore::builder(pool)
         .schema(args.schema.clone())
         .table(args.table.clone())
@@ -321,7 +313,12 @@ impl Stores {
         force: bool,
         json: bool,
     ) -> Result<String, Failure> {
-        let was = match self.record(key).await {
+        // What to delete: the record that was checked, by its lease token,
+        // so that a takeover between the check and the delete (the lease
+        // was over, a duplicate took the key and runs its handler) is left
+        // alone; everything only with --force, or for a record that does
+        // not decode (no token to compare; nothing can acquire it either).
+        let (was, token) = match self.record(key).await {
             Ok((Some(record), now)) => {
                 if let RecordState::InProgress { lease_expires_at } = record.state {
                     let left = millis_between(now, lease_expires_at);
@@ -337,34 +334,77 @@ impl Stores {
                         )));
                     }
                 }
-                Some(state_name(&record, now))
+                let token = (!force).then_some(record.token);
+                (Some(state_name(&record, now)), token)
             }
-            Ok((None, _)) => None,
+            Ok((None, _)) => (None, None),
             // A corrupt record is what a delete is for.
-            Err(StoreError::Corrupt { .. }) => Some("corrupt"),
+            Err(StoreError::Corrupt { .. }) => (Some("corrupt"), None),
             Err(e) => return Err(e.into()),
         };
+        let changed = || {
+            Failure::Other(format!(
+                "{} changed after it was checked (a worker took it over, or it was deleted and \
+                 acquired again): nothing deleted. Run the command again to check it anew",
+                escape(&key.to_string())
+            ))
+        };
         let (deleted, tiers) = match &self.kind {
-            Kind::Postgres(s) => (s.delete(key).await?, vec!["postgres"]),
-            Kind::Redis(s) => (s.delete(key).await?, vec!["redis"]),
-            Kind::Cluster(s) => (s.delete(key).await?, vec!["redis-cluster"]),
+            Kind::Postgres(s) => {
+                let deleted = match (&was, &token) {
+                    (None, _) => false,
+                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
+                    (Some(_), None) => s.delete(key).await?,
+                };
+                (deleted, vec!["postgres"])
+            }
+            Kind::Redis(s) => {
+                let deleted = match (&was, &token) {
+                    (None, _) => false,
+                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
+                    (Some(_), None) => s.delete(key).await?,
+                };
+                (deleted, vec!["redis"])
+            }
+            Kind::Cluster(s) => {
+                let deleted = match (&was, &token) {
+                    (None, _) => false,
+                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
+                    (Some(_), None) => s.delete(key).await?,
+                };
+                (deleted, vec!["redis-cluster"])
+            }
             Kind::Tiered(t) => {
                 let cached = t.cache.entry(key).await?.present;
+                let deleted = match (&was, &token) {
+                    (None, _) => false,
+                    (Some(_), Some(token)) => t.source.delete_if_token(key, token).await?,
+                    (Some(_), None) => t.source.delete(key).await?,
+                };
+                if was.is_some() && !deleted && token.is_some() {
+                    return Err(changed());
+                }
                 let store = t.store(self.timeout);
-                let deleted = store.delete(key).await.map_err(|e| match e {
-                    StoreError::Unavailable(_) => Failure::Unavailable(format!(
+                store
+                    .invalidate_after_delete(key)
+                    .await
+                    .map_err(|e| match e {
+                        StoreError::Unavailable(_) => Failure::Unavailable(format!(
                         "{e}; the source's record is deleted, but a tier may still replay the key: \
                          run the delete again"
                     )),
-                    other => other.into(),
-                })?;
+                        other => other.into(),
+                    })?;
                 (
-                    deleted || cached || was.is_some(),
+                    deleted || cached,
                     vec!["postgres", "redis cache", "invalidation channel"],
                 )
             }
         };
-        let deleted = deleted || was.is_some();
+        if was.is_some() && !deleted && token.is_some() {
+            return Err(changed());
+        }
+        let deleted = deleted || (was.is_some() && token.is_none());
         if !deleted {
             return Err(Failure::NotFound(format!(
                 "{} has no record; nothing deleted",

@@ -863,7 +863,10 @@ async fn waiter_on(pool: &sqlx::PgPool, blocker: i32) -> i32 {
         if let Some(pid) = waiter {
             return pid;
         }
-        assert!(Instant::now() < deadline, "nobody waits on backend {blocker}");
+        assert!(
+            Instant::now() < deadline,
+            "nobody waits on backend {blocker}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
@@ -906,7 +909,9 @@ async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_
         let (store, k) = (store.clone(), k.clone());
         async move {
             let fp = Fingerprint::of_bytes(k.id().as_bytes());
-            store.acquire(&k, Some(&fp), Duration::from_secs(3_600)).await
+            store
+                .acquire(&k, Some(&fp), Duration::from_secs(3_600))
+                .await
         }
     });
     let takeover_pid = waiter_on(&pool, holder_pid).await;

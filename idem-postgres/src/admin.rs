@@ -6,7 +6,7 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use idem_core::{IdempotencyKey, Record, StoreError};
+use idem_core::{IdempotencyKey, LeaseToken, Record, StoreError};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::{column, decode_record, PgStore};
@@ -90,6 +90,38 @@ impl PgStore {
                 .fetch_one(&mut *conn)
                 .await?;
                 Ok(us_to_time(us))
+            })
+        })
+        .await
+    }
+
+    /// Deletes the row of `key` only if it is still held by the
+    /// acquisition with lease token `token`, in one statement: for tools
+    /// that check a record, then delete it. A takeover in between (the
+    /// lease was over, a duplicate took the key) gives the row another
+    /// token, and it is left alone: `Ok(false)`, as for a row that is gone.
+    pub async fn delete_if_token(
+        &self,
+        key: &IdempotencyKey,
+        token: &LeaseToken,
+    ) -> Result<bool, StoreError> {
+        let statement = format!(
+            "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND token = $3",
+            table = self.qualified_table()
+        );
+        let statement = statement.as_str();
+        let token = token.to_bytes();
+        // `call` may resend it once after a connection-level failure:
+        // harmless, a resend finds no row or a later acquisition's token.
+        self.call(|conn, _| {
+            Box::pin(async move {
+                let done = sqlx::query(AssertSqlSafe(statement))
+                    .bind(key.scope())
+                    .bind(key.id())
+                    .bind(&token[..])
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(done.rows_affected() > 0)
             })
         })
         .await

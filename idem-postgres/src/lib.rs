@@ -1792,7 +1792,7 @@ impl Drop for Lent<'_> {
 /// | cause | error | retryable |
 /// |---|---|---|
 /// | connection refused, host unreachable, no answer within the pool's acquire timeout | [`StoreError::Unavailable`] | yes |
-/// | authentication failed, unknown role, unknown database | [`StoreError::Backend`] | no |
+/// | authentication failed, unknown role, unknown database, TLS refused or not built in | [`StoreError::Backend`] | no |
 /// | a URL that does not parse | [`StoreError::InvalidArgument`] | no |
 ///
 /// The message names the host, port, user and database, never the
@@ -1894,6 +1894,10 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
                 || matches!(code.as_str(), "57P01" | "57P02" | "57P03" | "53300");
             (format!("{what}: {}", db.message()), retryable)
         }
+        // A TLS failure at connect time is a setting that does not match
+        // (sslmode=require on a build or a server without TLS, a
+        // certificate refused): every retry fails alike.
+        sqlx::Error::Tls(e) => (format!("TLS: {e}"), false),
         other => (other.to_string(), map_error_kind(other)),
     };
     let error = Box::new(ConnectError {

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use futures_util::future::join_all;
-use idem_core::{IdempotencyKey, Record, RecordState, StoreError};
+use idem_core::{IdempotencyKey, LeaseToken, Record, RecordState, StoreError};
 use redis::aio::ConnectionLike;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
@@ -430,6 +430,30 @@ impl<C> RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
+    /// Deletes the record of `key` only if it is still held by the
+    /// acquisition with lease token `token` (one script,
+    /// `scripts/delete_if_token.lua`): for tools that check a record, then
+    /// delete it. A takeover in between (the lease was over, a duplicate
+    /// took the key) gives the record another token, and it is left alone:
+    /// `Ok(false)`, as for a record that is gone. Unlike
+    /// [`delete`](idem_core::IdempotencyStore::delete), it leaves no
+    /// marker: a resend finds no record or another token.
+    pub async fn delete_if_token(
+        &self,
+        key: &IdempotencyKey,
+        token: &LeaseToken,
+    ) -> Result<bool, StoreError> {
+        static SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+            redis::Script::new(include_str!("../scripts/delete_if_token.lua"))
+        });
+        let redis_key = self.redis_key(key);
+        let mut conn = self.conn.clone();
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation.key(&redis_key).arg(&token.to_bytes()[..]);
+        let removed: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
+        Ok(removed > 0)
+    }
+
     /// The record of `key` (as [`get`](idem_core::IdempotencyStore::get)
     /// reads it) with the server's clock at that moment (`GET` then
     /// `TIME` in one pipeline, routed by the key: on a cluster, the clock

@@ -930,6 +930,22 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
     /// the key may still replay from that tier.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let deleted = self.source.delete(key).await?;
+        self.invalidate_after_delete(key).await.map(|()| deleted)
+    }
+
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.source.purge_expired(max).await
+    }
+}
+
+impl<S: IdempotencyStore> TieredStore<S> {
+    /// What [`delete`](IdempotencyStore::delete) does after deleting in
+    /// the source of truth, for a record deleted there by other means (an
+    /// operator tool's conditional delete): tombstones `key` in every tier
+    /// of this instance and, through the invalidation channel, in every
+    /// other instance's in-process tiers, so no cache replays it. An error
+    /// says a tier may still replay the key.
+    pub async fn invalidate_after_delete(&self, key: &IdempotencyKey) -> Result<(), StoreError> {
         // Whatever the delete removed (the record read by a racing fill, or
         // one completed while the delete ran) has a lower fence than any
         // record acquired after it: read what the source holds now. With a
@@ -942,12 +958,6 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
             Ok(None) | Err(StoreError::Corrupt { .. }) => u64::MAX,
             Err(e) => return Err(e),
         };
-        self.tombstone_everywhere(key, fence)
-            .await
-            .map(|()| deleted)
-    }
-
-    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
-        self.source.purge_expired(max).await
+        self.tombstone_everywhere(key, fence).await
     }
 }
