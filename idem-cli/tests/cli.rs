@@ -971,3 +971,167 @@ async fn review_a_url_that_requires_tls_is_not_called_retryable() {
     );
     assert_eq!(doc["retry_may_help"], false, "{doc}");
 }
+
+// ---------------------------------------------------------------------------
+// Review 2: `idem delete` compares lease tokens, and an extend keeps its token.
+
+/// `idem delete` without `--force` refuses a live lease ("its handler may
+/// still be running"), and since the fix it deletes only the record it
+/// checked, by its lease token. But the token names the acquisition, not
+/// the lease's state: a holder whose lease ran out (a late heartbeat) may
+/// still extend it (DESIGN §2: a passed deadline only allows a takeover),
+/// and that keeps its token. An extend that lands between the CLI's check
+/// (lease over: no --force needed) and its `delete_if_token` makes the
+/// lease live again, and the CLI deletes it: the next duplicate acquires
+/// the key while the first handler still runs.
+///
+/// Pinned as the takeover test above: a transaction holds the row, the
+/// holder's extend queues on it first, the CLI's DELETE second.
+#[tokio::test(flavor = "multi_thread")]
+async fn review2_postgres_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
+    let store = pg_store().await;
+    let scope = unique("race2");
+    let k = key(&scope, "k");
+    let stuck = acquire(&store, &k, Duration::from_millis(50)).await;
+    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
+    until_past(stuck.expires_at, clock).await;
+
+    let pool = support::pg::pool(support::pg::shared_url(), 2).await;
+    let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
+        .bind(&scope)
+        .execute(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    // The running handler's heartbeat, late, renews its lease (it waits on the row).
+    let heartbeat = tokio::spawn({
+        let (store, stuck) = (store.clone(), stuck.clone());
+        async move { store.extend(&stuck, Duration::from_secs(3_600)).await }
+    });
+    let extend_pid = waiter_on(&pool, holder_pid).await;
+    // The operator deletes the stuck key, without --force.
+    let cli = tokio::spawn(idem(with(pg_args(), &["delete", &scope, "k", "--json"])));
+    waiter_on(&pool, extend_pid).await;
+    holder.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+
+    let renewed = heartbeat
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("the holder's extend: {e}"));
+    assert_eq!(renewed.token, stuck.token);
+    let out = cli.await.unwrap_or_else(|e| panic!("{e}"));
+    let fp = Fingerprint::of_bytes(k.id().as_bytes());
+    let duplicate = store
+        .acquire(&k, Some(&fp), Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(duplicate, Acquisition::InProgress { .. }),
+        "without --force, `idem delete` deleted a lease its holder had just renewed for an hour \
+         (exit {:?}, {}): a duplicate got {duplicate:?}, so the handler runs twice",
+        out.status.code(),
+        stdout(&out).trim()
+    );
+}
+
+/// Clients of the Redis server at `url` held by `CLIENT PAUSE` (flag `b`)
+/// whose command is `cmd`, once there are `n` of them.
+async fn paused_clients(conn: &mut redis::aio::MultiplexedConnection, cmd: &str, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let list: String = redis::cmd("CLIENT")
+            .arg("LIST")
+            .query_async(conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let held = list
+            .lines()
+            .filter(|l| {
+                l.split(' ')
+                    .any(|f| f.starts_with("flags=") && f.contains('b'))
+                    && l.split(' ').any(|f| f == format!("cmd={cmd}"))
+            })
+            .count();
+        if held >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{held} paused {cmd} clients, not {n}:\n{list}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The same on Redis: the window between the CLI's check (`GET` + `TIME`)
+/// and its `delete_if_token` script is pinned with `CLIENT PAUSE WRITE`
+/// (reads go on, scripts are held and then run in arrival order): the
+/// holder's extend arrives first, the CLI's delete second.
+#[tokio::test(flavor = "multi_thread")]
+async fn review2_redis_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
+    let prefix = format!("{}:", unique("race2"));
+    let store = redis_store(&prefix).await;
+    let k = key("orders", "k");
+    let first = acquire(&store, &k, Duration::from_secs(60)).await;
+    // Both scripts known to the server, so neither is reloaded after the pause.
+    let stuck = store
+        .extend(&first, Duration::from_millis(50))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut admin = redis_conn().await;
+    let _: String = redis::cmd("SCRIPT")
+        .arg("LOAD")
+        .arg(include_str!("../../idem-redis/scripts/delete_if_token.lua"))
+        .query_async(&mut admin)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
+    until_past(stuck.expires_at, clock).await;
+
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(10_000)
+        .arg("WRITE")
+        .query_async(&mut admin)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let heartbeat = tokio::spawn({
+        let (store, stuck) = (store.clone(), stuck.clone());
+        async move { store.extend(&stuck, Duration::from_secs(3_600)).await }
+    });
+    paused_clients(&mut admin, "evalsha", 1).await;
+    let cli = tokio::spawn(idem(with(
+        redis_args(&prefix),
+        &["delete", "orders", "k", "--json"],
+    )));
+    paused_clients(&mut admin, "evalsha", 2).await;
+    let _: () = redis::cmd("CLIENT")
+        .arg("UNPAUSE")
+        .query_async(&mut admin)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let renewed = heartbeat
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("the holder's extend: {e}"));
+    assert_eq!(renewed.token, stuck.token);
+    let out = cli.await.unwrap_or_else(|e| panic!("{e}"));
+    let fp = Fingerprint::of_bytes(k.id().as_bytes());
+    let duplicate = store
+        .acquire(&k, Some(&fp), Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(duplicate, Acquisition::InProgress { .. }),
+        "without --force, `idem delete` deleted a lease its holder had just renewed for an hour \
+         (exit {:?}, {}): a duplicate got {duplicate:?}, so the handler runs twice",
+        out.status.code(),
+        stdout(&out).trim()
+    );
+}
