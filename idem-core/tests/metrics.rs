@@ -236,3 +236,103 @@ fn describe_metrics_describes_every_metric_with_a_unit() {
         Some(metrics::Unit::Seconds)
     );
 }
+
+/// Review 2: the histogram is "the latency of each store call idem
+/// makes", but `timed` records only when the call's future finishes. The
+/// heartbeat's extend is cut off when the handler ends (its task is
+/// aborted): a renewal the store applied, whose reply was slow, leaves no
+/// sample, with no `outcome` at all. The calls lost are exactly the slow
+/// ones, so the p99 the README's query shows is biased low, and a store
+/// that stalls on every renewal shows no extend latency at all.
+///
+/// The store here is a MemoryStore (it does the work) whose extend reply
+/// arrives 2 s after the renewal was applied, as over a slow link.
+#[test]
+fn review2_a_heartbeat_extend_cut_off_by_the_handlers_end_still_leaves_a_sample() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    struct SlowRenewals {
+        inner: MemoryStore,
+        applied: AtomicUsize,
+    }
+    #[idem_core::async_trait]
+    impl IdempotencyStore for SlowRenewals {
+        fn backend_name(&self) -> &'static str {
+            self.inner.backend_name()
+        }
+        async fn acquire(
+            &self,
+            key: &IdempotencyKey,
+            fingerprint: Option<&idem_core::Fingerprint>,
+            lease: Duration,
+        ) -> Result<idem_core::Acquisition, idem_core::StoreError> {
+            self.inner.acquire(key, fingerprint, lease).await
+        }
+        async fn complete(
+            &self,
+            lease: &idem_core::Lease,
+            response: &[u8],
+            retention: Duration,
+        ) -> Result<(), idem_core::StoreError> {
+            self.inner.complete(lease, response, retention).await
+        }
+        async fn release(&self, lease: &idem_core::Lease) -> Result<(), idem_core::StoreError> {
+            self.inner.release(lease).await
+        }
+        async fn extend(
+            &self,
+            lease: &idem_core::Lease,
+            lease_for: Duration,
+        ) -> Result<idem_core::Lease, idem_core::StoreError> {
+            let renewed = self.inner.extend(lease, lease_for).await;
+            self.applied.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            renewed
+        }
+        async fn get(
+            &self,
+            key: &IdempotencyKey,
+        ) -> Result<Option<idem_core::Record>, idem_core::StoreError> {
+            self.inner.get(key).await
+        }
+        async fn delete(&self, key: &IdempotencyKey) -> Result<bool, idem_core::StoreError> {
+            self.inner.delete(key).await
+        }
+        async fn purge_expired(&self, max: usize) -> Result<u64, idem_core::StoreError> {
+            self.inner.purge_expired(max).await
+        }
+    }
+    let store = Arc::new(SlowRenewals {
+        inner: MemoryStore::new(),
+        applied: AtomicUsize::new(0),
+    });
+    let seen = store.clone();
+    let snapshotter = recorded(|| async move {
+        let idem = Idempotency::from_arc(store)
+            .lease(Duration::from_secs(3))
+            .heartbeat_interval(Duration::from_secs(1));
+        // The heartbeat renews at 1 s; the handler ends at 1.5 s, while
+        // the renewal's reply is on its way.
+        let out = idem
+            .process(&key("slow-renewal"), 1u8, |_| async {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                Ok::<_, Declined>(1u8)
+            })
+            .await;
+        assert!(out.is_ok(), "{out:?}");
+        // Long enough for any reply still on its way.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let samples = store_samples(&snapshotter);
+    let applied = seen.applied.load(Ordering::SeqCst);
+    assert_eq!(applied, 1, "the store applied one renewal");
+    let extend_samples: usize = samples
+        .iter()
+        .filter(|((_, op, _), _)| op == "extend")
+        .map(|(_, v)| v.len())
+        .sum();
+    assert_eq!(
+        extend_samples, applied,
+        "the store applied {applied} extend call(s) the executor made, the histogram has \
+         {extend_samples} sample(s): {samples:?}"
+    );
+}
