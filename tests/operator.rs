@@ -236,7 +236,8 @@ async fn redis_cluster_scans_reach_every_primary() {
 
 /// The checked-then-deleted record is the one deleted: a takeover between
 /// the check and the delete gives the record another token, and
-/// `delete_if_token` with the old token leaves the new holder alone.
+/// `delete_if_token` with the old token leaves the new holder alone; a
+/// live lease is left alone whatever the token.
 async fn delete_if_token_spares_a_takeover<S, D, Fut, C, CFut>(store: &S, delete_if: D, clock: C)
 where
     S: IdempotencyStore,
@@ -258,6 +259,16 @@ where
         Ok(Acquisition::InProgress { attempt, .. }) => assert_eq!(attempt, 2),
         other => panic!("a duplicate must see the takeover in progress: {other:?}"),
     }
+    // Its own token does not delete a live lease either (a late extend
+    // after a check makes a lease live again with the same token).
+    assert!(!delete_if(k.clone(), taken.token)
+        .await
+        .unwrap_or_else(|e| panic!("{e}")));
+    // Completed, the record is deleted by the token that completed it.
+    store
+        .complete(&taken, b"done", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(delete_if(k.clone(), taken.token)
         .await
         .unwrap_or_else(|e| panic!("{e}")));

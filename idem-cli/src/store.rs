@@ -344,8 +344,9 @@ impl Stores {
         };
         let changed = || {
             Failure::Other(format!(
-                "{} changed after it was checked (a worker took it over, or it was deleted and \
-                 acquired again): nothing deleted. Run the command again to check it anew",
+                "{} changed after it was checked (a worker took it over, its holder renewed the lease, \
+                 or it was deleted and acquired again): nothing deleted. Run the command again to \
+                 check it anew",
                 escape(&key.to_string())
             ))
         };

@@ -34,7 +34,10 @@ impl ser::Error for NonFinite {
 /// `Ok` when `value` serializes and holds no NaN or infinite float.
 /// A `Serialize` impl that fails is reported with its own message.
 pub(crate) fn check<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
-    value.serialize(Check { exact_ints: false })
+    value.serialize(Check {
+        exact_ints: false,
+        number: false,
+    })
 }
 
 /// Like [`check`], and also refuses an integer (a value or a map key)
@@ -42,7 +45,10 @@ pub(crate) fn check<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
 /// writes numbers as IEEE doubles, so `2^53 + 1` would be written
 /// `9007199254740992`, the form of `2^53` too (see [`written_exactly`]).
 pub(crate) fn check_canonical<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
-    value.serialize(Check { exact_ints: true })
+    value.serialize(Check {
+        exact_ints: true,
+        number: false,
+    })
 }
 
 /// 2^53 − 1: every integer up to it is an exact double (ECMAScript's
@@ -91,7 +97,186 @@ fn integer(check: Check, abs: u128, shown: &dyn fmt::Display) -> Result<(), NonF
 struct Check {
     /// Refuse integers that are not exact doubles.
     exact_ints: bool,
+    /// Inside serde_json's number struct (feature `arbitrary_precision`):
+    /// the field is the number's literal text.
+    number: bool,
 }
+
+/// The name under which serde_json with `arbitrary_precision` serializes a
+/// `Number`: a struct of one field, the number's text as parsed. Features
+/// unify, so any crate of an application can turn it on.
+const ARBITRARY_PRECISION_NUMBER: &str = "$serde_json::private::Number";
+
+/// The check of a number given as its literal text (serde_json's
+/// `arbitrary_precision`). The canonical form writes it as its nearest
+/// double, so, as for typed numbers: an integer must be [`written_exactly`],
+/// and a fraction or exponent form must be exactly the value of its double
+/// (`0.1`, `1.50`, `1e2`, not `0.1000000000000000000001`, whose double is
+/// `0.1`'s). Non-finite (`1e400`) is refused in both checks.
+fn number_text(check: Check, text: &str) -> Result<(), NonFinite> {
+    let refuse = |why: &str| {
+        Err(NonFinite(format!(
+            "the number {text} {why}: RFC 8785 writes numbers as IEEE doubles, and its nearest \
+             double is also another number's; serialize it as a string"
+        )))
+    };
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    if !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()) {
+        return match digits.parse::<u128>() {
+            Ok(abs) => integer(check, abs, &text),
+            Err(_) if check.exact_ints => refuse("has no exact canonical form"),
+            Err(_) => Ok(()),
+        };
+    }
+    let Ok(double) = text.parse::<f64>() else {
+        return Err(NonFinite(format!("{text} is not a JSON number")));
+    };
+    float(double)?;
+    if check.exact_ints && decimal(text) != decimal(&format!("{double:e}")) {
+        return refuse("is not exactly a double's value");
+    }
+    Ok(())
+}
+
+/// A decimal literal as (negative, significant digits, exponent of the
+/// last digit), zero as `(false, "", 0)`: equal for equal values
+/// (`1.50`, `15e-1`); `None` for what does not parse.
+fn decimal(text: &str) -> Option<(bool, String, i64)> {
+    let (negative, rest) = match text.strip_prefix('-') {
+        Some(rest) => (true, rest),
+        None => (false, text),
+    };
+    let (mantissa, exponent) = match rest.find(['e', 'E']) {
+        Some(at) => (&rest[..at], rest[at + 1..].parse::<i64>().ok()?),
+        None => (rest, 0),
+    };
+    let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+    if !(int.bytes().chain(frac.bytes())).all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let all = format!("{int}{frac}");
+    let trimmed = all.trim_start_matches('0');
+    let significant = trimmed.trim_end_matches('0');
+    if significant.is_empty() {
+        return Some((false, String::new(), 0));
+    }
+    let trailing = i64::try_from(trimmed.len() - significant.len()).ok()?;
+    let frac_len = i64::try_from(frac.len()).ok()?;
+    let exponent = exponent.checked_sub(frac_len)?.checked_add(trailing)?;
+    Some((negative, significant.to_owned(), exponent))
+}
+
+/// Takes the text out of serde_json's number struct.
+struct NumberText;
+
+impl ser::Serializer for NumberText {
+    type Ok = String;
+    type Error = NonFinite;
+    type SerializeSeq = ser::Impossible<String, NonFinite>;
+    type SerializeTuple = ser::Impossible<String, NonFinite>;
+    type SerializeTupleStruct = ser::Impossible<String, NonFinite>;
+    type SerializeTupleVariant = ser::Impossible<String, NonFinite>;
+    type SerializeMap = ser::Impossible<String, NonFinite>;
+    type SerializeStruct = ser::Impossible<String, NonFinite>;
+    type SerializeStructVariant = ser::Impossible<String, NonFinite>;
+
+    fn serialize_str(self, v: &str) -> Result<String, NonFinite> {
+        Ok(v.to_owned())
+    }
+
+    not_text!(serialize_bool: bool, serialize_i8: i8, serialize_i16: i16, serialize_i32: i32,
+        serialize_i64: i64, serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
+        serialize_u64: u64, serialize_f32: f32, serialize_f64: f64, serialize_char: char,
+        serialize_bytes: &[u8], serialize_unit_struct: &'static str);
+
+    fn serialize_none(self) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_unit(self) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_unit_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+    ) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_newtype_struct<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: &T,
+    ) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_newtype_variant<T: Serialize + ?Sized>(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: &T,
+    ) -> Result<String, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_tuple_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleStruct, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_tuple_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeTupleVariant, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_map(self, _: Option<usize>) -> Result<Self::SerializeMap, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_struct(
+        self,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStruct, NonFinite> {
+        Err(not_number_text())
+    }
+    fn serialize_struct_variant(
+        self,
+        _: &'static str,
+        _: u32,
+        _: &'static str,
+        _: usize,
+    ) -> Result<Self::SerializeStructVariant, NonFinite> {
+        Err(not_number_text())
+    }
+}
+
+fn not_number_text() -> NonFinite {
+    NonFinite(format!(
+        "{ARBITRARY_PRECISION_NUMBER} holds something other than a number's text"
+    ))
+}
+
+macro_rules! not_text {
+    ($($name:ident: $ty:ty),*) => {
+        $(fn $name(self, _: $ty) -> Result<String, NonFinite> { Err(not_number_text()) })*
+    };
+}
+use not_text;
 
 macro_rules! ok_scalars {
     ($($name:ident: $ty:ty),*) => {
@@ -190,8 +375,11 @@ impl ser::Serializer for Check {
     fn serialize_map(self, _: Option<usize>) -> Result<Check, NonFinite> {
         Ok(self)
     }
-    fn serialize_struct(self, _: &'static str, _: usize) -> Result<Check, NonFinite> {
-        Ok(self)
+    fn serialize_struct(self, name: &'static str, _: usize) -> Result<Check, NonFinite> {
+        Ok(Check {
+            number: name == ARBITRARY_PRECISION_NUMBER,
+            ..self
+        })
     }
     fn serialize_struct_variant(
         self,
@@ -252,6 +440,9 @@ macro_rules! check_fields {
                 _: &'static str,
                 v: &T,
             ) -> Result<(), NonFinite> {
+                if self.number {
+                    return number_text(*self, &v.serialize(NumberText)?);
+                }
                 v.serialize(*self)
             }
             fn end(self) -> Result<(), NonFinite> {

@@ -127,7 +127,7 @@ pub fn describe_metrics() {
     metrics::describe_histogram!(
         STORE_DURATION_SECONDS,
         metrics::Unit::Seconds,
-        "Latency of one store call made by idem, by backend, operation and outcome (ok/error)."
+        "Latency of one store call made by idem, by backend, operation and outcome (ok, error, or cancelled: dropped before it finished)."
     );
     metrics::describe_counter!(
         "idem_tier_hits_total",
@@ -154,7 +154,11 @@ pub fn describe_metrics() {
 /// Runs one store call and records its latency in
 /// [`STORE_DURATION_SECONDS`]. For the stores of the idem crates the key
 /// is a prebuilt static one (no allocation per call, recorder or not);
-/// another backend name builds its labels per call.
+/// another backend name builds its labels per call. A call dropped before
+/// it finished (a heartbeat stopped when its handler ended, a dropped
+/// `process` future) is recorded too, with outcome `cancelled`, for the
+/// time it ran: the slow calls are the ones a timeout or a caller cuts off,
+/// and leaving them out would make the latency read low.
 pub(crate) async fn timed<T, F>(
     backend: &'static str,
     operation: StoreOperation,
@@ -163,36 +167,74 @@ pub(crate) async fn timed<T, F>(
 where
     F: Future<Output = Result<T, StoreError>>,
 {
-    let started = Instant::now();
+    let mut sample = Sample {
+        backend,
+        operation,
+        started: Instant::now(),
+        outcome: Outcome::Cancelled,
+    };
     let result = call.await;
-    let seconds = started.elapsed().as_secs_f64();
-    let ok = result.is_ok();
-    let outcome = if ok { "ok" } else { "error" };
-    let labels = static_labels(backend)
-        .and_then(|table| table.get(operation as usize))
-        .map(|by_outcome| &by_outcome[usize::from(!ok)]);
-    match labels {
-        Some(labels) => {
-            let key = Key::from_static_parts(STORE_DURATION_SECONDS, labels);
-            metrics::with_recorder(|r| r.register_histogram(&key, &METADATA)).record(seconds);
-        }
-        None => metrics::histogram!(
-            STORE_DURATION_SECONDS,
-            "backend" => backend,
-            "operation" => operation.as_str(),
-            "outcome" => outcome
-        )
-        .record(seconds),
-    }
+    sample.outcome = if result.is_ok() {
+        Outcome::Ok
+    } else {
+        Outcome::Error
+    };
     result
+}
+
+#[derive(Clone, Copy)]
+enum Outcome {
+    Ok = 0,
+    Error = 1,
+    Cancelled = 2,
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Error => "error",
+            Outcome::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// One store call's sample, recorded when the call ends or is dropped.
+struct Sample {
+    backend: &'static str,
+    operation: StoreOperation,
+    started: Instant,
+    outcome: Outcome,
+}
+
+impl Drop for Sample {
+    fn drop(&mut self) {
+        let seconds = self.started.elapsed().as_secs_f64();
+        let labels = static_labels(self.backend)
+            .and_then(|table| table.get(self.operation as usize))
+            .map(|by_outcome| &by_outcome[self.outcome as usize]);
+        match labels {
+            Some(labels) => {
+                let key = Key::from_static_parts(STORE_DURATION_SECONDS, labels);
+                metrics::with_recorder(|r| r.register_histogram(&key, &METADATA)).record(seconds);
+            }
+            None => metrics::histogram!(
+                STORE_DURATION_SECONDS,
+                "backend" => self.backend,
+                "operation" => self.operation.as_str(),
+                "outcome" => self.outcome.as_str()
+            )
+            .record(seconds),
+        }
+    }
 }
 
 static METADATA: Metadata<'static> =
     Metadata::new(module_path!(), metrics::Level::INFO, Some(module_path!()));
 
-/// The labels of one backend: `[operation][ok, error]`, in the order of
-/// [`StoreOperation`]'s variants.
-type LabelTable = [[[Label; 3]; 2]; 9];
+/// The labels of one backend: `[operation][ok, error, cancelled]`, in the
+/// order of [`StoreOperation`]'s variants.
+type LabelTable = [[[Label; 3]; 3]; 9];
 
 macro_rules! labels {
     ($backend:literal, $op:literal) => {
@@ -206,6 +248,11 @@ macro_rules! labels {
                 Label::from_static_parts("backend", $backend),
                 Label::from_static_parts("operation", $op),
                 Label::from_static_parts("outcome", "error"),
+            ],
+            [
+                Label::from_static_parts("backend", $backend),
+                Label::from_static_parts("operation", $op),
+                Label::from_static_parts("outcome", "cancelled"),
             ],
         ]
     };
@@ -256,7 +303,7 @@ mod tests {
         for backend in ["memory", "redis", "postgres", "tiered", "custom"] {
             let table = static_labels(backend).unwrap_or_else(|| panic!("{backend}"));
             for op in StoreOperation::ALL {
-                for (i, outcome) in ["ok", "error"].into_iter().enumerate() {
+                for (i, outcome) in ["ok", "error", "cancelled"].into_iter().enumerate() {
                     let labels: Vec<(&str, &str)> = table[op as usize][i]
                         .iter()
                         .map(|l| (l.key(), l.value()))

@@ -96,17 +96,20 @@ impl PgStore {
     }
 
     /// Deletes the row of `key` only if it is still held by the
-    /// acquisition with lease token `token`, in one statement: for tools
-    /// that check a record, then delete it. A takeover in between (the
-    /// lease was over, a duplicate took the key) gives the row another
-    /// token, and it is left alone: `Ok(false)`, as for a row that is gone.
+    /// acquisition with lease token `token` and is not in progress with a
+    /// live lease (by the server's clock), in one statement: for tools that
+    /// check a record, then delete it. A takeover in between (the lease was
+    /// over, a duplicate took the key) gives the row another token, and a
+    /// late heartbeat's extend makes its lease live again: either way it is
+    /// left alone, `Ok(false)`, as for a row that is gone.
     pub async fn delete_if_token(
         &self,
         key: &IdempotencyKey,
         token: &LeaseToken,
     ) -> Result<bool, StoreError> {
         let statement = format!(
-            "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND token = $3",
+            "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND token = $3 \
+             AND NOT (status = 1 AND lease_until > clock_timestamp())",
             table = self.qualified_table()
         );
         let statement = statement.as_str();

@@ -431,11 +431,13 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Deletes the record of `key` only if it is still held by the
-    /// acquisition with lease token `token` (one script,
-    /// `scripts/delete_if_token.lua`): for tools that check a record, then
+    /// acquisition with lease token `token` and is not in progress with a
+    /// live lease (by the server's `TIME`), in one script
+    /// (`scripts/delete_if_token.lua`): for tools that check a record, then
     /// delete it. A takeover in between (the lease was over, a duplicate
-    /// took the key) gives the record another token, and it is left alone:
-    /// `Ok(false)`, as for a record that is gone. Unlike
+    /// took the key) gives the record another token, and a late
+    /// heartbeat's extend makes its lease live again: either way it is left
+    /// alone, `Ok(false)`, as for a record that is gone. Unlike
     /// [`delete`](idem_core::IdempotencyStore::delete), it leaves no
     /// marker: a resend finds no record or another token.
     pub async fn delete_if_token(

@@ -47,3 +47,32 @@ fn review2_two_different_u64_amounts_in_a_value_never_share_a_fingerprint() {
         "two different amounts share one fingerprint: {fa:?}"
     );
 }
+
+#[test]
+fn a_decimal_finer_than_its_double_is_refused_and_equal_values_share_a_key() {
+    let key = |text: &str| IdempotencyKey::from_content("prices", &value(text));
+    // 0.1000000000000000000001 and 0.1 are different numbers with one double.
+    assert!(key(r#"{"p": 0.1000000000000000000001}"#).is_err());
+    assert!(key(r#"{"p": 1e400}"#).is_err(), "beyond a double");
+    assert!(key(r#"{"p": 1e-400}"#).is_err(), "a nonzero number whose double is 0");
+    // One number written several ways is one key, as without the feature.
+    let one = key(r#"{"p": 1.5}"#).unwrap_or_else(|e| panic!("{e}"));
+    for same in [r#"{"p": 1.50}"#, r#"{"p": 15e-1}"#, r#"{"p": 0.15E1}"#] {
+        assert_eq!(key(same).unwrap_or_else(|e| panic!("{same}: {e}")), one, "{same}");
+    }
+    let typed = IdempotencyKey::from_content("prices", &serde_json::json!({"p": 1.5f64}));
+    assert_eq!(typed.unwrap_or_else(|e| panic!("{e}")), one);
+    assert_eq!(
+        key(r#"{"p": 100}"#).unwrap_or_else(|e| panic!("{e}")),
+        key(r#"{"p": 1e2}"#).unwrap_or_else(|e| panic!("{e}"))
+    );
+    assert_eq!(
+        key(r#"{"p": -0.0}"#).unwrap_or_else(|e| panic!("{e}")),
+        key(r#"{"p": 0}"#).unwrap_or_else(|e| panic!("{e}"))
+    );
+    // What JavaScript writes for 2^63 is accepted; u64::MAX is not.
+    assert!(key(r#"{"id": 9223372036854776000}"#).is_ok());
+    assert!(key(r#"{"id": 18446744073709551615}"#).is_err());
+    // Beyond u128 too.
+    assert!(key(r#"{"id": 1000000000000000000000000000000000000000000}"#).is_err());
+}
