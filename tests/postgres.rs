@@ -2892,7 +2892,7 @@ async fn the_sqlx_migrator_composes_with_the_users_own() {
 /// back `Unavailable` (DESIGN §3: `Unavailable` is "connection, timeout:
 /// retryable").
 #[tokio::test]
-async fn review_a_url_that_requires_tls_is_not_retryable() {
+async fn a_url_that_requires_tls_is_not_retryable() {
     let (host, port) = shared_target();
     let options: sqlx::postgres::PgConnectOptions = pg::shared_url()
         .parse()

@@ -350,38 +350,24 @@ impl Stores {
                 escape(&key.to_string())
             ))
         };
+        // Nothing to delete when nothing was checked; the token checked, or
+        // (--force, a corrupt record) whatever is there.
+        macro_rules! checked_delete {
+            ($store:expr) => {
+                match (&was, &token) {
+                    (None, _) => false,
+                    (Some(_), Some(token)) => $store.delete_if_token(key, token).await?,
+                    (Some(_), None) => $store.delete(key).await?,
+                }
+            };
+        }
         let (deleted, tiers) = match &self.kind {
-            Kind::Postgres(s) => {
-                let deleted = match (&was, &token) {
-                    (None, _) => false,
-                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
-                    (Some(_), None) => s.delete(key).await?,
-                };
-                (deleted, vec!["postgres"])
-            }
-            Kind::Redis(s) => {
-                let deleted = match (&was, &token) {
-                    (None, _) => false,
-                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
-                    (Some(_), None) => s.delete(key).await?,
-                };
-                (deleted, vec!["redis"])
-            }
-            Kind::Cluster(s) => {
-                let deleted = match (&was, &token) {
-                    (None, _) => false,
-                    (Some(_), Some(token)) => s.delete_if_token(key, token).await?,
-                    (Some(_), None) => s.delete(key).await?,
-                };
-                (deleted, vec!["redis-cluster"])
-            }
+            Kind::Postgres(s) => (checked_delete!(s), vec!["postgres"]),
+            Kind::Redis(s) => (checked_delete!(s), vec!["redis"]),
+            Kind::Cluster(s) => (checked_delete!(s), vec!["redis-cluster"]),
             Kind::Tiered(t) => {
                 let cached = t.cache.entry(key).await?.present;
-                let deleted = match (&was, &token) {
-                    (None, _) => false,
-                    (Some(_), Some(token)) => t.source.delete_if_token(key, token).await?,
-                    (Some(_), None) => t.source.delete(key).await?,
-                };
+                let deleted = checked_delete!(t.source);
                 if was.is_some() && !deleted && token.is_some() {
                     return Err(changed());
                 }

@@ -848,6 +848,41 @@ async fn usage_errors_exit_2_and_say_so() {
 // ---------------------------------------------------------------------------
 // Review of issue 15: `idem delete` without --force.
 
+/// A key of a fresh scope whose lease is over (by the store's clock), its
+/// row locked by a transaction (`FOR UPDATE`) that the caller rolls back:
+/// whatever writes the row next queues behind it, in order, so a test can
+/// pin the interleaving of two writers without a mock.
+async fn stuck_row_held(
+    store: &PgStore,
+    tag: &str,
+) -> (
+    String,
+    IdempotencyKey,
+    Lease,
+    sqlx::PgPool,
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    i32,
+) {
+    let scope = unique(tag);
+    let k = key(&scope, "k");
+    let stuck = acquire(store, &k, Duration::from_millis(50)).await;
+    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
+    until_past(stuck.expires_at, clock).await;
+
+    let pool = support::pg::pool(support::pg::shared_url(), 2).await;
+    let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
+        .bind(&scope)
+        .execute(&mut *holder)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (scope, k, stuck, pool, holder, holder_pid)
+}
+
 /// The backend waiting on a lock that backend `blocker` holds (or is
 /// queued ahead for), once there is one.
 async fn waiter_on(pool: &sqlx::PgPool, blocker: i32) -> i32 {
@@ -884,25 +919,9 @@ async fn waiter_on(pool: &sqlx::PgPool, blocker: i32) -> i32 {
 /// queues on the row first, the CLI's check runs (the lease is over: no
 /// --force needed, as `idem stuck` advises) and its DELETE queues second.
 #[tokio::test(flavor = "multi_thread")]
-async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_check() {
+async fn delete_without_force_never_deletes_a_lease_taken_over_after_its_check() {
     let store = pg_store().await;
-    let scope = unique("race");
-    let k = key(&scope, "k");
-    let stuck = acquire(&store, &k, Duration::from_millis(50)).await;
-    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
-    until_past(stuck.expires_at, clock).await;
-
-    let pool = support::pg::pool(support::pg::shared_url(), 2).await;
-    let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *holder)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
-        .bind(&scope)
-        .execute(&mut *holder)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (scope, k, _stuck, pool, holder, holder_pid) = stuck_row_held(&store, "race").await;
 
     // The client's retry takes the stuck key over (it waits on the row).
     let takeover = tokio::spawn({
@@ -949,7 +968,7 @@ async fn review_delete_without_force_never_deletes_a_lease_taken_over_after_its_
 /// maps every error but `Configuration`/`Database` to `Unavailable`). An
 /// operator script that retries on 3 loops for ever.
 #[tokio::test(flavor = "multi_thread")]
-async fn review_a_url_that_requires_tls_is_not_called_retryable() {
+async fn a_url_that_requires_tls_is_not_called_retryable() {
     let base = support::pg::shared_url();
     let sep = if base.contains('?') { '&' } else { '?' };
     let url = format!("{base}{sep}sslmode=require");
@@ -988,25 +1007,9 @@ async fn review_a_url_that_requires_tls_is_not_called_retryable() {
 /// Pinned as the takeover test above: a transaction holds the row, the
 /// holder's extend queues on it first, the CLI's DELETE second.
 #[tokio::test(flavor = "multi_thread")]
-async fn review2_postgres_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
+async fn postgres_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
     let store = pg_store().await;
-    let scope = unique("race2");
-    let k = key(&scope, "k");
-    let stuck = acquire(&store, &k, Duration::from_millis(50)).await;
-    let clock = || async { store.server_time().await.unwrap_or_else(|e| panic!("{e}")) };
-    until_past(stuck.expires_at, clock).await;
-
-    let pool = support::pg::pool(support::pg::shared_url(), 2).await;
-    let mut holder = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
-    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
-        .fetch_one(&mut *holder)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    sqlx::query("SELECT 1 FROM idem_records WHERE scope = $1 AND key = 'k' FOR UPDATE")
-        .bind(&scope)
-        .execute(&mut *holder)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (scope, k, stuck, pool, holder, holder_pid) = stuck_row_held(&store, "race2").await;
 
     // The running handler's heartbeat, late, renews its lease (it waits on the row).
     let heartbeat = tokio::spawn({
@@ -1073,7 +1076,7 @@ async fn paused_clients(conn: &mut redis::aio::MultiplexedConnection, cmd: &str,
 /// (reads go on, scripts are held and then run in arrival order): the
 /// holder's extend arrives first, the CLI's delete second.
 #[tokio::test(flavor = "multi_thread")]
-async fn review2_redis_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
+async fn redis_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
     let prefix = format!("{}:", unique("race2"));
     let store = redis_store(&prefix).await;
     let k = key("orders", "k");

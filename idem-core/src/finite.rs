@@ -166,118 +166,6 @@ fn decimal(text: &str) -> Option<(bool, String, i64)> {
     Some((negative, significant.to_owned(), exponent))
 }
 
-/// Takes the text out of serde_json's number struct.
-struct NumberText;
-
-impl ser::Serializer for NumberText {
-    type Ok = String;
-    type Error = NonFinite;
-    type SerializeSeq = ser::Impossible<String, NonFinite>;
-    type SerializeTuple = ser::Impossible<String, NonFinite>;
-    type SerializeTupleStruct = ser::Impossible<String, NonFinite>;
-    type SerializeTupleVariant = ser::Impossible<String, NonFinite>;
-    type SerializeMap = ser::Impossible<String, NonFinite>;
-    type SerializeStruct = ser::Impossible<String, NonFinite>;
-    type SerializeStructVariant = ser::Impossible<String, NonFinite>;
-
-    fn serialize_str(self, v: &str) -> Result<String, NonFinite> {
-        Ok(v.to_owned())
-    }
-
-    not_text!(serialize_bool: bool, serialize_i8: i8, serialize_i16: i16, serialize_i32: i32,
-        serialize_i64: i64, serialize_u8: u8, serialize_u16: u16, serialize_u32: u32,
-        serialize_u64: u64, serialize_f32: f32, serialize_f64: f64, serialize_char: char,
-        serialize_bytes: &[u8], serialize_unit_struct: &'static str);
-
-    fn serialize_none(self) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_unit(self) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_unit_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-    ) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_newtype_struct<T: Serialize + ?Sized>(
-        self,
-        _: &'static str,
-        _: &T,
-    ) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_newtype_variant<T: Serialize + ?Sized>(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-        _: &T,
-    ) -> Result<String, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_seq(self, _: Option<usize>) -> Result<Self::SerializeSeq, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_tuple(self, _: usize) -> Result<Self::SerializeTuple, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_tuple_struct(
-        self,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self::SerializeTupleStruct, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_tuple_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self::SerializeTupleVariant, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_map(self, _: Option<usize>) -> Result<Self::SerializeMap, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_struct(
-        self,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self::SerializeStruct, NonFinite> {
-        Err(not_number_text())
-    }
-    fn serialize_struct_variant(
-        self,
-        _: &'static str,
-        _: u32,
-        _: &'static str,
-        _: usize,
-    ) -> Result<Self::SerializeStructVariant, NonFinite> {
-        Err(not_number_text())
-    }
-}
-
-fn not_number_text() -> NonFinite {
-    NonFinite(format!(
-        "{ARBITRARY_PRECISION_NUMBER} holds something other than a number's text"
-    ))
-}
-
-macro_rules! not_text {
-    ($($name:ident: $ty:ty),*) => {
-        $(fn $name(self, _: $ty) -> Result<String, NonFinite> { Err(not_number_text()) })*
-    };
-}
-use not_text;
-
 macro_rules! ok_scalars {
     ($($name:ident: $ty:ty),*) => {
         $(fn $name(self, _: $ty) -> Result<(), NonFinite> { Ok(()) })*
@@ -441,7 +329,13 @@ macro_rules! check_fields {
                 v: &T,
             ) -> Result<(), NonFinite> {
                 if self.number {
-                    return number_text(*self, &v.serialize(NumberText)?);
+                    // The field is the number's text (a `&str`).
+                    return match serde_json::to_value(v) {
+                        Ok(serde_json::Value::String(text)) => number_text(*self, &text),
+                        _ => Err(NonFinite(format!(
+                            "{ARBITRARY_PRECISION_NUMBER} holds something other than a number's text"
+                        ))),
+                    };
                 }
                 v.serialize(*self)
             }

@@ -248,7 +248,7 @@ fn describe_metrics_describes_every_metric_with_a_unit() {
 /// The store here is a MemoryStore (it does the work) whose extend reply
 /// arrives 2 s after the renewal was applied, as over a slow link.
 #[test]
-fn review2_a_heartbeat_extend_cut_off_by_the_handlers_end_still_leaves_a_sample() {
+fn a_heartbeat_extend_cut_off_by_the_handlers_end_still_leaves_a_sample() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     struct SlowRenewals {
         inner: MemoryStore,

@@ -1890,9 +1890,7 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
                 "3D000" => "the database does not exist",
                 _ => "the server refused the connection",
             };
-            let retryable = code.starts_with("08")
-                || matches!(code.as_str(), "57P01" | "57P02" | "57P03" | "53300");
-            (format!("{what}: {}", db.message()), retryable)
+            (format!("{what}: {}", db.message()), retryable_code(&code))
         }
         // A TLS failure at connect time is a setting that does not match
         // (sslmode=require on a build or a server without TLS, a
@@ -1926,30 +1924,25 @@ fn map_error_kind(e: &sqlx::Error) -> bool {
     )
 }
 
+/// Whether a server error of this SQLSTATE is resolved by trying again:
+/// 08 connection exceptions; 57P01-03 server shutting down or starting;
+/// 57P05 idle session timeout; 57014 statement timeout or cancelled; 55P03
+/// lock timeout; 53300 too many connections; 40001/40P01 a serialization
+/// failure or deadlock.
+fn retryable_code(code: &str) -> bool {
+    code.starts_with("08")
+        || matches!(
+            code,
+            "57P01" | "57P02" | "57P03" | "57P05" | "57014" | "55P03" | "53300" | "40001" | "40P01"
+        )
+}
+
 fn map_error(e: sqlx::Error, table: &str) -> StoreError {
     match &e {
         e2 if map_error_kind(e2) => StoreError::Unavailable(Box::new(e)),
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            // 08: connection exceptions; 57P01-03: server shutting down or
-            // starting; 57P05: idle session timeout; 57014: statement
-            // timeout or cancelled; 55P03: lock timeout; 53300: too many
-            // connections; 40001/40P01: a serialization failure or
-            // deadlock. Each is resolved by trying again.
-            if code.starts_with("08")
-                || matches!(
-                    code.as_str(),
-                    "57P01"
-                        | "57P02"
-                        | "57P03"
-                        | "57P05"
-                        | "57014"
-                        | "55P03"
-                        | "53300"
-                        | "40001"
-                        | "40P01"
-                )
-            {
+            if retryable_code(&code) {
                 StoreError::Unavailable(Box::new(e))
             } else if code == "42P01" {
                 StoreError::Backend(Box::new(MissingTable {

@@ -22,7 +22,7 @@ fn value(text: &str) -> Value {
 }
 
 #[test]
-fn review2_two_different_u64_ids_in_a_value_never_share_a_key() {
+fn two_different_u64_ids_in_a_value_never_share_a_key() {
     let a = value(r#"{"order_id": 9007199254740993}"#);
     let b = value(r#"{"order_id": 9007199254740992}"#);
     assert_ne!(a, b, "the Value keeps both ids exactly");
@@ -35,7 +35,7 @@ fn review2_two_different_u64_ids_in_a_value_never_share_a_key() {
 }
 
 #[test]
-fn review2_two_different_u64_amounts_in_a_value_never_share_a_fingerprint() {
+fn two_different_u64_amounts_in_a_value_never_share_a_fingerprint() {
     // A reused key with a different amount must be a Mismatch, not a replay.
     let a = value(r#"{"amount": 18446744073709551615}"#); // u64::MAX
     let b = value(r#"{"amount": 18446744073709551614}"#);
