@@ -40,15 +40,17 @@ pub(crate) fn check<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
     })
 }
 
-/// Like [`check`], and also refuses an integer (a value or a map key)
-/// that the canonical form would not write as its own digits: RFC 8785
-/// writes numbers as IEEE doubles, so `2^53 + 1` would be written
-/// `9007199254740992`, the form of `2^53` too (see [`written_exactly`]).
-pub(crate) fn check_canonical<T: Serialize + ?Sized>(value: &T) -> Result<(), NonFinite> {
-    value.serialize(Check {
-        exact_ints: true,
-        number: false,
-    })
+/// The check the canonical writer makes of a number given as its text
+/// (serde_json's `arbitrary_precision`): an integer must be
+/// [`written_exactly`], any other form exactly its double's value.
+pub(crate) fn canonical_number_text(text: &str) -> Result<(), NonFinite> {
+    number_text(
+        Check {
+            exact_ints: true,
+            number: true,
+        },
+        text,
+    )
 }
 
 /// 2^53 − 1: every integer up to it is an exact double (ECMAScript's
@@ -68,17 +70,29 @@ pub(crate) fn written_exactly(abs: u128) -> bool {
     // `as` rounds to the nearest double (ties to even), as a JSON parser
     // reading the digits does.
     let nearest = abs as f64;
-    serde_json_canonicalizer::to_vec(&nearest)
-        .is_ok_and(|form| form == abs.to_string().into_bytes())
+    nearest.is_finite()
+        && ryu_js::Buffer::new().format_finite(nearest).as_bytes()
+            == itoa::Buffer::new().format(abs).as_bytes()
+}
+
+/// Why a non-finite float is refused.
+pub(crate) fn non_finite(v: f64) -> String {
+    format!("a non-finite float ({v}) has no JSON form: JSON would write it as null")
+}
+
+/// Why an integer that is not [`written_exactly`] is refused.
+pub(crate) fn inexact_integer(shown: &dyn fmt::Display) -> String {
+    format!(
+        "the integer {shown} has no exact canonical form: RFC 8785 writes numbers as IEEE \
+         doubles, and its nearest double is also another integer's; serialize it as a string"
+    )
 }
 
 fn float(v: f64) -> Result<(), NonFinite> {
     if v.is_finite() {
         Ok(())
     } else {
-        Err(NonFinite(format!(
-            "a non-finite float ({v}) has no JSON form: JSON would write it as null"
-        )))
+        Err(NonFinite(non_finite(v)))
     }
 }
 
@@ -87,10 +101,7 @@ fn integer(check: Check, abs: u128, shown: &dyn fmt::Display) -> Result<(), NonF
     if !check.exact_ints || written_exactly(abs) {
         return Ok(());
     }
-    Err(NonFinite(format!(
-        "the integer {shown} has no exact canonical form: RFC 8785 writes numbers as IEEE \
-         doubles, and its nearest double is also another integer's; serialize it as a string"
-    )))
+    Err(NonFinite(inexact_integer(shown)))
 }
 
 #[derive(Clone, Copy)]
@@ -352,6 +363,11 @@ check_fields!(SerializeStruct, SerializeStructVariant);
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    /// The canonical writer, which makes this module's integer checks.
+    fn check_canonical<T: Serialize + ?Sized>(value: &T) -> Result<Vec<u8>, serde_json::Error> {
+        crate::canonical::canonical_json(value)
+    }
 
     #[test]
     fn refuses_nan_and_infinities_at_any_depth() {

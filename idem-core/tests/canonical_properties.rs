@@ -9,6 +9,7 @@ use std::hash::{Hash, Hasher};
 use idem_core::{canonical_json, IdempotencyKey};
 use proptest::prelude::*;
 use serde::ser::{Serialize, SerializeMap, SerializeSeq, Serializer};
+use serde::Serialize as DeriveSerialize;
 
 /// A JSON value whose objects keep their members in a chosen order.
 #[derive(Debug, Clone)]
@@ -87,8 +88,79 @@ fn canon<T: Serialize + ?Sized>(value: &T) -> Vec<u8> {
     canonical_json(value).unwrap_or_else(|e| panic!("not canonicalized: {e}"))
 }
 
+/// Any key type serde_json accepts, and the shapes a derive writes:
+/// variants of every kind, tuples, bytes, options, chars, u128 and
+/// integer map keys.
+#[derive(Debug, Clone, DeriveSerialize)]
+enum Shape {
+    Unit,
+    Newtype(i64),
+    Tuple(u8, String, Option<bool>),
+    Struct {
+        z: f64,
+        a: Vec<Shape>,
+        mid: char,
+    },
+    Bytes(#[serde(with = "serde_bytes_as_seq")] Vec<u8>),
+    Keys(
+        BTreeMap<u32, String>,
+        BTreeMap<bool, i8>,
+        BTreeMap<char, ()>,
+    ),
+    Wide(u128, i128, f32),
+}
+
+mod serde_bytes_as_seq {
+    pub(crate) fn serialize<S: serde::Serializer>(v: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_bytes(v)
+    }
+}
+
+fn shape() -> impl Strategy<Value = Shape> {
+    let leaf = prop_oneof![
+        Just(Shape::Unit),
+        any::<i32>().prop_map(|i| Shape::Newtype(i64::from(i))),
+        (any::<u8>(), any::<String>(), any::<Option<bool>>())
+            .prop_map(|(a, b, c)| Shape::Tuple(a, b, c)),
+        prop::collection::vec(any::<u8>(), 0..8).prop_map(Shape::Bytes),
+        (
+            prop::collection::btree_map(any::<u32>(), any::<String>(), 0..4),
+            prop::collection::btree_map(any::<bool>(), any::<i8>(), 0..2),
+            prop::collection::btree_map(any::<char>(), Just(()), 0..3),
+        )
+            .prop_map(|(a, b, c)| Shape::Keys(a, b, c)),
+        (
+            0..1u128 << 53,
+            -(1i128 << 53) + 1..1i128 << 53,
+            any::<f32>().prop_filter("finite", |f| f.is_finite())
+        )
+            .prop_map(|(a, b, c)| Shape::Wide(a, b, c)),
+    ];
+    leaf.prop_recursive(3, 24, 4, |inner| {
+        (
+            any::<f64>().prop_filter("finite", |f| f.is_finite()),
+            prop::collection::vec(inner, 0..4),
+            any::<char>(),
+        )
+            .prop_map(|(z, a, mid)| Shape::Struct { z, a, mid })
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(512))]
+
+    /// idem's single-pass writer gives the bytes of the
+    /// `serde_json_canonicalizer` crate (an independent RFC 8785 writer)
+    /// for any value either accepts, members in any order.
+    #[test]
+    fn the_writer_agrees_with_an_independent_jcs_implementation(n in node(), seed in any::<u64>(), s in shape()) {
+        let theirs = serde_json_canonicalizer::to_vec(&Ordered(&n, seed)).unwrap_or_else(|e| panic!("{e}"));
+        let ours = canon(&Ordered(&n, seed));
+        prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&theirs));
+        let theirs = serde_json_canonicalizer::to_vec(&s).unwrap_or_else(|e| panic!("{e}"));
+        let ours = canon(&s);
+        prop_assert_eq!(String::from_utf8_lossy(&ours), String::from_utf8_lossy(&theirs));
+    }
 
     /// The same value written as text with whitespace (pretty printed,
     /// members in another order) and read back canonicalizes alike; the
@@ -154,4 +226,39 @@ fn has_whitespace_only_in_strings(json: &[u8]) -> bool {
         }
     }
     true
+}
+
+/// A value nested `depth` arrays deep, built without a `serde_json::Value`
+/// (whose own drop would recurse as deep).
+struct Deep(usize);
+
+impl Serialize for Deep {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut seq = s.serialize_seq(Some(1))?;
+        if self.0 > 1 {
+            seq.serialize_element(&Deep(self.0 - 1))?;
+        }
+        seq.end()
+    }
+}
+
+/// A payload nested far deeper than any parser allows is refused with an
+/// error, never a stack overflow (which aborts the process); 256 levels
+/// are fine.
+#[test]
+fn deep_nesting_is_an_error_not_a_stack_overflow() {
+    let ok = canon(&Deep(256));
+    assert_eq!(ok.len(), 512);
+    let refused = std::thread::Builder::new()
+        .stack_size(256 * 1024)
+        .spawn(|| canonical_json(&Deep(1_000_000)).map_err(|e| e.to_string()))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .join()
+        .unwrap_or_else(|_| panic!("panicked"));
+    assert!(
+        matches!(&refused, Err(e) if e.contains("deeper than 256")),
+        "{refused:?}"
+    );
+    assert!(canonical_json(&Deep(257)).is_err());
+    assert!(IdempotencyKey::from_content("orders.create", &Deep(100_000)).is_err());
 }
