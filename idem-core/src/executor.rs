@@ -19,7 +19,7 @@ use crate::record::{
     not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, Record, NOT_REPLAYABLE,
 };
 use crate::store::IdempotencyStore;
-use crate::telemetry::{timed, StoreOperation};
+use crate::telemetry::{timed, timed_since, StoreOperation};
 
 mod batch;
 pub use batch::BatchOutcome;
@@ -747,15 +747,19 @@ where
         fingerprint: Option<&Fingerprint>,
     ) -> Result<Acquired, IdemError<E>> {
         let scope = key.scope();
-        let started = Instant::now();
+        // When the first acquire was sent (the wait's start): read with
+        // the send time, one clock read per call on the hot path.
+        let mut first_sent = None;
         let mut pause = match self.in_progress {
             InProgressPolicy::Wait { poll, .. } => poll.max(Duration::from_millis(1)),
             InProgressPolicy::Reject => Duration::ZERO,
         };
         loop {
             let sent_at = Instant::now();
+            let started = *first_sent.get_or_insert(sent_at);
             let call = self.store.acquire(key, fingerprint, self.lease);
-            match timed(self.store.backend_name(), StoreOperation::Acquire, call).await? {
+            let backend = self.store.backend_name();
+            match timed_since(sent_at, backend, StoreOperation::Acquire, call).await? {
                 Acquisition::Acquired(lease) => return Ok(Acquired::Lease(lease, sent_at)),
                 Acquisition::Completed(record) => return Ok(Acquired::Replay(record.response)),
                 Acquisition::Mismatch => {
