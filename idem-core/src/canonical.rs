@@ -82,7 +82,19 @@ pub(crate) fn write_canonical<T: Serialize + ?Sized>(
         scratch: Vec::new(),
         depth: 0,
     };
-    value.serialize(&mut writer)
+    value.serialize(&mut writer)?;
+    // A `Serialize` that ignored an error and went on can leave an array
+    // or an object open: never hash what it wrote.
+    if writer.depth != 0 || !writer.members.is_empty() {
+        return Err(went_on_after_an_error());
+    }
+    Ok(())
+}
+
+/// The error for output that a `Serialize` left incomplete (it ignored an
+/// error of this writer and went on).
+fn went_on_after_an_error() -> Error {
+    Error::custom("the value's Serialize went on after an error: its JSON is incomplete")
 }
 
 /// A single-pass writer: members are written in the order they come, and
@@ -152,41 +164,70 @@ impl Writer<'_> {
             names: self.names.len(),
             member_start: 0,
             name: 0..0,
+            key: KeyState::Idle,
         })
     }
 
     /// Starts a member: the comma, then the name (escaped) and `:`.
-    fn begin_member(&mut self, object: &mut Object, name: &str) {
-        self.begin_name(object);
+    fn begin_member(&mut self, object: &mut Object, name: &str) -> Result<(), Error> {
+        self.begin_name(object)?;
         write_string(self.out, name);
         self.names.push_str(name);
         self.end_name(object);
+        Ok(())
     }
 
-    fn begin_name(&mut self, object: &mut Object) {
+    fn begin_name(&mut self, object: &mut Object) -> Result<(), Error> {
+        if object.key != KeyState::Idle {
+            return Err(Error::custom("a map key without a value"));
+        }
         if self.members.len() > object.first {
             self.out.push(b',');
         }
         object.member_start = self.out.len();
-        object.name.start = self.names.len();
+        object.name = self.names.len()..self.names.len();
+        object.key = KeyState::Naming;
+        Ok(())
     }
 
     fn end_name(&mut self, object: &mut Object) {
         object.name.end = self.names.len();
+        object.key = KeyState::Named;
         self.out.push(b':');
     }
 
-    fn end_member(&mut self, object: &Object) {
+    fn end_member(&mut self, object: &mut Object) -> Result<(), Error> {
+        if object.key != KeyState::Named {
+            return Err(Error::custom("a map value without its key"));
+        }
+        object.key = KeyState::Idle;
         self.members.push(Member {
             name: object.name.clone(),
             bytes: object.member_start..self.out.len(),
         });
+        Ok(())
     }
 
     /// Closes an object: sorts its members by their names' UTF-16 code
     /// units (rewriting them in place if they came in another order) and
     /// refuses a name given twice.
     fn close_object(&mut self, object: Object) -> Result<(), Error> {
+        if object.key != KeyState::Idle {
+            return Err(Error::custom("a map key without a value"));
+        }
+        // The members must be exactly what follows the `{`, comma
+        // separated: a `Serialize` that ignored an error and went on can
+        // leave a partial member, or an inner object's, in between.
+        let mut next = object.start + 1;
+        for (i, member) in self.members[object.first..].iter().enumerate() {
+            if member.bytes.start != next + usize::from(i > 0) {
+                return Err(went_on_after_an_error());
+            }
+            next = member.bytes.end;
+        }
+        if next != self.out.len() {
+            return Err(went_on_after_an_error());
+        }
         let Writer {
             out,
             members,
@@ -310,6 +351,18 @@ struct Object {
     /// The member being written: where it starts, and its name.
     member_start: usize,
     name: Range<usize>,
+    key: KeyState,
+}
+
+/// Where an object is between its members.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum KeyState {
+    /// Between members.
+    Idle,
+    /// Its name is being written (a failed name stays here).
+    Naming,
+    /// Its name is written; its value comes next.
+    Named,
 }
 
 struct Array {
@@ -548,10 +601,9 @@ impl Members<'_, '_> {
         let Some(object) = self.object.as_mut() else {
             return number_text(self.w, v);
         };
-        self.w.begin_member(object, name);
+        self.w.begin_member(object, name)?;
         v.serialize(&mut *self.w)?;
-        self.w.end_member(object);
-        Ok(())
+        self.w.end_member(object)
     }
 
     fn finish(self) -> Result<(), Error> {
@@ -620,18 +672,20 @@ impl ser::SerializeMap for Members<'_, '_> {
         let Some(object) = self.object.as_mut() else {
             return Err(Error::custom("a map inside a number"));
         };
-        self.w.begin_name(object);
+        self.w.begin_name(object)?;
         key.serialize(Name { w: &mut *self.w })?;
         self.w.end_name(object);
         Ok(())
     }
     fn serialize_value<T: Serialize + ?Sized>(&mut self, v: &T) -> Result<(), Error> {
-        let Some(object) = self.object.as_ref() else {
+        let Some(object) = self.object.as_mut() else {
             return Err(Error::custom("a map inside a number"));
         };
+        if object.key != KeyState::Named {
+            return Err(Error::custom("a map value without its key"));
+        }
         v.serialize(&mut *self.w)?;
-        self.w.end_member(object);
-        Ok(())
+        self.w.end_member(object)
     }
     fn end(self) -> Result<(), Error> {
         self.finish()
@@ -719,8 +773,9 @@ impl ser::Serializer for Name<'_, '_> {
     }
     refused_keys!(serialize_bytes: &[u8], serialize_none, serialize_unit,
         serialize_unit_struct: &'static str);
-    fn serialize_some<T: Serialize + ?Sized>(self, _: &T) -> Result<(), Error> {
-        Err(key_must_be_a_string())
+    /// As serde_json: `Some(k)` is the key `k` (`None` is refused).
+    fn serialize_some<T: Serialize + ?Sized>(self, v: &T) -> Result<(), Error> {
+        v.serialize(self)
     }
     fn serialize_newtype_variant<T: Serialize + ?Sized>(
         self,
