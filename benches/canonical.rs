@@ -41,7 +41,9 @@ fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("fingerprint");
     g.bench_function("u64", |b| b.iter(|| Fingerprint::of(black_box(&42u64))));
     let p = payment();
-    g.bench_function("struct-8-fields", |b| b.iter(|| Fingerprint::of(black_box(&p))));
+    g.bench_function("struct-8-fields", |b| {
+        b.iter(|| Fingerprint::of(black_box(&p)))
+    });
     g.bench_function("struct-8-fields/canonical-json-only", |b| {
         b.iter(|| canonical_json(black_box(&p)))
     });
