@@ -635,35 +635,27 @@ fn number_text<T: Serialize + ?Sized>(w: &mut Writer<'_>, v: &T) -> Result<(), E
     }
 }
 
-impl ser::SerializeStruct for Members<'_, '_> {
-    type Ok = ();
-    type Error = Error;
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        name: &'static str,
-        v: &T,
-    ) -> Result<(), Error> {
-        self.field(name, v)
-    }
-    fn end(self) -> Result<(), Error> {
-        self.finish()
-    }
+/// Structs and struct variants: named fields, members of the object.
+macro_rules! fields {
+    ($($trait:ident),*) => {$(
+        impl ser::$trait for Members<'_, '_> {
+            type Ok = ();
+            type Error = Error;
+            fn serialize_field<T: Serialize + ?Sized>(
+                &mut self,
+                name: &'static str,
+                v: &T,
+            ) -> Result<(), Error> {
+                self.field(name, v)
+            }
+            fn end(self) -> Result<(), Error> {
+                self.finish()
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeStructVariant for Members<'_, '_> {
-    type Ok = ();
-    type Error = Error;
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        name: &'static str,
-        v: &T,
-    ) -> Result<(), Error> {
-        self.field(name, v)
-    }
-    fn end(self) -> Result<(), Error> {
-        self.finish()
-    }
-}
+fields!(SerializeStruct, SerializeStructVariant);
 
 impl ser::SerializeMap for Members<'_, '_> {
     type Ok = ();
@@ -681,9 +673,7 @@ impl ser::SerializeMap for Members<'_, '_> {
         let Some(object) = self.object.as_mut() else {
             return Err(Error::custom("a map inside a number"));
         };
-        if object.key != KeyState::Named {
-            return Err(Error::custom("a map value without its key"));
-        }
+        // A value without its key is refused by `end_member`.
         v.serialize(&mut *self.w)?;
         self.w.end_member(object)
     }
