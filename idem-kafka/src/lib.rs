@@ -240,6 +240,8 @@ impl Shared {
 #[doc(hidden)]
 pub struct IdemContext {
     shared: Arc<Shared>,
+    /// `partition.assignment.strategy` is cooperative-sticky.
+    cooperative: bool,
 }
 
 impl ClientContext for IdemContext {
@@ -261,6 +263,49 @@ impl ClientContext for IdemContext {
 }
 
 impl ConsumerContext for IdemContext {
+    /// rdkafka's own `rebalance` asks librdkafka for the rebalance
+    /// protocol, a call that can block forever when the consumer is
+    /// closing (librdkafka #4041, rust-rdkafka #509: a drop that never
+    /// ends); the protocol is known from the configuration instead.
+    fn rebalance(
+        &self,
+        base: &BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        use rdkafka::types::RDKafkaRespErr as E;
+        match err {
+            E::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                self.pre_rebalance(base, &Rebalance::Assign(tpl));
+                let done = if self.cooperative {
+                    base.incremental_assign(tpl)
+                } else {
+                    base.assign(tpl)
+                };
+                if let Err(e) = done {
+                    tracing::warn!(error = %e, "could not take the assigned partitions");
+                }
+                self.post_rebalance(base, &Rebalance::Assign(tpl));
+            }
+            E::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.pre_rebalance(base, &Rebalance::Revoke(tpl));
+                let done = if self.cooperative {
+                    base.incremental_unassign(tpl)
+                } else {
+                    base.unassign()
+                };
+                if let Err(e) = done {
+                    tracing::warn!(error = %e, "could not let the revoked partitions go");
+                }
+                self.post_rebalance(base, &Rebalance::Revoke(tpl));
+            }
+            other => {
+                let e = KafkaError::Rebalance(other.into());
+                self.pre_rebalance(base, &Rebalance::Error(e));
+            }
+        }
+    }
+
     fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let tpl = match rebalance {
             Rebalance::Revoke(tpl) => tpl,
@@ -513,6 +558,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         let consumer: StreamConsumer<IdemContext> =
             config.create_with_context(IdemContext {
                 shared: shared.clone(),
+                cooperative: config
+                    .get("partition.assignment.strategy")
+                    .is_some_and(|s| s.contains("cooperative")),
             })?;
         consumer.subscribe(topics)?;
         let producer: FutureProducer = producer_config(&config).create()?;
