@@ -311,6 +311,16 @@ impl ConsumerContext for IdemContext {
             Rebalance::Revoke(tpl) => tpl,
             Rebalance::Assign(tpl) => {
                 tracing::info!(partitions = ?partitions_of(tpl), "partitions assigned");
+                // A new track per assigned partition: records read from
+                // here on belong to this assignment.
+                let per_partition = self.shared.partition_concurrency.load(Ordering::Relaxed) as usize;
+                let mut map = lock(&self.shared.tracks);
+                for (topic, partition) in partitions_of(tpl) {
+                    let track = Arc::new(Track::new(&topic, partition, per_partition.max(1)));
+                    if let Some(old) = map.insert((topic, partition), track) {
+                        old.revoke();
+                    }
+                }
                 return;
             }
             Rebalance::Error(e) => {
@@ -533,8 +543,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             .filter(|g| !g.is_empty())
             .ok_or_else(|| KafkaConsumerError::Config("group.id is not set".to_owned()))?
             .to_owned();
-        if topics.is_empty() {
-            return Err(KafkaConsumerError::Config("no topic to read".to_owned()));
+        if topics.is_empty() || topics.iter().any(|t| t.is_empty() || t.contains('\0')) {
+            return Err(KafkaConsumerError::Config(format!(
+                "topics must be a non-empty list of names without NUL: {topics:?}"
+            )));
         }
         let mut config = config.clone();
         config
@@ -730,6 +742,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
+        if let Some(dead) = &self.dead_letter {
+            if dead.is_empty() || dead.contains('\0') {
+                return Err(KafkaConsumerError::Config(format!(
+                    "the dead-letter topic {dead:?} is not a topic name"
+                )));
+            }
+        }
         let shared = &self.shared;
         shared.stopping.store(false, Ordering::SeqCst);
         shared
@@ -786,7 +805,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                 message = self.consumer.recv() => {
                     let mut batch = Vec::new();
                     match message {
-                        Ok(m) => batch.push(RecordRead::of(&m)),
+                        Ok(m) => batch.push(RecordRead::of(&m, shared)),
                         Err(e) => {
                             tracing::warn!(error = %e, "kafka consumer error (librdkafka retries)");
                             continue 'read;
@@ -794,7 +813,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                     }
                     while batch.len() < self.batch {
                         match self.consumer.recv().now_or_never() {
-                            Some(Ok(m)) => batch.push(RecordRead::of(&m)),
+                            Some(Ok(m)) => batch.push(RecordRead::of(&m, shared)),
                             Some(Err(e)) => {
                                 tracing::warn!(error = %e, "kafka consumer error (librdkafka retries)");
                                 break;
@@ -841,35 +860,21 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         Ok(stats)
     }
 
-    /// The track of each record's partition, in read order. Records of a
-    /// partition this consumer does not own (left in the client's queue
-    /// after a revoke) are skipped: never committed here.
+    /// The track of each record's partition, in read order. A record read
+    /// while its partition was not assigned here, or whose partition was
+    /// revoked since it was read (a rebalance ran inside a later read of
+    /// the same batch), is skipped: never run or committed in an
+    /// assignment it does not belong to; its owner reads it again from the
+    /// committed offset.
     fn owned(&self, batch: Vec<RecordRead>) -> Vec<(Arc<Track>, RecordRead)> {
         let mut out = Vec::with_capacity(batch.len());
-        let assignment = std::cell::OnceCell::new();
-        for read in batch {
-            let (topic, partition) = (read.record.topic.clone(), read.record.partition);
-            let track = match self.shared.track(&topic, partition) {
-                Some(t) => t,
-                None => {
-                    let owned = assignment
-                        .get_or_init(|| self.consumer.assignment().ok())
-                        .as_ref()
-                        .is_some_and(|a: &TopicPartitionList| {
-                            a.find_partition(&topic, partition).is_some()
-                        });
-                    if !owned {
-                        tracing::debug!(%topic, partition, offset = read.record.offset, "record of a partition not assigned here: skipped");
-                        continue;
-                    }
-                    let t = Arc::new(Track::new(&topic, partition, self.partition_concurrency));
-                    lock(&self.shared.tracks)
-                        .entry((topic.clone(), partition))
-                        .or_insert(t)
-                        .clone()
+        for mut read in batch {
+            match read.track.take() {
+                Some(track) if !track.revoked() => out.push((track, read)),
+                _ => {
+                    tracing::debug!(topic = %read.record.topic, partition = read.record.partition, offset = read.record.offset, "record of a partition not assigned here (any more): skipped");
                 }
-            };
-            out.push((track, read));
+            }
         }
         out
     }
@@ -1020,12 +1025,19 @@ impl Drop for Turn {
 struct RecordRead {
     record: KafkaRecord,
     unusable: Option<RecordError>,
+    /// The assignment of its partition when it was read.
+    track: Option<Arc<Track>>,
 }
 
 impl RecordRead {
-    fn of(message: &rdkafka::message::BorrowedMessage<'_>) -> Self {
+    fn of(message: &rdkafka::message::BorrowedMessage<'_>, shared: &Shared) -> Self {
         let (record, unusable) = KafkaRecord::read(message);
-        RecordRead { record, unusable }
+        let track = shared.track(&record.topic, record.partition);
+        RecordRead {
+            record,
+            unusable,
+            track,
+        }
     }
 }
 

@@ -161,7 +161,7 @@ fn advance(s: &mut State) -> bool {
         match slot {
             Slot::Settled => {
                 s.slots.remove(&offset);
-                s.committable = Some(offset + 1);
+                s.committable = Some(offset.saturating_add(1));
                 s.uncommitted_records += 1;
                 moved = true;
             }
