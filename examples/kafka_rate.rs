@@ -127,29 +127,23 @@ async fn plain(args: &Args, topic: &str, concurrency: usize) -> Result<f64, BoxE
                 drop(permit);
             });
         }
-        if last_commit.elapsed() >= Duration::from_millis(100) || batch_done(&tracks, args) {
+        let all = batch_done(&tracks, args);
+        if last_commit.elapsed() >= Duration::from_millis(100) || all {
+            // Every 100 ms, asynchronously; the last one (everything
+            // handled) waits for the broker's answer.
             let mut tpl = TopicPartitionList::new();
-            let mut total = 0;
             for (p, t) in &tracks {
                 let mut t = t.lock().unwrap_or_else(|p| p.into_inner());
-                total += t.1 as u64;
-                if t.1 > t.2 {
+                if t.1 > t.2 || all {
                     tpl.add_partition_offset(topic, *p, Offset::Offset(t.1))?;
                     t.2 = t.1;
                 }
             }
-            if tpl.count() > 0 {
-                // The last commit waits for the broker's answer.
-                let last = total >= args.records;
-                let mode = if last {
-                    CommitMode::Sync
-                } else {
-                    CommitMode::Async
-                };
-                consumer.commit(&tpl, mode)?;
-                if last {
-                    committed.store(total, Ordering::Relaxed);
-                }
+            if all {
+                consumer.commit(&tpl, CommitMode::Sync)?;
+                committed.store(args.records, Ordering::Relaxed);
+            } else if tpl.count() > 0 {
+                consumer.commit(&tpl, CommitMode::Async)?;
             }
             last_commit = Instant::now();
         }
@@ -294,6 +288,7 @@ async fn main() -> Result<(), BoxError> {
     }
     for &c in &args.concurrency {
         let base = plain(&args, &topic, c).await?;
+        eprintln!("concurrency {c}: plain {base:.0}/s");
         let mut line = format!(
             "kafka_rate records={} partitions={} concurrency={c} plain_per_sec={base:.0}",
             args.records, args.partitions
@@ -301,6 +296,7 @@ async fn main() -> Result<(), BoxError> {
         for name in &args.stores {
             let s = store(&args, name, c).await?;
             let rate = with_idem(&args, &topic, c, s, name).await?;
+            eprintln!("concurrency {c}: {name} {rate:.0}/s");
             line.push_str(&format!(
                 " {name}_per_sec={rate:.0} {name}_ratio={:.2}",
                 rate / base

@@ -220,6 +220,10 @@ struct Shared {
     recommit: AtomicBool,
     /// The consumer stops: retries give up.
     stopping: AtomicBool,
+    /// A commit is under way on a blocking thread.
+    committing: AtomicBool,
+    /// Commits go one at a time (the run loop's and the revoke's).
+    commit_lock: Mutex<()>,
     revoke_wait_ms: AtomicU64,
     partition_concurrency: AtomicU64,
 }
@@ -394,6 +398,7 @@ impl ConsumerContext for IdemContext {
             }
         }
         if commit.count() > 0 {
+            let _one_at_a_time = lock(&self.shared.commit_lock);
             match base.commit(&commit, CommitMode::Sync) {
                 Ok(()) => {
                     self.shared
@@ -424,7 +429,13 @@ impl ConsumerContext for IdemContext {
 
 impl IdemContext {
     fn confirm(&self, offsets: &TopicPartitionList) {
-        let mut confirmed = lock(&self.shared.confirmed);
+        self.shared.confirm(offsets);
+    }
+}
+
+impl Shared {
+    fn confirm(&self, offsets: &TopicPartitionList) {
+        let mut confirmed = lock(&self.confirmed);
         for e in offsets.elements() {
             if let (Offset::Offset(o), Ok(())) = (e.offset(), e.error()) {
                 let slot = confirmed
@@ -564,6 +575,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             wake: tokio::sync::Notify::new(),
             recommit: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            committing: AtomicBool::new(false),
+            commit_lock: Mutex::new(()),
             revoke_wait_ms: AtomicU64::new(10_000),
             partition_concurrency: AtomicU64::new(16),
         });
@@ -850,7 +863,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         // Shutdown: records waiting for a retry give up; running ones finish.
         shared.stopping.store(true, Ordering::SeqCst);
         while tasks.join_next().await.is_some() {}
-        self.commit_sync();
+        self.commit_sync().await;
         let fatal = lock(&work.fatal).take();
         if let Some(e) = fatal {
             return Err(e.into());
@@ -881,57 +894,91 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
 
     fn commit_points(&self, force: bool) -> (TopicPartitionList, u64) {
         let tracks: Vec<Arc<Track>> = lock(&self.shared.tracks).values().cloned().collect();
-        let mut tpl = TopicPartitionList::new();
-        let mut records = 0;
-        for t in tracks {
-            if let Some((offset, n)) = t.take_commit(force) {
-                if tpl
-                    .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
-                    .is_ok()
-                {
-                    records += n;
-                }
-            }
-        }
-        (tpl, records)
+        points(&tracks, force)
     }
 
+    /// Sends the commit points that moved (all of them after a failed
+    /// commit), unless a commit is under way: then the next wake does.
+    /// The commit is synchronous, on a blocking thread, so its answer is
+    /// known (rdkafka does not report asynchronous commits to a
+    /// `StreamConsumer` reliably) and commits never overtake each other.
     fn commit_async(&self) {
+        if self.shared.committing.swap(true, Ordering::SeqCst) {
+            return;
+        }
         let force = self.shared.recommit.swap(false, Ordering::SeqCst);
         let (tpl, records) = self.commit_points(force);
         if tpl.count() == 0 {
+            self.shared.committing.store(false, Ordering::SeqCst);
             return;
         }
-        match self.consumer.commit(&tpl, CommitMode::Async) {
-            Ok(()) => {
-                self.shared
-                    .counters
-                    .committed
-                    .fetch_add(records, Ordering::Relaxed);
+        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        tokio::task::spawn_blocking(move || {
+            commit_now(&*consumer, &shared, &tpl, records);
+            shared.committing.store(false, Ordering::SeqCst);
+            shared.wake.notify_one();
+        });
+    }
+
+    /// Commits every commit point and waits for the answer (at shutdown).
+    async fn commit_sync(&self) {
+        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        let done = tokio::task::spawn_blocking(move || {
+            let (tpl, records) = {
+                let tracks: Vec<Arc<Track>> = lock(&shared.tracks).values().cloned().collect();
+                points(&tracks, true)
+            };
+            if tpl.count() > 0 && !commit_now(&*consumer, &shared, &tpl, records) {
+                tracing::warn!("final offset commit failed: the records since the last commit are replayed");
             }
-            Err(e) => {
-                tracing::debug!(error = %e, "offset commit not sent: sent again later");
-                self.shared.recommit.store(true, Ordering::SeqCst);
+        })
+        .await;
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "final offset commit task failed");
+        }
+    }
+}
+
+/// The commit points of `tracks` that moved (all, with `force`), and the
+/// records they cover.
+fn points(tracks: &[Arc<Track>], force: bool) -> (TopicPartitionList, u64) {
+    let mut tpl = TopicPartitionList::new();
+    let mut records = 0;
+    for t in tracks {
+        if let Some((offset, n)) = t.take_commit(force) {
+            if tpl
+                .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
+                .is_ok()
+            {
+                records += n;
             }
         }
     }
+    (tpl, records)
+}
 
-    fn commit_sync(&self) {
-        let (tpl, records) = self.commit_points(true);
-        if tpl.count() == 0 {
-            return;
+/// A synchronous commit, one at a time (the revoke's too); on failure the
+/// next commit sends every point again. Whether it succeeded.
+fn commit_now<K: Consumer<IdemContext>>(
+    consumer: &K,
+    shared: &Shared,
+    tpl: &TopicPartitionList,
+    records: u64,
+) -> bool {
+    let _one_at_a_time = lock(&shared.commit_lock);
+    match consumer.commit(tpl, CommitMode::Sync) {
+        Ok(()) => {
+            shared
+                .counters
+                .committed
+                .fetch_add(records, Ordering::Relaxed);
+            shared.confirm(tpl);
+            true
         }
-        match self.consumer.commit(&tpl, CommitMode::Sync) {
-            Ok(()) => {
-                self.shared
-                    .counters
-                    .committed
-                    .fetch_add(records, Ordering::Relaxed);
-                self.consumer.context().confirm(&tpl);
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "final offset commit failed: the records since the last commit are replayed")
-            }
+        Err(e) => {
+            tracing::debug!(error = %e, "offset commit failed: sent again");
+            shared.recommit.store(true, Ordering::SeqCst);
+            false
         }
     }
 }
