@@ -69,7 +69,10 @@ async fn charge(
         .entry(id.clone())
         .or_default() += 1;
     charged.fetch_add(1, Ordering::SeqCst);
-    Ok(format!("charged {amount} for {id} (fence {})", record.fence))
+    Ok(format!(
+        "charged {amount} for {id} (fence {})",
+        record.fence
+    ))
 }
 
 fn client_config(brokers: &str, group: &str) -> ClientConfig {
@@ -95,7 +98,11 @@ async fn main() -> Result<(), BoxError> {
         .create()?;
     for created in admin
         .create_topics(
-            &[NewTopic::new(&topic, args.partitions, TopicReplication::Fixed(1))],
+            &[NewTopic::new(
+                &topic,
+                args.partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
         )
         .await?
@@ -253,9 +260,8 @@ async fn main() -> Result<(), BoxError> {
             },
             async {
                 loop {
-                    let all =
-                        watch_ledger.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
-                            == messages;
+                    let all = watch_ledger.lock().unwrap_or_else(|p| p.into_inner()).len() as u64
+                        == messages;
                     let committed =
                         group_committed(&group_config, &topic, Duration::from_secs(5)).await;
                     if all && committed.is_ok_and(|c| c == ends) {

@@ -10,11 +10,13 @@
 //!   committed contiguously per partition every 100 ms: the loop of
 //!   `KafkaConsumer` without idem;
 //! - `redis`, `postgres`, `tiered` (moka, Redis, PostgreSQL): `KafkaConsumer`
-//!   over that store (an acquire and a completion per record).
+//!   over that store, at `--batch 1` (an acquire and a completion per
+//!   record) and `--batch 64` (a partition's records read together acquired
+//!   with one `acquire_many` and recorded with one `complete_many`).
 //!
 //! ```text
 //! scripts/with-servers cargo run --release --all-features --example kafka_rate -- --records 50000
-//! # kafka_rate records=50000 partitions=8 concurrency=64 plain_per_sec=... redis_per_sec=... ratio=...
+//! # kafka_rate records=50000 partitions=8 concurrency=64 plain_per_sec=... redis_b1_per_sec=... redis_b1_ratio=... redis_b64_per_sec=...
 //! ```
 
 use std::collections::{BTreeMap, HashMap};
@@ -52,6 +54,10 @@ struct Args {
     /// Concurrencies to measure (records in flight).
     #[arg(long, value_delimiter = ',', default_value = "1,64")]
     concurrency: Vec<usize>,
+    /// Batch sizes of the idem runs (`KafkaConsumer::batch`: records of a
+    /// partition acquired together; 1: each on its own).
+    #[arg(long, value_delimiter = ',', default_value = "1,64")]
+    batch: Vec<usize>,
     /// Stores to measure with idem.
     #[arg(long, value_delimiter = ',', default_value = "redis,postgres,tiered")]
     stores: Vec<String>,
@@ -153,7 +159,10 @@ async fn plain(args: &Args, topic: &str, concurrency: usize) -> Result<f64, BoxE
 }
 
 /// Whether every record has been handled (the last commit is due).
-fn batch_done(tracks: &HashMap<i32, Arc<Mutex<(BTreeMap<i64, bool>, i64, i64)>>>, args: &Args) -> bool {
+fn batch_done(
+    tracks: &HashMap<i32, Arc<Mutex<(BTreeMap<i64, bool>, i64, i64)>>>,
+    args: &Args,
+) -> bool {
     tracks
         .values()
         .map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).1 as u64)
@@ -166,10 +175,11 @@ async fn with_idem(
     args: &Args,
     topic: &str,
     concurrency: usize,
+    batch: usize,
     store: Arc<dyn IdempotencyStore>,
     name: &str,
 ) -> Result<f64, BoxError> {
-    let group = format!("{name}-{concurrency}-{:08x}", fastrand::u32(..));
+    let group = format!("{name}-{concurrency}-{batch}-{:08x}", fastrand::u32(..));
     let consumer = KafkaConsumer::new(
         &config(&args.brokers, &group),
         &[topic],
@@ -177,6 +187,7 @@ async fn with_idem(
     )?
     .concurrency(concurrency)
     .partition_concurrency(concurrency)
+    .batch(batch)
     .scope(format!("rate.{group}"));
     let started: Arc<Mutex<Option<Instant>>> = Arc::default();
     let finished: Arc<Mutex<Option<Instant>>> = Arc::default();
@@ -191,7 +202,9 @@ async fn with_idem(
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .get_or_insert_with(Instant::now);
-                    async move { Ok::<_, std::io::Error>(handle(record.key.as_deref().unwrap_or_default())) }
+                    async move {
+                        Ok::<_, std::io::Error>(handle(record.key.as_deref().unwrap_or_default()))
+                    }
                 },
                 async move {
                     loop {
@@ -212,12 +225,22 @@ async fn with_idem(
     if stats.executed != records {
         return Err(format!("{name}: {stats:?}").into());
     }
-    let s = started.lock().unwrap_or_else(|p| p.into_inner()).ok_or("no record")?;
-    let f = finished.lock().unwrap_or_else(|p| p.into_inner()).ok_or("not finished")?;
+    let s = started
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .ok_or("no record")?;
+    let f = finished
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .ok_or("not finished")?;
     Ok(records as f64 / (f - s).as_secs_f64())
 }
 
-async fn store(args: &Args, name: &str, concurrency: usize) -> Result<Arc<dyn IdempotencyStore>, BoxError> {
+async fn store(
+    args: &Args,
+    name: &str,
+    concurrency: usize,
+) -> Result<Arc<dyn IdempotencyStore>, BoxError> {
     let pg = || async {
         let pool = sqlx::postgres::PgPoolOptions::new()
             .max_connections(concurrency.clamp(2, 128) as u32)
@@ -245,8 +268,12 @@ async fn store(args: &Args, name: &str, concurrency: usize) -> Result<Arc<dyn Id
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args = Args::parse();
-    if args.records == 0 || args.partitions < 1 || args.concurrency.contains(&0) {
-        return Err("--records, --partitions and --concurrency must be at least 1".into());
+    if args.records == 0
+        || args.partitions < 1
+        || args.concurrency.contains(&0)
+        || args.batch.contains(&0)
+    {
+        return Err("--records, --partitions, --concurrency and --batch must be at least 1".into());
     }
     let topic = format!("rate-{:08x}", fastrand::u32(..));
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
@@ -254,7 +281,11 @@ async fn main() -> Result<(), BoxError> {
         .create()?;
     for created in admin
         .create_topics(
-            &[NewTopic::new(&topic, args.partitions, TopicReplication::Fixed(1))],
+            &[NewTopic::new(
+                &topic,
+                args.partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
         )
         .await?
@@ -294,13 +325,18 @@ async fn main() -> Result<(), BoxError> {
             args.records, args.partitions
         );
         for name in &args.stores {
-            let s = store(&args, name, c).await?;
-            let rate = with_idem(&args, &topic, c, s, name).await?;
-            eprintln!("concurrency {c}: {name} {rate:.0}/s");
-            line.push_str(&format!(
-                " {name}_per_sec={rate:.0} {name}_ratio={:.2}",
-                rate / base
-            ));
+            for &b in &args.batch {
+                if b > 1 && c == 1 {
+                    continue; // one record in flight: nothing to batch
+                }
+                let s = store(&args, name, c).await?;
+                let rate = with_idem(&args, &topic, c, b, s, name).await?;
+                eprintln!("concurrency {c}: {name} batch {b}: {rate:.0}/s");
+                line.push_str(&format!(
+                    " {name}_b{b}_per_sec={rate:.0} {name}_b{b}_ratio={:.2}",
+                    rate / base
+                ));
+            }
         }
         println!("{line}");
     }

