@@ -81,14 +81,16 @@ fn config(brokers: &str, group: &str) -> ClientConfig {
     c
 }
 
+/// A partition of the plain loop: its offsets in flight (done or not), its
+/// commit point, and the last offset committed.
+type Track = Arc<Mutex<(BTreeMap<i64, bool>, i64, i64)>>;
+
 /// The loop of `KafkaConsumer` without idem. Returns records per second.
 async fn plain(args: &Args, topic: &str, concurrency: usize) -> Result<f64, BoxError> {
     let group = format!("plain-{concurrency}-{:08x}", fastrand::u32(..));
     let consumer: StreamConsumer = config(&args.brokers, &group).create()?;
     consumer.subscribe(&[topic])?;
     let permits = Arc::new(tokio::sync::Semaphore::new(concurrency));
-    // Per partition: offsets in flight (done or not), and the commit point.
-    type Track = Arc<Mutex<(BTreeMap<i64, bool>, i64, i64)>>;
     let mut tracks: HashMap<i32, Track> = HashMap::new();
     let committed = Arc::new(AtomicU64::new(0));
     let mut started = None;
@@ -96,9 +98,8 @@ async fn plain(args: &Args, topic: &str, concurrency: usize) -> Result<f64, BoxE
     let work = Arc::new(AtomicU64::new(0));
     while committed.load(Ordering::Relaxed) < args.records {
         let mut batch = Vec::new();
-        match tokio::time::timeout(Duration::from_millis(100), consumer.recv()).await {
-            Ok(m) => batch.push(m?.detach()),
-            Err(_) => {}
+        if let Ok(m) = tokio::time::timeout(Duration::from_millis(100), consumer.recv()).await {
+            batch.push(m?.detach());
         }
         while batch.len() < 64 {
             match consumer.recv().now_or_never() {
@@ -159,10 +160,7 @@ async fn plain(args: &Args, topic: &str, concurrency: usize) -> Result<f64, BoxE
 }
 
 /// Whether every record has been handled (the last commit is due).
-fn batch_done(
-    tracks: &HashMap<i32, Arc<Mutex<(BTreeMap<i64, bool>, i64, i64)>>>,
-    args: &Args,
-) -> bool {
+fn batch_done(tracks: &HashMap<i32, Track>, args: &Args) -> bool {
     tracks
         .values()
         .map(|t| t.lock().unwrap_or_else(|p| p.into_inner()).1 as u64)

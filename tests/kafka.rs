@@ -52,11 +52,11 @@ fn producer() -> FutureProducer {
         .unwrap_or_else(|e| panic!("producer: {e}"))
 }
 
-/// Produces records: (partition, key, headers, payload).
-async fn produce(
-    topic: &str,
-    records: Vec<(i32, Option<String>, Vec<(String, String)>, String)>,
-) -> Ends {
+/// A record to produce: (partition, key, headers, payload).
+type Out = (i32, Option<String>, Vec<(String, String)>, String);
+
+/// Produces records.
+async fn produce(topic: &str, records: Vec<Out>) -> Ends {
     let p = producer();
     let sends = records.iter().map(|(partition, key, headers, payload)| {
         let mut h = OwnedHeaders::new();
@@ -465,9 +465,11 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
         let c = member(Duration::from_secs(10), 1);
         let joined = c.run(handler.clone(), stop());
         let wait = async {
-            until("the new member's first record", Duration::from_secs(60), || async {
-                c.stats().received > 0
-            })
+            until(
+                "the new member's first record",
+                Duration::from_secs(60),
+                || async { c.stats().received > 0 },
+            )
             .await;
             slow.store(false, Ordering::SeqCst);
             until(

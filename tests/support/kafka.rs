@@ -89,6 +89,9 @@ fn start() -> String {
         pid = child.id(),
         dir = dir.display()
     ));
+    // Kept for the life of the process; the watchdog stops it.
+    static BROKER: OnceLock<std::sync::Mutex<std::process::Child>> = OnceLock::new();
+    let _ = BROKER.set(std::sync::Mutex::new(child));
     let deadline = Instant::now() + Duration::from_secs(30);
     while TcpStream::connect(("127.0.0.1", port)).is_err() {
         if Instant::now() > deadline {
