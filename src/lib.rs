@@ -34,3 +34,9 @@ pub use idem_tiered as tiered;
 #[cfg(feature = "http")]
 #[doc(inline)]
 pub use idem_http as http;
+
+/// The idempotent Kafka consumer (feature `kafka`, crate `idem-kafka`); its
+/// `rdkafka` re-export is `idem::kafka::rdkafka`.
+#[cfg(feature = "kafka")]
+#[doc(inline)]
+pub use idem_kafka as kafka;

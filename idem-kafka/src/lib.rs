@@ -1,0 +1,1644 @@
+//! An idempotent Kafka consumer for [idem](https://docs.rs/idem): it reads
+//! topics in a consumer group, runs each record through
+//! [`Idempotency`] (the handler detached, the key from the record key, a
+//! header or a hash of the content), and commits a partition's offset only
+//! over records whose result is recorded, replayed or dead-lettered, and
+//! only contiguously: the committed offset never passes a record still
+//! running.
+//!
+//! ```no_run
+//! use idem_core::{Idempotency, MemoryStore};
+//! use idem_kafka::{KafkaConsumer, KafkaRecord};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! let idem = Idempotency::new(MemoryStore::new());
+//! let consumer = KafkaConsumer::connect("127.0.0.1:9092", "billing", &["payments"], idem)?
+//!     .key_header("message-id")
+//!     .concurrency(64)
+//!     .max_deliveries(5); // then to the topic "payments.dead"
+//! let shutdown = async { let _ = tokio::signal::ctrl_c().await; };
+//! let stats = consumer
+//!     .run(
+//!         |record: KafkaRecord| async move {
+//!             let amount: u64 = record.json()?;
+//!             Ok::<_, idem_kafka::RecordError>(format!("charged {amount}"))
+//!         },
+//!         shutdown,
+//!     )
+//!     .await?;
+//! println!("{stats:?}");
+//! # Ok(()) }
+//! ```
+//!
+//! It uses only standard Kafka protocol features (consumer groups with the
+//! eager protocol, offset commits, fetch, produce for the dead letters)
+//! through [`rdkafka`] (librdkafka, built from source by default). Its
+//! tests run on Tansu, an Apache-Kafka-protocol broker.
+//!
+//! # What happens to a record
+//!
+//! | outcome | the record |
+//! |---|---|
+//! | executed, replayed, or completed earlier without a replayable result | settled: its offset may be committed |
+//! | the key is in progress (another consumer runs it: a rebalance moved the partition), the store is unavailable, or the lease was lost | retried in place with a backoff, until settled; the partition's commit point waits |
+//! | the handler failed or panicked | retried in place until it failed [`max_deliveries`](KafkaConsumer::max_deliveries) times, then dead-lettered |
+//! | can never succeed: no usable key, payload mismatch, a corrupt record, a [`RecordError`] from the handler | dead-lettered at once |
+//! | its partition is revoked, or the consumer shuts down, while it waits for a retry | abandoned: never committed by this consumer, redelivered to the next owner |
+//!
+//! Dead-lettering produces the record (key, value, headers) to the
+//! dead-letter topic (default `{topic}.dead`; it must exist, or the broker
+//! must create topics) with the headers `idem.topic`, `idem.partition`,
+//! `idem.offset`, `idem.group`, `idem.deliveries` and `idem.reason`, waits
+//! for the broker's acknowledgement, then settles the record. A crash
+//! between the two dead-letters it again on its redelivery.
+//!
+//! # Delivery counts
+//!
+//! Kafka keeps no delivery count, so the consumer counts with idem: each
+//! failed run of a key takes over a counter record of its own in the store
+//! (scope `idem.failures`, a hash of the key as ID, a 1 ms lease, never
+//! completed), whose attempt number is the count of failures, across
+//! restarts and consumers. And a run cut off by a crash is counted by the
+//! key's own attempt number: an acquisition whose attempt is past
+//! `max_deliveries` does not run the handler and dead-letters the record
+//! (a poison record that kills its consumer does not kill every next one).
+//!
+//! # Commits
+//!
+//! `enable.auto.commit` and `enable.auto.offset.store` are turned off. A
+//! partition's commit point moves over the contiguous prefix of settled
+//! records. Commits are synchronous calls on a blocking thread, one at a
+//! time, at most every [`commit_interval`](KafkaConsumer::commit_interval)
+//! (rdkafka did not report asynchronous commits of a `StreamConsumer`
+//! back, and a commit must never overtake a later one), and again at a
+//! revoke and at shutdown. A commit that fails (a rebalance under way) is
+//! sent again with every commit point; in the worst case the records after
+//! the last commit are redelivered, and replayed.
+//!
+//! # Rebalances
+//!
+//! On revoke (every rebalance revokes everything with the eager protocol),
+//! the consumer stops taking records of the revoked partitions, waits up
+//! to [`revoke_wait`](KafkaConsumer::revoke_wait) for their running
+//! records (on a multi-thread runtime: the rebalance callback runs inside
+//! the consumer's poll and blocks its thread with
+//! `tokio::task::block_in_place`; on a current-thread runtime it cannot
+//! wait, as the handlers would need that thread), commits what settled, and
+//! lets the partitions go. Records that did not finish are not committed:
+//! the new owner reads them again, and idem answers it with the replay,
+//! or "in progress" (it retries until the detached handler here has
+//! recorded its result), never a second run. A lost assignment (the
+//! session timed out) is not committed at all.
+//!
+//! # Handlers run detached
+//!
+//! Each record runs through [`Idempotency::process_with_detached`], or,
+//! with [`batch`](KafkaConsumer::batch) above 1, the records of a
+//! partition read together run through
+//! [`Idempotency::process_batch_with_detached`] (one `acquire_many` and
+//! one `complete_many`). A consumer whose `run` future is dropped does not
+//! cut the handlers off; their results are recorded and their records
+//! replayed on redelivery. Records of one key taken by this consumer run in
+//! the order read, one after the other.
+//!
+//! # Shutdown
+//!
+//! When `shutdown` completes, `run` stops reading, lets the running
+//! handlers finish (records waiting for a retry give up), commits, and
+//! leaves the group (it unsubscribes and serves the revoke itself, so
+//! that dropping the client has nothing to give back: librdkafka can hang
+//! forever in a revoke served while its client closes, librdkafka #4041).
+//! A later `run` subscribes again.
+//!
+//! # Concurrency
+//!
+//! At most [`concurrency`](KafkaConsumer::concurrency) records are in
+//! flight, at most
+//! [`partition_concurrency`](KafkaConsumer::partition_concurrency) of one
+//! partition. When a partition has its maximum in flight, the consumer
+//! waits for one of them before it reads further (records of other
+//! partitions wait too).
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod record;
+mod track;
+
+pub use rdkafka;
+pub use record::{default_scope, KafkaRecord, KeySource, RecordError};
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use idem_core::{
+    saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, JsonCodec, Processed, StoreError,
+};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::util::Timeout;
+use rdkafka::ClientContext;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::task::JoinSet;
+
+use track::Track;
+
+/// Records taken from the client at once (at least).
+const READ_AHEAD: usize = 64;
+
+/// The default of [`KafkaConsumer::max_deliveries`].
+pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
+
+/// Why the consumer could not be made or could not go on.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KafkaConsumerError {
+    /// The Kafka client refused its configuration or failed.
+    #[error("kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    /// The idempotency store or the executor's configuration refused
+    /// every call: nothing could succeed.
+    #[error("idempotency store: {0}")]
+    Store(#[from] StoreError),
+    /// A setting is missing or wrong (`group.id`, no topic, no tokio
+    /// runtime).
+    #[error("configuration: {0}")]
+    Config(String),
+}
+
+/// What a consumer did, counted since it was made: returned by
+/// [`KafkaConsumer::run`], and by [`KafkaConsumer::stats`] while it runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Records read from the broker.
+    pub received: u64,
+    /// Records whose handler ran here and whose result was recorded.
+    pub executed: u64,
+    /// Records answered with a recorded result (duplicates, redeliveries),
+    /// or whose key completed without a replayable result.
+    pub replayed: u64,
+    /// Runs that did not settle their record and were retried (handler
+    /// failed, key in progress elsewhere, store unavailable).
+    pub retried: u64,
+    /// Records produced to the dead-letter topic (then settled).
+    pub dead_lettered: u64,
+    /// Records whose offsets were handed to a commit.
+    pub committed: u64,
+    /// The last offset the broker confirmed as committed, per topic and
+    /// partition.
+    pub committed_offsets: BTreeMap<(String, i32), i64>,
+    /// Partitions revoked from this consumer.
+    pub revoked: u64,
+    /// Records given up at a revoke or shutdown (not committed:
+    /// redelivered to the next owner).
+    pub abandoned: u64,
+    /// The consumer group's lag on this consumer's partitions when `run`
+    /// returned (high watermark minus committed offset, summed); `None`
+    /// while running, or when it could not be read.
+    pub lag: Option<i64>,
+}
+
+#[derive(Default)]
+struct Counters {
+    received: AtomicU64,
+    executed: AtomicU64,
+    replayed: AtomicU64,
+    retried: AtomicU64,
+    dead_lettered: AtomicU64,
+    committed: AtomicU64,
+    revoked: AtomicU64,
+    abandoned: AtomicU64,
+}
+
+/// State shared by the run loop, the record tasks and the rebalance
+/// callback.
+struct Shared {
+    /// The last record taken of each key in flight, with its number.
+    keys: Mutex<HashMap<IdempotencyKey, (u64, tokio::sync::oneshot::Receiver<()>)>>,
+    seq: AtomicU64,
+    tracks: Mutex<HashMap<(String, i32), Arc<Track>>>,
+    counters: Counters,
+    confirmed: Mutex<BTreeMap<(String, i32), i64>>,
+    /// Wakes the run loop: a commit point moved, or a commit failed.
+    wake: tokio::sync::Notify,
+    /// A commit failed: send every commit point again.
+    recommit: AtomicBool,
+    /// The consumer stops: retries give up.
+    stopping: AtomicBool,
+    /// `run` left the group: the next one subscribes again.
+    left: AtomicBool,
+    /// A commit is under way on a blocking thread.
+    committing: AtomicBool,
+    /// Commits go one at a time (the run loop's and the revoke's).
+    commit_lock: Mutex<()>,
+    revoke_wait_ms: AtomicU64,
+    partition_concurrency: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    fn track(&self, topic: &str, partition: i32) -> Option<Arc<Track>> {
+        lock(&self.tracks)
+            .get(&(topic.to_owned(), partition))
+            .cloned()
+    }
+}
+
+/// The rdkafka context: the rebalance and commit callbacks.
+#[doc(hidden)]
+pub struct IdemContext {
+    shared: Arc<Shared>,
+    /// `partition.assignment.strategy` is cooperative-sticky.
+    cooperative: bool,
+}
+
+impl ClientContext for IdemContext {
+    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
+        use rdkafka::config::RDKafkaLogLevel as L;
+        match level {
+            L::Emerg | L::Alert | L::Critical | L::Error => {
+                tracing::error!(target: "librdkafka", %fac, "{message}")
+            }
+            L::Warning => tracing::warn!(target: "librdkafka", %fac, "{message}"),
+            L::Notice | L::Info => tracing::info!(target: "librdkafka", %fac, "{message}"),
+            L::Debug => tracing::debug!(target: "librdkafka", %fac, "{message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::warn!(target: "librdkafka", %error, "{reason}");
+    }
+}
+
+impl ConsumerContext for IdemContext {
+    /// rdkafka's own `rebalance` asks librdkafka for the rebalance
+    /// protocol, a call that can block forever when the consumer is
+    /// closing (librdkafka #4041, rust-rdkafka #509: a drop that never
+    /// ends); the protocol is known from the configuration instead.
+    fn rebalance(
+        &self,
+        base: &BaseConsumer<Self>,
+        err: rdkafka::types::RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        use rdkafka::types::RDKafkaRespErr as E;
+        match err {
+            E::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                self.pre_rebalance(base, &Rebalance::Assign(tpl));
+                let done = if self.cooperative {
+                    base.incremental_assign(tpl)
+                } else {
+                    base.assign(tpl)
+                };
+                if let Err(e) = done {
+                    tracing::warn!(error = %e, "could not take the assigned partitions");
+                }
+                self.post_rebalance(base, &Rebalance::Assign(tpl));
+            }
+            E::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.pre_rebalance(base, &Rebalance::Revoke(tpl));
+                let done = if self.cooperative {
+                    base.incremental_unassign(tpl)
+                } else {
+                    base.unassign()
+                };
+                if let Err(e) = done {
+                    tracing::warn!(error = %e, "could not let the revoked partitions go");
+                }
+                self.post_rebalance(base, &Rebalance::Revoke(tpl));
+            }
+            other => {
+                let e = KafkaError::Rebalance(other.into());
+                self.pre_rebalance(base, &Rebalance::Error(e));
+            }
+        }
+    }
+
+    fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let tpl = match rebalance {
+            Rebalance::Revoke(tpl) => tpl,
+            Rebalance::Assign(tpl) => {
+                tracing::info!(partitions = ?partitions_of(tpl), "partitions assigned");
+                // A new track per assigned partition: records read from
+                // here on belong to this assignment.
+                let per_partition =
+                    self.shared.partition_concurrency.load(Ordering::Relaxed) as usize;
+                let mut map = lock(&self.shared.tracks);
+                for (topic, partition) in partitions_of(tpl) {
+                    let track = Arc::new(Track::new(&topic, partition, per_partition.max(1)));
+                    if let Some(old) = map.insert((topic, partition), track) {
+                        old.revoke();
+                    }
+                }
+                return;
+            }
+            Rebalance::Error(e) => {
+                tracing::warn!(error = %e, "rebalance error");
+                return;
+            }
+        };
+        tracing::info!(partitions = ?partitions_of(tpl), "partitions revoked");
+        let lost = base.assignment_lost();
+        let tracks: Vec<Arc<Track>> = {
+            let mut map = lock(&self.shared.tracks);
+            tpl.elements()
+                .iter()
+                .filter_map(|e| map.remove(&(e.topic().to_owned(), e.partition())))
+                .collect()
+        };
+        self.shared
+            .counters
+            .revoked
+            .fetch_add(tpl.count() as u64, Ordering::Relaxed);
+        for t in &tracks {
+            t.revoke();
+        }
+        if lost {
+            tracing::warn!(
+                partitions = tpl.count(),
+                "assignment lost (session timeout): nothing committed"
+            );
+            return;
+        }
+        let limit = Duration::from_millis(self.shared.revoke_wait_ms.load(Ordering::Relaxed));
+        let running: usize = tracks.iter().map(|t| t.running()).sum();
+        if running > 0 && !limit.is_zero() {
+            let wait = || {
+                let deadline = std::time::Instant::now() + limit;
+                tracks
+                    .iter()
+                    .map(|t| {
+                        t.wait_idle(deadline.saturating_duration_since(std::time::Instant::now()))
+                    })
+                    .sum::<usize>()
+            };
+            let multi = tokio::runtime::Handle::try_current()
+                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+            let left = if multi {
+                tokio::task::block_in_place(wait)
+            } else {
+                tracing::debug!(
+                    "revoke on a current-thread runtime: running records are not waited for"
+                );
+                running
+            };
+            if left > 0 {
+                tracing::info!(
+                    records = left,
+                    "revoke: records still running after revoke_wait are left to the next owner"
+                );
+            }
+        }
+        let mut commit = TopicPartitionList::new();
+        let mut records = 0;
+        for t in &tracks {
+            if let Some((offset, n)) = t.take_commit(true) {
+                if commit
+                    .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
+                    .is_ok()
+                {
+                    records += n;
+                }
+            }
+        }
+        if commit.count() > 0 {
+            let _one_at_a_time = lock(&self.shared.commit_lock);
+            match base.commit(&commit, CommitMode::Sync) {
+                Ok(()) => {
+                    self.shared
+                        .counters
+                        .committed
+                        .fetch_add(records, Ordering::Relaxed);
+                    self.confirm(&commit);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "commit at revoke failed: the next owner replays those records")
+                }
+            }
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => self.confirm(offsets),
+            Err(KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => {
+                tracing::debug!(error = %e, "offset commit failed: it is sent again");
+                self.shared.recommit.store(true, Ordering::SeqCst);
+                self.shared.wake.notify_one();
+            }
+        }
+    }
+}
+
+impl IdemContext {
+    fn confirm(&self, offsets: &TopicPartitionList) {
+        self.shared.confirm(offsets);
+    }
+}
+
+impl Shared {
+    fn confirm(&self, offsets: &TopicPartitionList) {
+        let mut confirmed = lock(&self.confirmed);
+        for e in offsets.elements() {
+            if let (Offset::Offset(o), Ok(())) = (e.offset(), e.error()) {
+                let slot = confirmed
+                    .entry((e.topic().to_owned(), e.partition()))
+                    .or_insert(o);
+                *slot = (*slot).max(o);
+            }
+        }
+    }
+}
+
+/// An idempotent consumer-group member; see the [crate docs](crate).
+pub struct KafkaConsumer<S: ?Sized, C = JsonCodec> {
+    consumer: Arc<StreamConsumer<IdemContext>>,
+    producer: FutureProducer,
+    group: String,
+    topics: Vec<String>,
+    idem: Idempotency<S, C>,
+    key: KeySource,
+    scope: Option<String>,
+    batch: usize,
+    concurrency: usize,
+    partition_concurrency: usize,
+    max_deliveries: u32,
+    dead_letter: Option<String>,
+    revoke_wait: Duration,
+    commit_interval: Duration,
+    retry_backoff: (Duration, Duration),
+    call_timeout: Duration,
+    shared: Arc<Shared>,
+}
+
+impl<S: ?Sized, C> fmt::Debug for KafkaConsumer<S, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaConsumer")
+            .field("group", &self.group)
+            .field("topics", &self.topics)
+            .field("key", &self.key)
+            .field("scope", &self.scope)
+            .field("batch", &self.batch)
+            .field("concurrency", &self.concurrency)
+            .field("partition_concurrency", &self.partition_concurrency)
+            .field("max_deliveries", &self.max_deliveries)
+            .field("dead_letter", &self.dead_letter)
+            .field("revoke_wait", &self.revoke_wait)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings of the consumer's configuration copied to the dead-letter
+/// producer: the connection and its security.
+fn producer_config(config: &ClientConfig) -> ClientConfig {
+    let mut out = ClientConfig::new();
+    for (k, v) in config.config_map() {
+        if k == "bootstrap.servers"
+            || k == "metadata.broker.list"
+            || k == "client.id"
+            || k.starts_with("security.")
+            || k.starts_with("sasl.")
+            || k.starts_with("ssl.")
+            || k.starts_with("socket.")
+            || k.starts_with("broker.")
+        {
+            out.set(k, v);
+        }
+    }
+    out
+}
+
+impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
+    /// A consumer of `topics` in `group` on `brokers` (`host:port,...`),
+    /// with librdkafka's defaults but `auto.offset.reset=earliest`,
+    /// `session.timeout.ms=10000` and `heartbeat.interval.ms=1000`; for
+    /// anything else (security, other timeouts) use [`new`](Self::new).
+    pub fn connect(
+        brokers: &str,
+        group: &str,
+        topics: &[&str],
+        idem: Idempotency<S, C>,
+    ) -> Result<Self, KafkaConsumerError> {
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", brokers)
+            .set("group.id", group)
+            .set("session.timeout.ms", "10000")
+            .set("heartbeat.interval.ms", "1000");
+        Self::new(&config, topics, idem)
+    }
+
+    /// A consumer made from your client configuration (it must set
+    /// `bootstrap.servers` and `group.id`), subscribed to `topics`. It sets
+    /// `enable.auto.commit=false` and `enable.auto.offset.store=false`
+    /// (commits are the consumer's), and `auto.offset.reset=earliest`
+    /// unless you set it. The dead-letter producer gets the connection and
+    /// security settings of the same configuration. Must be called inside
+    /// a tokio runtime.
+    ///
+    /// Defaults: key from the record key, scope [`default_scope`] of each
+    /// record's topic, each record acquired on its own (`batch(1)`), 64
+    /// records in flight, 16 per partition, [`DEFAULT_MAX_DELIVERIES`],
+    /// dead letters to `{topic}.dead`, 10 s `revoke_wait`, commits every
+    /// 100 ms at most, retries after 50 ms doubling to 2 s, 10 s for a dead
+    /// letter's produce.
+    pub fn new(
+        config: &ClientConfig,
+        topics: &[&str],
+        idem: Idempotency<S, C>,
+    ) -> Result<Self, KafkaConsumerError> {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(KafkaConsumerError::Config(
+                "KafkaConsumer::new must be called inside a tokio runtime".to_owned(),
+            ));
+        }
+        let group = config
+            .get("group.id")
+            .filter(|g| !g.is_empty())
+            .ok_or_else(|| KafkaConsumerError::Config("group.id is not set".to_owned()))?
+            .to_owned();
+        if topics.is_empty() || topics.iter().any(|t| t.is_empty() || t.contains('\0')) {
+            return Err(KafkaConsumerError::Config(format!(
+                "topics must be a non-empty list of names without NUL: {topics:?}"
+            )));
+        }
+        let mut config = config.clone();
+        config
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false");
+        if config.get("auto.offset.reset").is_none() {
+            config.set("auto.offset.reset", "earliest");
+        }
+        let shared = Arc::new(Shared {
+            keys: Mutex::default(),
+            seq: AtomicU64::new(0),
+            tracks: Mutex::default(),
+            counters: Counters::default(),
+            confirmed: Mutex::default(),
+            wake: tokio::sync::Notify::new(),
+            recommit: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            left: AtomicBool::new(false),
+            committing: AtomicBool::new(false),
+            commit_lock: Mutex::new(()),
+            revoke_wait_ms: AtomicU64::new(10_000),
+            partition_concurrency: AtomicU64::new(16),
+        });
+        let consumer: StreamConsumer<IdemContext> = config.create_with_context(IdemContext {
+            shared: shared.clone(),
+            cooperative: config
+                .get("partition.assignment.strategy")
+                .is_some_and(|s| s.contains("cooperative")),
+        })?;
+        consumer.subscribe(topics)?;
+        let producer: FutureProducer = producer_config(&config).create()?;
+        Ok(KafkaConsumer {
+            consumer: Arc::new(consumer),
+            producer,
+            group,
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            idem,
+            key: KeySource::RecordKey,
+            scope: None,
+            batch: 1,
+            concurrency: 64,
+            partition_concurrency: 16,
+            max_deliveries: DEFAULT_MAX_DELIVERIES,
+            dead_letter: None,
+            revoke_wait: Duration::from_secs(10),
+            commit_interval: Duration::from_millis(100),
+            retry_backoff: (Duration::from_millis(50), Duration::from_secs(2)),
+            call_timeout: Duration::from_secs(10),
+            shared,
+        })
+    }
+
+    /// Takes each record's key from its record key (the default).
+    pub fn key_from_record_key(mut self) -> Self {
+        self.key = KeySource::RecordKey;
+        self
+    }
+
+    /// Takes each record's key from the first header of this name.
+    pub fn key_header(mut self, name: impl Into<String>) -> Self {
+        self.key = KeySource::Header(name.into());
+        self
+    }
+
+    /// Takes each record's key from a hash of its record key and value.
+    pub fn key_from_content(mut self) -> Self {
+        self.key = KeySource::Content;
+        self
+    }
+
+    /// One scope for the keys of every topic (default: [`default_scope`]
+    /// of each record's topic).
+    pub fn scope(mut self, scope: impl Into<String>) -> Self {
+        self.scope = Some(scope.into());
+        self
+    }
+
+    /// Records of one partition acquired together (default 1: each record
+    /// on its own). With `n` above 1, consecutive records of a partition
+    /// read together (up to `n`, the partition's concurrency and the
+    /// overall one) go through
+    /// [`Idempotency::process_batch_with_detached`]: one `acquire_many`,
+    /// and one `complete_many` when their handlers end together; a record
+    /// settles when its batch returns, so a slow record holds up the
+    /// others of its batch. Records that need a retry go on on their own.
+    pub fn batch(mut self, n: usize) -> Self {
+        self.batch = n.max(1);
+        self
+    }
+
+    /// Records in flight at once, all partitions together (default 64; at
+    /// least 1).
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n.max(1);
+        self
+    }
+
+    /// Records of one partition in flight at once (default 16; at least
+    /// 1). 1 runs a partition's records one after the other.
+    pub fn partition_concurrency(mut self, n: usize) -> Self {
+        self.partition_concurrency = n.max(1);
+        self
+    }
+
+    /// How many failed runs a record gets before it is dead-lettered
+    /// (default [`DEFAULT_MAX_DELIVERIES`]; at least 1); see the
+    /// [crate docs](crate#delivery-counts) for how they are counted.
+    pub fn max_deliveries(mut self, n: u32) -> Self {
+        self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// One dead-letter topic for every topic (default `{topic}.dead`).
+    pub fn dead_letter(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter = Some(topic.into());
+        self
+    }
+
+    /// How long a revoke waits for the revoked partitions' running records
+    /// (default 10 s). Saturated to
+    /// [`MAX_DURATION`](idem_core::MAX_DURATION); keep it well under
+    /// `max.poll.interval.ms`.
+    pub fn revoke_wait(mut self, wait: Duration) -> Self {
+        self.revoke_wait = saturate(wait);
+        self
+    }
+
+    /// The shortest time between two asynchronous commits (default
+    /// 100 ms); `Duration::ZERO` commits as soon as a commit point moves.
+    pub fn commit_interval(mut self, every: Duration) -> Self {
+        self.commit_interval = saturate(every);
+        self
+    }
+
+    /// The pause before a record's first retry, doubling up to `max`
+    /// (default 50 ms to 2 s).
+    pub fn retry_backoff(mut self, first: Duration, max: Duration) -> Self {
+        let first = saturate(first).max(Duration::from_millis(1));
+        self.retry_backoff = (first, saturate(max).max(first));
+        self
+    }
+
+    /// How long producing a dead letter may take before it is tried again
+    /// (default 10 s).
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = saturate(timeout).max(Duration::from_millis(1));
+        self
+    }
+
+    /// The rdkafka consumer (to read its assignment or metadata; do not
+    /// commit or seek with it).
+    pub fn client(&self) -> &StreamConsumer<IdemContext> {
+        &self.consumer
+    }
+
+    /// What this consumer did so far (`lag` is `None`).
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.shared.counters;
+        ConsumerStats {
+            received: c.received.load(Ordering::Relaxed),
+            executed: c.executed.load(Ordering::Relaxed),
+            replayed: c.replayed.load(Ordering::Relaxed),
+            retried: c.retried.load(Ordering::Relaxed),
+            dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
+            committed: c.committed.load(Ordering::Relaxed),
+            committed_offsets: lock(&self.shared.confirmed).clone(),
+            revoked: c.revoked.load(Ordering::Relaxed),
+            abandoned: c.abandoned.load(Ordering::Relaxed),
+            lag: None,
+        }
+    }
+
+    /// The group's lag on the partitions assigned to this consumer now:
+    /// the high watermark minus the committed offset (the low watermark
+    /// if nothing is committed), per partition.
+    pub async fn lag(&self) -> Result<BTreeMap<(String, i32), i64>, KafkaConsumerError> {
+        let consumer = self.consumer.clone();
+        let timeout = self.call_timeout;
+        tokio::task::spawn_blocking(move || {
+            let assignment = consumer.assignment()?;
+            lag_of(&*consumer, assignment, timeout)
+        })
+        .await
+        .map_err(|e| KafkaConsumerError::Config(format!("the lag task failed: {e}")))?
+    }
+
+    /// Reads and processes records until `shutdown` completes, then waits
+    /// for the records in flight (their handlers, their results recorded;
+    /// records waiting for a retry give up), commits synchronously, and
+    /// returns what it did, with the lag. Fails when the executor's
+    /// configuration is refused (nothing could succeed); broker errors are
+    /// logged and librdkafka retries them.
+    pub async fn run<F, Fut, T, E>(
+        &self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, KafkaConsumerError>
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        if let Some(dead) = &self.dead_letter {
+            if dead.is_empty() || dead.contains('\0') {
+                return Err(KafkaConsumerError::Config(format!(
+                    "the dead-letter topic {dead:?} is not a topic name"
+                )));
+            }
+        }
+        let shared = &self.shared;
+        // Subscribed in `new`; again after an earlier `run` left the group.
+        if shared.left.swap(false, Ordering::SeqCst) {
+            let topics: Vec<&str> = self.topics.iter().map(String::as_str).collect();
+            self.consumer.subscribe(&topics)?;
+        }
+        shared.stopping.store(false, Ordering::SeqCst);
+        shared
+            .revoke_wait_ms
+            .store(self.revoke_wait.as_millis() as u64, Ordering::Relaxed);
+        shared
+            .partition_concurrency
+            .store(self.partition_concurrency as u64, Ordering::Relaxed);
+        let work = Arc::new(Work {
+            idem: self.idem.clone(),
+            handler,
+            key: self.key.clone(),
+            scope: self.scope.clone(),
+            max_deliveries: self.max_deliveries,
+            dead_letter: self.dead_letter.clone(),
+            group: self.group.clone(),
+            producer: self.producer.clone(),
+            retry_backoff: self.retry_backoff,
+            call_timeout: self.call_timeout,
+            shared: shared.clone(),
+            fatal: Mutex::new(None),
+        });
+        let overall = Arc::new(tokio::sync::Semaphore::new(self.concurrency));
+        let mut tasks = JoinSet::new();
+        let shutdown = shutdown.fuse();
+        futures_util::pin_mut!(shutdown);
+        let mut last_commit = tokio::time::Instant::now();
+        let mut commit_due: Option<tokio::time::Instant> = None;
+        'read: loop {
+            if lock(&work.fatal).is_some() {
+                break;
+            }
+            let due = commit_due;
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                () = shared.wake.notified() => {
+                    let now = tokio::time::Instant::now();
+                    let at = last_commit + self.commit_interval;
+                    if now >= at {
+                        self.commit_async();
+                        last_commit = now;
+                        commit_due = None;
+                    } else {
+                        commit_due.get_or_insert(at);
+                    }
+                }
+                () = async { if let Some(at) = due { tokio::time::sleep_until(at).await } }, if due.is_some() => {
+                    self.commit_async();
+                    last_commit = tokio::time::Instant::now();
+                    commit_due = None;
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+                message = self.consumer.recv() => {
+                    let mut batch = Vec::new();
+                    match message {
+                        Ok(m) => batch.push(RecordRead::of(&m, shared)),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "kafka consumer error (librdkafka retries)");
+                            continue 'read;
+                        }
+                    }
+                    while batch.len() < self.batch.max(READ_AHEAD) {
+                        match self.consumer.recv().now_or_never() {
+                            Some(Ok(m)) => batch.push(RecordRead::of(&m, shared)),
+                            Some(Err(e)) => {
+                                tracing::warn!(error = %e, "kafka consumer error (librdkafka retries)");
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    shared.counters.received.fetch_add(batch.len() as u64, Ordering::Relaxed);
+                    let chunk_max = self
+                        .batch
+                        .min(self.partition_concurrency)
+                        .min(self.concurrency);
+                    for (track, chunk) in chunks(self.owned(batch), chunk_max) {
+                        // Permits of its partition, then overall ones (only
+                        // this loop takes them: no deadlock).
+                        let n = chunk.len() as u32;
+                        let permits = async {
+                            let p = track.permits.clone().acquire_many_owned(n).await;
+                            let o = overall.clone().acquire_many_owned(n).await;
+                            (p, o)
+                        };
+                        let permits = tokio::select! {
+                            biased;
+                            () = &mut shutdown => break 'read,
+                            p = permits => p,
+                        };
+                        let (Ok(p), Ok(o)) = permits else { break 'read };
+                        let jobs: Vec<Job> = chunk
+                            .into_iter()
+                            .map(|read| {
+                                track.begin(read.record.offset);
+                                work.prepare(read)
+                            })
+                            .collect();
+                        let work = work.clone();
+                        if jobs.len() == 1 {
+                            let job = jobs.into_iter().next();
+                            tasks.spawn(async move {
+                                if let Some(job) = job {
+                                    work.run_record(track, job).await;
+                                }
+                                drop((p, o));
+                            });
+                        } else {
+                            tasks.spawn(async move {
+                                work.run_chunk(track, jobs).await;
+                                drop((p, o));
+                            });
+                        }
+                    }
+                }
+            }
+        }
+        // Shutdown: records waiting for a retry give up; running ones finish.
+        shared.stopping.store(true, Ordering::SeqCst);
+        while tasks.join_next().await.is_some() {}
+        self.commit_sync().await;
+        self.leave().await;
+        let fatal = lock(&work.fatal).take();
+        if let Some(e) = fatal {
+            return Err(e.into());
+        }
+        let mut stats = self.stats();
+        stats.lag = self.lag().await.ok().map(|m| m.values().sum());
+        Ok(stats)
+    }
+
+    /// The track of each record's partition, in read order. A record read
+    /// while its partition was not assigned here, or whose partition was
+    /// revoked since it was read (a rebalance ran inside a later read of
+    /// the same batch), is skipped: never run or committed in an
+    /// assignment it does not belong to; its owner reads it again from the
+    /// committed offset.
+    fn owned(&self, batch: Vec<RecordRead>) -> Vec<(Arc<Track>, RecordRead)> {
+        let mut out = Vec::with_capacity(batch.len());
+        for mut read in batch {
+            match read.track.take() {
+                Some(track) if !track.revoked() => out.push((track, read)),
+                _ => {
+                    tracing::debug!(topic = %read.record.topic, partition = read.record.partition, offset = read.record.offset, "record of a partition not assigned here (any more): skipped");
+                }
+            }
+        }
+        out
+    }
+
+    fn commit_points(&self, force: bool) -> (TopicPartitionList, u64) {
+        let tracks: Vec<Arc<Track>> = lock(&self.shared.tracks).values().cloned().collect();
+        points(&tracks, force)
+    }
+
+    /// Sends the commit points that moved (all of them after a failed
+    /// commit), unless a commit is under way: then the next wake does.
+    /// The commit is synchronous, on a blocking thread, so its answer is
+    /// known (rdkafka does not report asynchronous commits to a
+    /// `StreamConsumer` reliably) and commits never overtake each other.
+    fn commit_async(&self) {
+        if self.shared.committing.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        let force = self.shared.recommit.swap(false, Ordering::SeqCst);
+        let (tpl, records) = self.commit_points(force);
+        if tpl.count() == 0 {
+            self.shared.committing.store(false, Ordering::SeqCst);
+            return;
+        }
+        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        tokio::task::spawn_blocking(move || {
+            commit_now(&*consumer, &shared, &tpl, records);
+            shared.committing.store(false, Ordering::SeqCst);
+            shared.wake.notify_one();
+        });
+    }
+
+    /// Leaves the group at the end of `run`: unsubscribes and serves the
+    /// revoke that follows here, bounded by `revoke_wait` plus the call
+    /// timeout, so that dropping the client later has no assignment to
+    /// give back (librdkafka can hang forever in a revoke served while the
+    /// client closes, librdkafka #4041). Records read meanwhile are not
+    /// run: they were never taken, so never committed here.
+    async fn leave(&self) {
+        self.consumer.unsubscribe();
+        self.shared.left.store(true, Ordering::SeqCst);
+        let deadline = tokio::time::Instant::now() + self.revoke_wait + self.call_timeout;
+        // The revoke runs inside a poll, which returns only with a
+        // message: polled in short slices, the assignment checked between.
+        while !lock(&self.shared.tracks).is_empty() {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!("the revoke after unsubscribe did not come in time");
+                return;
+            }
+            let _ = tokio::time::timeout(Duration::from_millis(20), self.consumer.recv()).await;
+        }
+    }
+
+    /// Commits every commit point and waits for the answer (at shutdown).
+    async fn commit_sync(&self) {
+        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
+        let done = tokio::task::spawn_blocking(move || {
+            let (tpl, records) = {
+                let tracks: Vec<Arc<Track>> = lock(&shared.tracks).values().cloned().collect();
+                points(&tracks, true)
+            };
+            if tpl.count() > 0 && !commit_now(&*consumer, &shared, &tpl, records) {
+                tracing::warn!(
+                    "final offset commit failed: the records since the last commit are replayed"
+                );
+            }
+        })
+        .await;
+        if let Err(e) = done {
+            tracing::warn!(error = %e, "final offset commit task failed");
+        }
+    }
+}
+
+/// The commit points of `tracks` that moved (all, with `force`), and the
+/// records they cover.
+fn points(tracks: &[Arc<Track>], force: bool) -> (TopicPartitionList, u64) {
+    let mut tpl = TopicPartitionList::new();
+    let mut records = 0;
+    for t in tracks {
+        if let Some((offset, n)) = t.take_commit(force) {
+            if tpl
+                .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
+                .is_ok()
+            {
+                records += n;
+            }
+        }
+    }
+    (tpl, records)
+}
+
+/// A synchronous commit, one at a time (the revoke's too); on failure the
+/// next commit sends every point again. Whether it succeeded.
+fn commit_now<K: Consumer<IdemContext>>(
+    consumer: &K,
+    shared: &Shared,
+    tpl: &TopicPartitionList,
+    records: u64,
+) -> bool {
+    let _one_at_a_time = lock(&shared.commit_lock);
+    match consumer.commit(tpl, CommitMode::Sync) {
+        Ok(()) => {
+            shared
+                .counters
+                .committed
+                .fetch_add(records, Ordering::Relaxed);
+            shared.confirm(tpl);
+            true
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "offset commit failed: sent again");
+            shared.recommit.store(true, Ordering::SeqCst);
+            false
+        }
+    }
+}
+
+fn partitions_of(tpl: &TopicPartitionList) -> Vec<(String, i32)> {
+    tpl.elements()
+        .iter()
+        .map(|e| (e.topic().to_owned(), e.partition()))
+        .collect()
+}
+
+/// The lag of `partitions` for the consumer's group, per partition.
+fn lag_of<K: Consumer<X>, X: ConsumerContext>(
+    consumer: &K,
+    partitions: TopicPartitionList,
+    timeout: Duration,
+) -> Result<BTreeMap<(String, i32), i64>, KafkaConsumerError> {
+    let committed = consumer.committed_offsets(partitions, Timeout::After(timeout))?;
+    let mut out = BTreeMap::new();
+    for e in committed.elements() {
+        let (low, high) =
+            consumer.fetch_watermarks(e.topic(), e.partition(), Timeout::After(timeout))?;
+        let at = match e.offset() {
+            Offset::Offset(o) => o,
+            _ => low,
+        };
+        out.insert((e.topic().to_owned(), e.partition()), (high - at).max(0));
+    }
+    Ok(out)
+}
+
+/// A client of its own made from `config` (which must set
+/// `bootstrap.servers` and `group.id`; it does not join the group), and
+/// the partitions of `topic`.
+fn group_reader(
+    config: &ClientConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<(BaseConsumer, TopicPartitionList), KafkaConsumerError> {
+    let consumer: BaseConsumer = config.create()?;
+    let metadata = consumer.fetch_metadata(Some(topic), Timeout::After(timeout))?;
+    let mut tpl = TopicPartitionList::new();
+    for t in metadata.topics() {
+        for p in t.partitions() {
+            tpl.add_partition(t.name(), p.id());
+        }
+    }
+    Ok((consumer, tpl))
+}
+
+/// The committed lag of a consumer group on a topic, per partition: the
+/// high watermark minus the committed offset (the low watermark when
+/// nothing is committed). Some brokers under-report the high watermark
+/// (Tansu 0.6 answers a multi-record batch's base offset + 1): compare
+/// [`group_committed`] with the producer's delivery reports there.
+pub async fn group_lag(
+    config: &ClientConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<BTreeMap<(String, i32), i64>, KafkaConsumerError> {
+    let config = config.clone();
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let (consumer, tpl) = group_reader(&config, &topic, timeout)?;
+        lag_of(&consumer, tpl, timeout)
+    })
+    .await
+    .map_err(|e| KafkaConsumerError::Config(format!("the lag task failed: {e}")))?
+}
+
+/// The offsets a consumer group committed on a topic, per partition
+/// (partitions without a commit are left out).
+pub async fn group_committed(
+    config: &ClientConfig,
+    topic: &str,
+    timeout: Duration,
+) -> Result<BTreeMap<(String, i32), i64>, KafkaConsumerError> {
+    let config = config.clone();
+    let topic = topic.to_owned();
+    tokio::task::spawn_blocking(move || {
+        let (consumer, tpl) = group_reader(&config, &topic, timeout)?;
+        let committed = consumer.committed_offsets(tpl, Timeout::After(timeout))?;
+        Ok(committed
+            .elements()
+            .iter()
+            .filter_map(|e| match e.offset() {
+                Offset::Offset(o) => Some(((e.topic().to_owned(), e.partition()), o)),
+                _ => None,
+            })
+            .collect())
+    })
+    .await
+    .map_err(|e| KafkaConsumerError::Config(format!("the offsets task failed: {e}")))?
+}
+
+/// Consecutive records of one partition, at most `max` together.
+fn chunks(reads: Vec<(Arc<Track>, RecordRead)>, max: usize) -> Vec<(Arc<Track>, Vec<RecordRead>)> {
+    let mut out: Vec<(Arc<Track>, Vec<RecordRead>)> = Vec::new();
+    for (track, read) in reads {
+        match out.last_mut() {
+            Some((t, chunk)) if Arc::ptr_eq(t, &track) && chunk.len() < max => chunk.push(read),
+            _ => out.push((track, vec![read])),
+        }
+    }
+    out
+}
+
+/// A record ready to run: its key (or why it is dead-lettered at once),
+/// and its place in the chain of the records of the same key.
+struct Job {
+    record: KafkaRecord,
+    key: Result<IdempotencyKey, String>,
+    /// The previous record of the same key taken by this consumer: this
+    /// one runs after it ends, so records of one key run in the order
+    /// read (the first of two payloads wins, the second is the mismatch).
+    after: Option<(u64, tokio::sync::oneshot::Receiver<()>)>,
+    /// Ends this record's turn for the next one (when dropped), with its
+    /// number in the chain.
+    turn: Option<(u64, tokio::sync::oneshot::Sender<()>)>,
+}
+
+/// Ends a record's turn in its key's chain when dropped: the next record
+/// of the key may run, and the chain's entry goes if it was the last.
+struct Turn {
+    shared: Arc<Shared>,
+    key: Option<IdempotencyKey>,
+    turn: Option<(u64, tokio::sync::oneshot::Sender<()>)>,
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if let (Some(key), Some((seq, _))) = (&self.key, &self.turn) {
+            let mut keys = lock(&self.shared.keys);
+            if keys.get(key).is_some_and(|(s, _)| s == seq) {
+                keys.remove(key);
+            }
+        }
+    }
+}
+
+/// A record as read, or why it cannot be given to the handler.
+struct RecordRead {
+    record: KafkaRecord,
+    unusable: Option<RecordError>,
+    /// The assignment of its partition when it was read.
+    track: Option<Arc<Track>>,
+}
+
+impl RecordRead {
+    fn of(message: &rdkafka::message::BorrowedMessage<'_>, shared: &Shared) -> Self {
+        let (record, unusable) = KafkaRecord::read(message);
+        let track = shared.track(&record.topic, record.partition);
+        RecordRead {
+            record,
+            unusable,
+            track,
+        }
+    }
+}
+
+/// The handler's error, or the run refused because the key was acquired
+/// more than `max_deliveries` times (its earlier runs were cut off).
+enum Run<E> {
+    Handler(E),
+    TooManyAttempts(u32),
+}
+
+impl<E: fmt::Display> fmt::Display for Run<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Run::Handler(e) => write!(f, "handler failed: {e}"),
+            Run::TooManyAttempts(n) => write!(
+                f,
+                "acquired {n} times: earlier runs were cut off (their consumer died)"
+            ),
+        }
+    }
+}
+
+/// Whether a handler error says the record can never succeed.
+fn is_permanent<E: 'static>(e: &E) -> bool {
+    let any = e as &dyn std::any::Any;
+    if any.is::<RecordError>() {
+        return true;
+    }
+    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>() {
+        return b.is::<RecordError>();
+    }
+    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error>>() {
+        return b.is::<RecordError>();
+    }
+    false
+}
+
+/// What to do with a record after a run.
+enum Settle {
+    /// Settled: commit it.
+    Done,
+    /// Dead-letter it with this reason.
+    Dead(String),
+    /// The handler failed: counted, then retried or dead-lettered.
+    Failed(String),
+    /// Not the record's fault: try again later.
+    Retry,
+    /// Nothing can succeed: stop the consumer.
+    Fatal(StoreError),
+}
+
+/// What the record tasks share: the executor, the handler, the settings.
+struct Work<S: ?Sized, C, F> {
+    idem: Idempotency<S, C>,
+    handler: F,
+    key: KeySource,
+    scope: Option<String>,
+    max_deliveries: u32,
+    dead_letter: Option<String>,
+    group: String,
+    producer: FutureProducer,
+    retry_backoff: (Duration, Duration),
+    call_timeout: Duration,
+    shared: Arc<Shared>,
+    fatal: Mutex<Option<StoreError>>,
+}
+
+impl<S, C, F> Work<S, C, F>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+{
+    fn scope_of(&self, topic: &str) -> String {
+        self.scope.clone().unwrap_or_else(|| default_scope(topic))
+    }
+
+    /// The record's key, and its turn after the previous record of that
+    /// key (called in read order).
+    fn prepare(&self, read: RecordRead) -> Job {
+        let scope = self.scope_of(&read.record.topic);
+        let key = match read.unusable {
+            Some(e) => Err(e.to_string()),
+            None => self
+                .key
+                .key_of(&scope, &read.record)
+                .map_err(|e| format!("no usable key: {e}")),
+        };
+        let (mut after, mut turn) = (None, None);
+        if let Ok(k) = &key {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
+            after = lock(&self.shared.keys).insert(k.clone(), (seq, rx));
+            turn = Some((seq, tx));
+        }
+        Job {
+            record: read.record,
+            key,
+            after,
+            turn,
+        }
+    }
+
+    /// Runs one record until it is settled or given up.
+    async fn run_record<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, job: Job)
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let Job {
+            record,
+            key,
+            after,
+            turn,
+        } = job;
+        // The record's turn ends whatever way this task ends (dropped too).
+        let _turn = Turn {
+            shared: self.shared.clone(),
+            key: key.as_ref().ok().cloned(),
+            turn,
+        };
+        if let Some((_, after)) = after {
+            let _ = after.await;
+        }
+        self.drive(&track, record, key, None).await;
+    }
+
+    /// A record's run for its own key (the first one's outcome given when
+    /// it ran in a batch).
+    fn item<Fut, T, E>(
+        self: &Arc<Self>,
+        record: &KafkaRecord,
+    ) -> impl FnOnce(Context) -> futures_util::future::BoxFuture<'static, Result<T, Run<E>>>
+           + Send
+           + 'static
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Send + 'static,
+        E: Send + 'static,
+    {
+        let max = self.max_deliveries;
+        let work = self.clone();
+        let mut copy = record.clone();
+        move |ctx: Context| {
+            copy.attempt = ctx.attempt;
+            copy.fence = ctx.fence;
+            let fut = (ctx.attempt <= max).then(|| (work.handler)(copy));
+            Box::pin(async move {
+                match fut {
+                    Some(fut) => fut.await.map_err(Run::Handler),
+                    None => Err(Run::TooManyAttempts(ctx.attempt)),
+                }
+            })
+        }
+    }
+
+    /// Runs a chunk of one partition's records as one batch (one
+    /// `acquire_many`, one `complete_many` when the handlers end
+    /// together); each record that did not settle goes on on its own.
+    async fn run_chunk<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, jobs: Vec<Job>)
+    where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let mut turns = Vec::with_capacity(jobs.len());
+        let mut records = Vec::with_capacity(jobs.len());
+        // Waits for earlier records of the same keys outside the chunk; a
+        // key twice in the chunk runs in order inside the batch.
+        let ours: HashSet<u64> = jobs
+            .iter()
+            .filter_map(|j| j.turn.as_ref().map(|(seq, _)| *seq))
+            .collect();
+        for job in jobs {
+            turns.push(Turn {
+                shared: self.shared.clone(),
+                key: job.key.as_ref().ok().cloned(),
+                turn: job.turn,
+            });
+            if let Some((seq, after)) = job.after {
+                if !ours.contains(&seq) {
+                    let _ = after.await;
+                }
+            }
+            records.push((job.record, job.key));
+        }
+        let items: Vec<_> = records
+            .iter()
+            .filter_map(|(record, key)| {
+                let key = key.as_ref().ok()?;
+                Some((
+                    key.clone(),
+                    record::fingerprint_of(record),
+                    self.item(record),
+                ))
+            })
+            .collect();
+        let mut results = self
+            .idem
+            .process_batch_with_detached(items)
+            .await
+            .into_iter();
+        let drives = records.into_iter().map(|(record, key)| {
+            let first = key.is_ok().then(|| results.next()).flatten();
+            self.drive(&track, record, key, first)
+        });
+        futures_util::future::join_all(drives).await;
+        drop(turns);
+    }
+
+    /// Drives a record until it is settled (recorded, replayed,
+    /// dead-lettered) or given up; `first` is its first run's outcome if it
+    /// already ran.
+    async fn drive<Fut, T, E>(
+        self: &Arc<Self>,
+        track: &Track,
+        record: KafkaRecord,
+        key: Result<IdempotencyKey, String>,
+        mut first: Option<Result<Processed<T>, IdemError<Run<E>>>>,
+    ) where
+        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let (key, mut dead) = match key {
+            Ok(k) => (Some(k), None),
+            Err(reason) => (None, Some((0u32, reason))),
+        };
+        let fingerprint = record::fingerprint_of(&record);
+        let mut backoff = self.retry_backoff.0;
+        loop {
+            if let (Some(k), None) = (&key, &dead) {
+                let result = match first.take() {
+                    Some(r) => r,
+                    None => {
+                        self.idem
+                            .process_with_detached(k, fingerprint, self.item(&record))
+                            .await
+                    }
+                };
+                match self.settle_of(&record, result) {
+                    Settle::Done => {
+                        if track.settle(record.offset) {
+                            self.shared.wake.notify_one();
+                        }
+                        return;
+                    }
+                    Settle::Dead(reason) => dead = Some((0, reason)),
+                    Settle::Failed(reason) => match self.failures(k).await {
+                        Some(n) if n >= self.max_deliveries => {
+                            let reason = format!(
+                                "{reason} (failed {n} times, max_deliveries {})",
+                                self.max_deliveries
+                            );
+                            dead = Some((n, reason));
+                        }
+                        _ => {
+                            self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                        }
+                    },
+                    Settle::Retry => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Settle::Fatal(e) => {
+                        lock(&self.fatal).get_or_insert(e);
+                        self.shared.wake.notify_one();
+                        track.abandon(record.offset);
+                        return;
+                    }
+                }
+            }
+            if let Some((n, reason)) = &dead {
+                if self.dead_letter_one(&record, *n, reason).await {
+                    if track.settle(record.offset) {
+                        self.shared.wake.notify_one();
+                    }
+                    return;
+                }
+            }
+            let give_up = track.revoked()
+                || self.shared.stopping.load(Ordering::SeqCst)
+                || lock(&self.fatal).is_some();
+            if give_up {
+                self.shared
+                    .counters
+                    .abandoned
+                    .fetch_add(1, Ordering::Relaxed);
+                track.abandon(record.offset);
+                return;
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = backoff.saturating_mul(2).min(self.retry_backoff.1);
+        }
+    }
+
+    /// What a run's outcome means for its record.
+    fn settle_of<T, E: fmt::Display + 'static>(
+        &self,
+        record: &KafkaRecord,
+        result: Result<Processed<T>, IdemError<Run<E>>>,
+    ) -> Settle {
+        let c = &self.shared.counters;
+        match result {
+            Ok(Processed::Executed(_)) => {
+                c.executed.fetch_add(1, Ordering::Relaxed);
+                Settle::Done
+            }
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "the handler ran but its result was not recorded");
+                c.executed.fetch_add(1, Ordering::Relaxed);
+                Settle::Done
+            }
+            Ok(Processed::Replayed(_)) => {
+                c.replayed.fetch_add(1, Ordering::Relaxed);
+                Settle::Done
+            }
+            Err(IdemError::ResultUnavailable { reason }) => {
+                tracing::warn!(topic = %record.topic, offset = record.offset, %reason, "duplicate of a record whose result was not recorded: settled");
+                c.replayed.fetch_add(1, Ordering::Relaxed);
+                Settle::Done
+            }
+            // Held elsewhere (a rebalance moved the partition while its
+            // handler ran there), or our lease was taken over: the holder
+            // records, and the retry gets its replay.
+            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. } | IdemError::LeaseLost) => {
+                Settle::Retry
+            }
+            Err(IdemError::InvalidConfig { detail }) => {
+                Settle::Fatal(StoreError::InvalidArgument { detail })
+            }
+            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Settle::Fatal(e),
+            Err(IdemError::Store(e)) if e.is_retryable() => {
+                tracing::warn!(topic = %record.topic, offset = record.offset, error = %e, "store unavailable: the record is retried");
+                Settle::Retry
+            }
+            Err(IdemError::Handler(Run::TooManyAttempts(n))) => Settle::Dead(format!(
+                "acquired {n} times (max_deliveries {}): its earlier runs were cut off, their consumer died",
+                self.max_deliveries
+            )),
+            Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {
+                Settle::Dead(format!("handler refused the record: {e}"))
+            }
+            Err(IdemError::Handler(Run::Handler(e))) => Settle::Failed(e.to_string()),
+            Err(e @ IdemError::Panicked { .. }) => Settle::Failed(e.to_string()),
+            Err(e) => Settle::Dead(e.to_string()),
+        }
+    }
+
+    /// Counts a failed run of `key` and returns the count so far: the
+    /// attempt number of a counter record (see the crate docs). `None`
+    /// when the store could not count it.
+    async fn failures(&self, key: &IdempotencyKey) -> Option<u32> {
+        let id =
+            Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
+        let counter = IdempotencyKey::new("idem.failures", id).ok()?;
+        match self
+            .idem
+            .store()
+            .acquire(&counter, None, Duration::from_millis(1))
+            .await
+        {
+            Ok(idem_core::Acquisition::Acquired(lease)) => Some(lease.attempt),
+            Ok(idem_core::Acquisition::InProgress { attempt, .. }) => Some(attempt),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not count a failed run");
+                None
+            }
+        }
+    }
+
+    /// Produces the record to the dead-letter topic; whether the broker
+    /// acknowledged it.
+    async fn dead_letter_one(&self, record: &KafkaRecord, n: u32, reason: &str) -> bool {
+        let topic = self
+            .dead_letter
+            .clone()
+            .unwrap_or_else(|| format!("{}.dead", record.topic));
+        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 6);
+        for (name, value) in &record.headers {
+            headers = headers.insert(Header {
+                key: name,
+                value: value.as_deref(),
+            });
+        }
+        let partition = record.partition.to_string();
+        let offset = record.offset.to_string();
+        let deliveries = n.to_string();
+        for (name, value) in [
+            ("idem.topic", record.topic.as_str()),
+            ("idem.partition", &partition),
+            ("idem.offset", &offset),
+            ("idem.group", &self.group),
+            ("idem.deliveries", &deliveries),
+            ("idem.reason", reason),
+        ] {
+            headers = headers.insert(Header {
+                key: name,
+                value: Some(value),
+            });
+        }
+        let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(headers);
+        if let Some(k) = record.key.as_deref() {
+            out = out.key(k);
+        }
+        if let Some(p) = record.payload.as_deref() {
+            out = out.payload(p);
+        }
+        match self
+            .producer
+            .send(out, Timeout::After(self.call_timeout))
+            .await
+        {
+            Ok(_) => {
+                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, dead_letter = %topic, %reason, "record dead-lettered");
+                self.shared
+                    .counters
+                    .dead_lettered
+                    .fetch_add(1, Ordering::Relaxed);
+                true
+            }
+            Err((e, _)) => {
+                tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %e, "could not dead-letter: tried again");
+                false
+            }
+        }
+    }
+}
