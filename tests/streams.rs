@@ -1325,3 +1325,71 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
         consumer.stats()
     );
 }
+
+/// The store goes away right after the handler's effect, for 3 s, three
+/// times the 1 s lease: the executor gives up completing before the lease
+/// ends (`IdemError::Unrecorded`). The entry stays pending and comes back
+/// to this consumer (XAUTOCLAIM after 300 ms idle) while the lease is over:
+/// it must not run again (before: processed again, the expired lease taken
+/// over, the effect run a second time). Its completion is written with the
+/// first run's lease once the store is back, then the entry is acked, and
+/// a duplicate gets the recorded result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_twice() {
+    let stream = format!("outage-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = StreamConsumer::connect(
+        support::redis_server::shared_url(),
+        &stream,
+        "g",
+        "a",
+        idem.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_field("message_id")
+    .block(Duration::from_millis(100))
+    .claim_idle(Duration::from_millis(300));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move |_e: StreamEntry| {
+            let (effects, down) = (effects.clone(), down.clone());
+            async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The first run: the store goes down now, for 3 s.
+                    down.store(true, Ordering::SeqCst);
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_secs(3));
+                        down.store(false, Ordering::SeqCst);
+                    });
+                }
+                Ok::<_, std::io::Error>("charged".to_owned())
+            }
+        }
+    };
+    let stats = run_until(
+        &consumer,
+        handler,
+        Duration::from_secs(20),
+        ran_and_nothing_pending(&stream, &effects, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect ran twice: {stats:?}"
+    );
+    assert_eq!(stats.executed, 1, "{stats:?}");
+    let key = idem::IdempotencyKey::new(format!("stream.{stream}"), "m-1")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    let response = match record.map(|r| r.state) {
+        Some(idem::RecordState::Completed { response, .. }) => response,
+        other => panic!("the entry's record: {other:?}"),
+    };
+    assert_eq!(&response[..], b"\"charged\"", "the first run's result");
+}

@@ -8,6 +8,7 @@ use std::fmt;
 use std::time::Duration;
 
 use crate::key::IdempotencyKey;
+use crate::record::Lease;
 
 /// A boxed error source, kept so that the cause chain is not lost.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -285,6 +286,53 @@ pub enum IdemError<E> {
     Store(StoreError),
     /// The key was invalid. Not retryable.
     InvalidKey(KeyError),
+    /// The handler ran and returned `Ok`, but its result could not be
+    /// recorded before the lease ended (the store was unavailable): the
+    /// key is still held by this call's lease, in progress. **Do not run
+    /// the message again** (after the lease another delivery would take
+    /// the key over and run the handler a second time): finish it with
+    /// [`Idempotency::finish`](crate::Idempotency::finish), which writes
+    /// the same completion with this lease's token, until it returns
+    /// `Ok` (recorded) or [`StoreError::LeaseLost`] (another worker took
+    /// the key over after the lease ended). Not retryable in the sense of
+    /// [`is_retryable`](Self::is_retryable): retrying the message is what
+    /// must not happen.
+    Unrecorded(Box<Unrecorded>),
+}
+
+/// What [`IdemError::Unrecorded`] hands back: the lease of a handler that
+/// ran and the bytes of its completion (its encoded result, or the "not
+/// replayable" marker), to write with
+/// [`Idempotency::finish`](crate::Idempotency::finish) once the store is
+/// back.
+pub struct Unrecorded {
+    pub(crate) lease: Lease,
+    pub(crate) response: Vec<u8>,
+    pub(crate) cause: StoreError,
+}
+
+impl Unrecorded {
+    /// The lease that still holds the key.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The last store error of the completion.
+    pub fn cause(&self) -> &StoreError {
+        &self.cause
+    }
+}
+
+impl fmt::Debug for Unrecorded {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Unrecorded")
+            .field("key", &self.lease.key)
+            .field("attempt", &self.lease.attempt)
+            .field("fence", &self.lease.fence)
+            .field("response_len", &self.response.len())
+            .field("cause", &self.cause)
+            .finish()
+    }
 }
 
 impl<E> IdemError<E> {
@@ -300,7 +348,8 @@ impl<E> IdemError<E> {
             | IdemError::Codec(_)
             | IdemError::ResultUnavailable { .. }
             | IdemError::InvalidConfig { .. }
-            | IdemError::InvalidKey(_) => false,
+            | IdemError::InvalidKey(_)
+            | IdemError::Unrecorded(_) => false,
             IdemError::Store(e) => e.is_retryable(),
         }
     }
@@ -368,6 +417,7 @@ impl<E: fmt::Debug> fmt::Debug for IdemError<E> {
                 .finish(),
             IdemError::Store(e) => f.debug_tuple("Store").field(e).finish(),
             IdemError::InvalidKey(e) => f.debug_tuple("InvalidKey").field(e).finish(),
+            IdemError::Unrecorded(u) => f.debug_tuple("Unrecorded").field(u).finish(),
         }
     }
 }
@@ -401,6 +451,11 @@ impl<E: fmt::Display> fmt::Display for IdemError<E> {
             IdemError::InvalidConfig { detail } => write!(f, "invalid idempotency configuration: {detail}"),
             IdemError::Store(e) => e.fmt(f),
             IdemError::InvalidKey(e) => e.fmt(f),
+            IdemError::Unrecorded(u) => write!(
+                f,
+                "the handler ran but its result is not recorded yet (the store failed: {}); finish it with its lease, do not run it again",
+                u.cause
+            ),
         }
     }
 }
@@ -415,6 +470,7 @@ where
             IdemError::Codec(e) => Some(e),
             IdemError::Store(e) => Some(e),
             IdemError::InvalidKey(e) => Some(e),
+            IdemError::Unrecorded(u) => Some(&u.cause),
             _ => None,
         }
     }

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::codec::{Codec, JsonCodec};
-use crate::error::{CodecError, IdemError, StoreError};
+use crate::error::{CodecError, IdemError, StoreError, Unrecorded};
 use crate::fingerprint::Fingerprint;
 use crate::key::IdempotencyKey;
 use crate::record::{
@@ -616,8 +616,8 @@ where
         first: Option<Result<(), StoreError>>,
     ) -> Result<Processed<T>, IdemError<E>> {
         let key = &lease.key;
-        let scope = key.scope();
-        let outcome = match encoded {
+        // The completion's bytes and the store's answer to it.
+        let (bytes, completed) = match encoded {
             Ok(bytes) => {
                 let completed = match first {
                     // The item's own verdicts: done, taken over, too large.
@@ -634,45 +634,98 @@ where
                     }
                     None => self.complete(lease, &bytes, lease_end).await,
                 };
-                match completed {
-                    Ok(()) => return Ok(Processed::Executed(value)),
-                    Err(StoreError::ResponseTooLarge { size, limit }) => Err(format!(
+                let refused = match &completed {
+                    Err(StoreError::ResponseTooLarge { size, limit }) => Some(format!(
                         "the result is {size} bytes, over the store's limit of {limit}"
                     )),
                     // Lost to another worker, or the store is down: not a
                     // verdict on this result.
-                    Err(e @ StoreError::LeaseLost) => Ok(Err(e)),
-                    Err(e) if e.is_retryable() => Ok(Err(e)),
+                    Ok(()) | Err(StoreError::LeaseLost) => None,
+                    Err(e) if e.is_retryable() => None,
                     // The store refuses this result for good (Redis out of
                     // memory for it, a value it cannot hold): a retry would
                     // be refused again, so complete as not replayable.
-                    Err(e) => Err(format!("the store refused the result: {e}")),
+                    Err(e) => Some(format!("the store refused the result: {e}")),
+                };
+                match refused {
+                    None => {
+                        if completed.is_ok() {
+                            return Ok(Processed::Executed(value));
+                        }
+                        (bytes, completed)
+                    }
+                    Some(reason) => return self.record_marker(lease, value, reason, lease_end).await,
                 }
             }
-            Err(reason) => Err(reason),
+            Err(reason) => return self.record_marker(lease, value, reason, lease_end).await,
         };
-        let result = match outcome {
-            Ok(result) => result,
-            Err(reason) => {
-                tracing::warn!(key = %key, %reason, "the handler ran but its result cannot be recorded: the key completes as not replayable");
-                count("idem_not_replayable_total", scope);
-                let mut marker = NOT_REPLAYABLE.to_vec();
-                marker.extend_from_slice(truncate(&reason, 1024).as_bytes());
-                match self.complete(lease, &marker, lease_end).await {
-                    Ok(()) => return Ok(Processed::ExecutedNotReplayable { value, reason }),
-                    Err(e) => Err(e),
-                }
-            }
-        };
-        match result {
+        match completed {
             Ok(()) => Ok(Processed::Executed(value)),
-            Err(StoreError::LeaseLost) => {
-                count("idem_lease_lost_total", scope);
-                tracing::warn!(key = %key, attempt = lease.attempt, fence = lease.fence, "completion fenced off: the lease was taken over while the handler ran");
-                Err(IdemError::LeaseLost)
-            }
-            Err(e) => Err(IdemError::Store(e)),
+            Err(e) => Err(self.unrecorded(lease, bytes, e)),
         }
+    }
+
+    /// Completes with the "not replayable" marker: the handler ran but its
+    /// result cannot be recorded for `reason`.
+    async fn record_marker<T, E>(
+        &self,
+        lease: &Lease,
+        value: T,
+        reason: String,
+        lease_end: &Mutex<Instant>,
+    ) -> Result<Processed<T>, IdemError<E>> {
+        let key = &lease.key;
+        tracing::warn!(key = %key, %reason, "the handler ran but its result cannot be recorded: the key completes as not replayable");
+        count("idem_not_replayable_total", key.scope());
+        let mut marker = NOT_REPLAYABLE.to_vec();
+        marker.extend_from_slice(truncate(&reason, 1024).as_bytes());
+        match self.complete(lease, &marker, lease_end).await {
+            Ok(()) => Ok(Processed::ExecutedNotReplayable { value, reason }),
+            Err(e) => Err(self.unrecorded(lease, marker, e)),
+        }
+    }
+
+    /// The error of a completion that failed after the handler ran: fenced
+    /// off ([`IdemError::LeaseLost`]), or not written while the key is
+    /// still this lease's ([`IdemError::Unrecorded`], to finish).
+    fn unrecorded<E>(&self, lease: &Lease, response: Vec<u8>, e: StoreError) -> IdemError<E> {
+        let key = &lease.key;
+        match e {
+            StoreError::LeaseLost => {
+                count("idem_lease_lost_total", key.scope());
+                tracing::warn!(key = %key, attempt = lease.attempt, fence = lease.fence, "completion fenced off: the lease was taken over while the handler ran");
+                IdemError::LeaseLost
+            }
+            cause if cause.is_retryable() => {
+                count("idem_unrecorded_total", key.scope());
+                tracing::warn!(key = %key, attempt = lease.attempt, fence = lease.fence, error = %cause, "the handler ran but its completion is not written: finish it with its lease");
+                IdemError::Unrecorded(Box::new(Unrecorded {
+                    lease: lease.clone(),
+                    response,
+                    cause,
+                }))
+            }
+            other => IdemError::Store(other),
+        }
+    }
+
+    /// Writes the completion of a handler that ran but whose result was
+    /// not recorded ([`IdemError::Unrecorded`]), with its own lease token:
+    /// one `complete` call, no retry. `Ok`: recorded, every duplicate now
+    /// gets the replay. [`StoreError::LeaseLost`]: another worker took the
+    /// key over after the lease ended (its handler may run again there).
+    /// A retryable error: the store is still away; call again later
+    /// (a passed lease does not revoke, so this keeps working until
+    /// someone takes the key over).
+    pub async fn finish(&self, unrecorded: &Unrecorded) -> Result<(), StoreError> {
+        let call = self
+            .store
+            .complete(&unrecorded.lease, &unrecorded.response, self.retention);
+        let result = timed(self.store.backend_name(), StoreOperation::Complete, call).await;
+        if result.is_ok() {
+            count("idem_finished_total", unrecorded.lease.key.scope());
+        }
+        result
     }
 
     /// Spawns the heartbeat task, if on and inside a tokio runtime.
@@ -933,5 +986,6 @@ fn outcome_name<T, E>(result: &Result<Processed<T>, IdemError<E>>) -> &'static s
         Err(IdemError::InvalidConfig { .. }) => "invalid_config",
         Err(IdemError::Store(_)) => "store_error",
         Err(IdemError::InvalidKey(_)) => "invalid_key",
+        Err(IdemError::Unrecorded(_)) => "unrecorded",
     }
 }

@@ -48,7 +48,7 @@ pub mod testkit;
 
 pub use canonical::canonical_json;
 pub use codec::{Codec, JsonCodec};
-pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError};
+pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError, Unrecorded};
 pub use executor::{BatchOutcome, Context, Idempotency, InProgressPolicy, Processed};
 pub use fingerprint::Fingerprint;
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};

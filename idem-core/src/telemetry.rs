@@ -21,7 +21,7 @@ use crate::error::StoreError;
 pub const STORE_DURATION_SECONDS: &str = "idem_store_duration_seconds";
 
 /// The counters of the executor, labelled `scope`, with their help texts.
-const EXECUTOR_COUNTERS: [(&str, &str); 8] = [
+const EXECUTOR_COUNTERS: [(&str, &str); 10] = [
     (
         "idem_acquired_total",
         "Keys acquired: the handler ran (first delivery, or a takeover after a lease ended).",
@@ -53,6 +53,14 @@ const EXECUTOR_COUNTERS: [(&str, &str); 8] = [
     (
         "idem_result_unavailable_total",
         "Duplicates of a key whose result could not be recorded.",
+    ),
+    (
+        "idem_unrecorded_total",
+        "Handlers that ran whose completion the store did not take before the lease ended (to finish).",
+    ),
+    (
+        "idem_finished_total",
+        "Completions written later by Idempotency::finish after an unrecorded result.",
     ),
 ];
 

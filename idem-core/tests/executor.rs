@@ -779,7 +779,7 @@ async fn completion_is_retried_while_the_store_is_unavailable() {
         .process(&key("m-down"), 1u8, |_| async { Ok::<_, Declined>(7u8) })
         .await;
     assert!(
-        matches!(out, Err(IdemError::Store(StoreError::Unavailable(_)))),
+        matches!(&out, Err(IdemError::Unrecorded(u)) if u.cause().is_retryable()),
         "{out:?}"
     );
     assert!(
@@ -808,15 +808,79 @@ async fn completion_retry_never_outlives_the_lease() {
             Ok::<_, Declined>(7u8)
         })
         .await;
-    assert!(
-        matches!(out, Err(IdemError::Store(StoreError::Unavailable(_)))),
-        "{out:?}"
-    );
+    assert!(matches!(out, Err(IdemError::Unrecorded(_))), "{out:?}");
     assert!(
         started.elapsed() < lease,
         "retried for {:?}, past the lease of {lease:?}",
         started.elapsed()
     );
+}
+
+/// The store stays away past the lease while the completion is retried:
+/// the executor gives up (never past the lease) with
+/// `IdemError::Unrecorded`, which hands the lease back. Neither it nor the
+/// message's retry may run the handler again: `finish` writes the same
+/// completion with the same token once the store is back (a passed lease
+/// does not revoke), and every duplicate replays it. A `finish` after
+/// another worker took the key over is `LeaseLost` and writes nothing.
+#[tokio::test(start_paused = true)]
+async fn unrecorded_result_is_finished_with_its_own_lease() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let lease = Duration::from_secs(2);
+    let idem = Idempotency::from_arc(store.clone()).lease(lease);
+    let runs = AtomicUsize::new(0);
+    let k = key("m-unrecorded");
+    store.fail_completes(usize::MAX);
+    let out = idem
+        .process(&k, 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Declined>(7u8)
+        })
+        .await;
+    assert!(
+        out.as_ref().is_err_and(|e| !e.is_retryable()),
+        "the message must not be run again: {out:?}"
+    );
+    let unrecorded = match out {
+        Err(IdemError::Unrecorded(u)) => u,
+        other => panic!("expected Unrecorded, got {other:?}"),
+    };
+    assert_eq!(unrecorded.lease().key, k);
+    // Still down: finish says so and can be called again.
+    let down = idem.finish(&unrecorded).await;
+    assert!(matches!(&down, Err(e) if e.is_retryable()), "{down:?}");
+    // The store comes back after the lease ended; nobody took over.
+    tokio::time::sleep(lease * 3).await;
+    store.fail_completes(0);
+    idem.finish(&unrecorded)
+        .await
+        .unwrap_or_else(|e| panic!("finish: {e}"));
+    let again = idem
+        .process(&k, 1u8, |_| async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, Declined>(0u8)
+        })
+        .await;
+    assert_eq!(again.ok(), Some(Processed::Replayed(7)));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran twice");
+
+    // Taken over before the store came back: finish is fenced off.
+    let k2 = key("m-unrecorded-taken");
+    store.fail_completes(usize::MAX);
+    let out = idem
+        .process(&k2, 1u8, |_| async { Ok::<_, Declined>(7u8) })
+        .await;
+    let unrecorded = match out {
+        Err(IdemError::Unrecorded(u)) => u,
+        other => panic!("expected Unrecorded, got {other:?}"),
+    };
+    tokio::time::sleep(lease * 2).await;
+    let fp = Fingerprint::of(&1u8).unwrap_or_else(|e| panic!("{e}"));
+    let taken = store.inner().acquire(&k2, Some(&fp), lease).await;
+    assert!(matches!(taken, Ok(Acquisition::Acquired(_))), "{taken:?}");
+    store.fail_completes(0);
+    let late = idem.finish(&unrecorded).await;
+    assert!(matches!(late, Err(StoreError::LeaseLost)), "{late:?}");
 }
 
 /// DESIGN 4: while the completion is retried, the heartbeat keeps the lease,

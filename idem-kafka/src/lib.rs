@@ -137,7 +137,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use idem_core::{
     saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, Processed, StoreError,
+    IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
 };
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
@@ -1257,6 +1257,10 @@ enum Settle {
     Failed(String),
     /// Not the record's fault: try again later.
     Retry,
+    /// The handler ran but its completion is not written (the store was
+    /// away past the lease): write it with its own lease, never run the
+    /// record again.
+    Finish(Box<Unrecorded>),
     /// Nothing can succeed: stop the consumer.
     Fatal(StoreError),
 }
@@ -1444,8 +1448,38 @@ where
         };
         let fingerprint = record::fingerprint_of(&record);
         let mut backoff = self.retry_backoff.0;
+        // A run whose completion is still to be written.
+        let mut unfinished: Option<Box<Unrecorded>> = None;
         loop {
-            if let (Some(k), None) = (&key, &dead) {
+            if let Some(u) = &unfinished {
+                match self.idem.finish(u).await {
+                    Ok(()) => {
+                        self.shared
+                            .counters
+                            .executed
+                            .fetch_add(1, Ordering::Relaxed);
+                        if track.settle(record.offset) {
+                            self.shared.wake.notify_one();
+                        }
+                        return;
+                    }
+                    // Taken over after the lease ended: the new holder
+                    // records; the record's next run gets its answer.
+                    Err(StoreError::LeaseLost) => unfinished = None,
+                    Err(e) if e.is_retryable() => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // The store refuses the completion for good: the
+                    // handler ran, so the record is never run again.
+                    Err(e) => {
+                        unfinished = None;
+                        dead = Some((
+                            0,
+                            format!("the handler ran but its result could not be recorded: {e}"),
+                        ));
+                    }
+                }
+            } else if let (Some(k), None) = (&key, &dead) {
                 let result = match first.take() {
                     Some(r) => r,
                     None => {
@@ -1476,6 +1510,10 @@ where
                     },
                     Settle::Retry => {
                         self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Settle::Finish(u) => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                        unfinished = Some(u);
                     }
                     Settle::Fatal(e) => {
                         lock(&self.fatal).get_or_insert(e);
@@ -1548,6 +1586,10 @@ where
             Err(IdemError::Store(e)) if e.is_retryable() => {
                 tracing::warn!(topic = %record.topic, offset = record.offset, error = %e, "store unavailable: the record is retried");
                 Settle::Retry
+            }
+            Err(IdemError::Unrecorded(u)) => {
+                tracing::warn!(topic = %record.topic, offset = record.offset, error = %u.cause(), "the handler ran but its result is not recorded yet: finishing it with its lease");
+                Settle::Finish(u)
             }
             Err(IdemError::Handler(Run::TooManyAttempts(n))) => Settle::Dead(format!(
                 "acquired {n} times (max_deliveries {}): its earlier runs were cut off, their consumer died",

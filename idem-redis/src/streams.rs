@@ -92,7 +92,7 @@
 //! restart after a crash) and processes them at once, without waiting for
 //! `claim_idle`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -102,7 +102,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use idem_core::{
     saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, Processed, StoreError,
+    IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Value};
@@ -254,6 +254,10 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     max_deliveries: u64,
     dead_letter: String,
     counters: Arc<Counters>,
+    /// Entries whose handler ran but whose completion is not written yet
+    /// (the store was away past the lease), by entry ID: finished with
+    /// their own lease, never run again.
+    unfinished: Arc<std::sync::Mutex<Unfinished>>,
 }
 
 impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
@@ -346,6 +350,7 @@ where
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: format!("{stream}:dead"),
             counters: Arc::default(),
+            unfinished: Arc::default(),
         };
         let mut create = redis::cmd("XGROUP");
         create
@@ -484,6 +489,7 @@ where
             if (&mut shutdown).now_or_never().is_some() {
                 break;
             }
+            self.finish_unfinished().await;
             let mut entries = Vec::new();
             if let Some(from) = history.take() {
                 entries = self.read_own(&from).await?;
@@ -507,7 +513,61 @@ where
             }
             self.process_batch(entries, &handler).await?;
         }
+        self.finish_unfinished().await;
         Ok(self.stats())
+    }
+
+    /// Writes the completions of entries whose handler ran while the store
+    /// was away (one `complete` each, with the run's own lease), and
+    /// acknowledges those recorded. One taken over by another consumer is
+    /// left pending (its redelivery gets the new holder's answer); one the
+    /// store refuses for good is dead-lettered (its handler ran: never run
+    /// again); one still failing waits for the next round.
+    async fn finish_unfinished(&self) {
+        let todo: Vec<String> = {
+            let map = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
+            if map.is_empty() {
+                return;
+            }
+            map.keys().cloned().collect()
+        };
+        let mut ack = Vec::new();
+        let mut dead = Vec::new();
+        for id in todo {
+            let Some((entry, u)) = self
+                .unfinished
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id)
+            else {
+                continue;
+            };
+            match self.idem.finish(&u).await {
+                Ok(()) => {
+                    self.counters.executed.fetch_add(1, Ordering::Relaxed);
+                    ack.push(id);
+                }
+                Err(StoreError::LeaseLost) => {}
+                Err(e) if e.is_retryable() => {
+                    self.unfinished
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id, (entry, u));
+                }
+                Err(e) => {
+                    let reason =
+                        format!("the handler ran but its result could not be recorded: {e}");
+                    let delivery = Delivery {
+                        entry,
+                        first: false,
+                        unusable: None,
+                    };
+                    dead.push((delivery, 0, reason));
+                }
+            }
+        }
+        ack.extend(self.dead_letter_all(dead).await);
+        self.ack(&ack).await;
     }
 
     /// One command, bounded by `limit`.
@@ -651,8 +711,19 @@ where
         let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(deliveries.len());
         let mut items = Vec::new();
         let mut item_of = Vec::new();
+        let unfinished: HashSet<String> = {
+            let map = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
+            deliveries
+                .iter()
+                .filter(|d| map.contains_key(&d.entry.id))
+                .map(|d| d.entry.id.clone())
+                .collect()
+        };
         for (i, delivery) in deliveries.iter().enumerate() {
             let outcome = match &delivery.unusable {
+                // Its handler ran: only its completion is left to write
+                // (`finish_unfinished`), never a second run.
+                _ if unfinished.contains(&delivery.entry.id) => Some(Outcome::Pending),
                 // Its fields cannot be given to the handler as they are:
                 // never merged, never run.
                 Some(unusable) => Some(Outcome::Dead(unusable.reason.clone())),
@@ -715,6 +786,13 @@ where
                 Outcome::Fatal(e) => {
                     self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
                     fatal.get_or_insert(e);
+                }
+                Outcome::Finish(u) => {
+                    self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
+                    self.unfinished
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(delivery.entry.id.clone(), (delivery.entry, u));
                 }
             }
         }
@@ -805,6 +883,12 @@ where
             Err(IdemError::Store(e)) if e.is_retryable() => {
                 tracing::warn!(stream = %self.stream, entry = %id, error = %e, "store unavailable: entry left pending");
                 Outcome::Pending
+            }
+            // The handler ran; the store was away past its lease: the
+            // completion is written later with the same lease.
+            Err(IdemError::Unrecorded(u)) => {
+                tracing::warn!(stream = %self.stream, entry = %id, error = %u.cause(), "the handler ran but its result is not recorded yet: entry left pending, to finish");
+                Outcome::Finish(u)
             }
             Err(e) if e.is_retryable() => {
                 tracing::warn!(stream = %self.stream, entry = %id, error = %e, "handler failed: entry left pending");
@@ -998,7 +1082,14 @@ enum Outcome {
     Deleted,
     /// Leave it pending and stop `run` with this error.
     Fatal(StoreError),
+    /// Its handler ran but the completion is not written: pending, finished
+    /// later with this lease.
+    Finish(Box<Unrecorded>),
 }
+
+/// Entries to finish, by entry ID: the entry (for a dead letter) and the
+/// run's lease and completion.
+type Unfinished = HashMap<String, (StreamEntry, Box<Unrecorded>)>;
 
 /// `t + d`, or far in the future if that overflows.
 fn later(t: tokio::time::Instant, d: Duration) -> tokio::time::Instant {

@@ -6,6 +6,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod chaos;
+pub mod flaky;
 pub mod kafka;
 pub mod pg;
 pub mod proxy;
