@@ -143,7 +143,7 @@ use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
 };
-use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -194,6 +194,11 @@ pub struct ConsumerStats {
     pub retried: u64,
     /// Records produced to the dead-letter topic (then settled).
     pub dead_lettered: u64,
+    /// Dead letters the producer did not deliver within `call_timeout`
+    /// (a missing topic, a broker away, a copy too large: then sent again
+    /// with less of the record), each tried again: a count that keeps
+    /// rising means a partition held up behind a record that cannot leave.
+    pub dead_letter_failures: u64,
     /// Records whose offsets were handed to a commit.
     pub committed: u64,
     /// The last offset the broker confirmed as committed, per topic and
@@ -217,6 +222,7 @@ struct Counters {
     replayed: AtomicU64,
     retried: AtomicU64,
     dead_lettered: AtomicU64,
+    dead_letter_failures: AtomicU64,
     committed: AtomicU64,
     revoked: AtomicU64,
     abandoned: AtomicU64,
@@ -719,8 +725,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         self
     }
 
-    /// How long producing a dead letter may take before it is tried again
-    /// (default 10 s).
+    /// How long producing a dead letter may take, its delivery report
+    /// included, before it is tried again (default 10 s). A produce given
+    /// up may still reach the broker later: a dead letter can then appear
+    /// twice.
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = saturate(timeout).max(Duration::from_millis(1));
         self
@@ -741,6 +749,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             replayed: c.replayed.load(Ordering::Relaxed),
             retried: c.retried.load(Ordering::Relaxed),
             dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
+            dead_letter_failures: c.dead_letter_failures.load(Ordering::Relaxed),
             committed: c.committed.load(Ordering::Relaxed),
             committed_offsets: lock(&self.shared.confirmed).clone(),
             revoked: c.revoked.load(Ordering::Relaxed),
@@ -910,9 +919,30 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
                 }
             }
         }
-        // Shutdown: records waiting for a retry give up; running ones finish.
+        // Shutdown: records waiting for a retry give up; running ones get
+        // `revoke_wait` to finish. Past it they are given up (their
+        // handlers run on in their own tasks, detached, and record their
+        // results; the records are not committed here, so the next owner
+        // gets the replay, or "in progress" while they still run).
         shared.stopping.store(true, Ordering::SeqCst);
-        while tasks.join_next().await.is_some() {}
+        let bound = tokio::time::sleep(self.revoke_wait);
+        futures_util::pin_mut!(bound);
+        loop {
+            tokio::select! {
+                next = tasks.join_next() => if next.is_none() { break },
+                () = &mut bound => {
+                    let running: usize = lock(&shared.tracks).values().map(|t| t.running()).sum();
+                    tracing::warn!(running, wait = ?self.revoke_wait, "records still running at shutdown after revoke_wait: given up, not committed");
+                    shared
+                        .counters
+                        .abandoned
+                        .fetch_add(running as u64, Ordering::Relaxed);
+                    tasks.abort_all();
+                    while tasks.join_next().await.is_some() {}
+                    break;
+                }
+            }
+        }
         self.commit_sync().await;
         self.leave().await;
         let fatal = lock(&work.fatal).take();
@@ -1146,6 +1176,12 @@ pub async fn group_committed(
     })
     .await
     .map_err(|e| KafkaConsumerError::Config(format!("the offsets task failed: {e}")))?
+}
+
+/// The key of the counter of `key`'s failed runs.
+fn failure_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
+    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
+    IdempotencyKey::new("idem.failures", id).ok()
 }
 
 /// Consecutive records of one partition, at most `max` together.
@@ -1450,6 +1486,10 @@ where
         let mut backoff = self.retry_backoff.0;
         // A run whose completion is still to be written.
         let mut unfinished: Option<Box<Unrecorded>> = None;
+        // Whether a failed run of the key was counted (the counter goes
+        // when the record settles, so a later record of the key, or the
+        // record re-driven from its dead letter, counts from zero).
+        let mut counted = false;
         loop {
             if let Some(u) = &unfinished {
                 match self.idem.finish(u).await {
@@ -1458,9 +1498,7 @@ where
                             .counters
                             .executed
                             .fetch_add(1, Ordering::Relaxed);
-                        if track.settle(record.offset) {
-                            self.shared.wake.notify_one();
-                        }
+                        self.settled(track, &record, key.as_ref(), counted).await;
                         return;
                     }
                     // Taken over after the lease ended: the new holder
@@ -1490,24 +1528,24 @@ where
                 };
                 match self.settle_of(&record, result) {
                     Settle::Done => {
-                        if track.settle(record.offset) {
-                            self.shared.wake.notify_one();
-                        }
+                        self.settled(track, &record, key.as_ref(), counted).await;
                         return;
                     }
                     Settle::Dead(reason) => dead = Some((0, reason)),
-                    Settle::Failed(reason) => match self.failures(k).await {
-                        Some(n) if n >= self.max_deliveries => {
-                            let reason = format!(
-                                "{reason} (failed {n} times, max_deliveries {})",
-                                self.max_deliveries
-                            );
-                            dead = Some((n, reason));
+                    Settle::Failed(reason) => {
+                        match self.failures(k).await.inspect(|_| counted = true) {
+                            Some(n) if n >= self.max_deliveries => {
+                                let reason = format!(
+                                    "{reason} (failed {n} times, max_deliveries {})",
+                                    self.max_deliveries
+                                );
+                                dead = Some((n, reason));
+                            }
+                            _ => {
+                                self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                            }
                         }
-                        _ => {
-                            self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                        }
-                    },
+                    }
                     Settle::Retry => {
                         self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
                     }
@@ -1525,9 +1563,7 @@ where
             }
             if let Some((n, reason)) = &dead {
                 if self.dead_letter_one(&record, *n, reason).await {
-                    if track.settle(record.offset) {
-                        self.shared.wake.notify_one();
-                    }
+                    self.settled(track, &record, key.as_ref(), counted).await;
                     return;
                 }
             }
@@ -1604,13 +1640,32 @@ where
         }
     }
 
+    /// A record is settled: its partition's commit point may move; the
+    /// failure counter of its key goes if a failure was counted.
+    async fn settled(
+        &self,
+        track: &Track,
+        record: &KafkaRecord,
+        key: Option<&IdempotencyKey>,
+        counted: bool,
+    ) {
+        if track.settle(record.offset) {
+            self.shared.wake.notify_one();
+        }
+        if let (true, Some(key)) = (counted, key) {
+            if let Some(counter) = failure_counter(key) {
+                if let Err(e) = self.idem.store().delete(&counter).await {
+                    tracing::warn!(error = %e, "could not reset a failure counter (it counts on for this key)");
+                }
+            }
+        }
+    }
+
     /// Counts a failed run of `key` and returns the count so far: the
     /// attempt number of a counter record (see the crate docs). `None`
     /// when the store could not count it.
     async fn failures(&self, key: &IdempotencyKey) -> Option<u32> {
-        let id =
-            Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
-        let counter = IdempotencyKey::new("idem.failures", id).ok()?;
+        let counter = failure_counter(key)?;
         match self
             .idem
             .store()
@@ -1628,59 +1683,112 @@ where
     }
 
     /// Produces the record to the dead-letter topic; whether the broker
-    /// acknowledged it.
+    /// acknowledged it within `call_timeout`.
+    ///
+    /// The dead letter carries the `idem.*` headers first, then the
+    /// record's own headers; a record that was a dead letter before (it
+    /// was re-driven) has its old `idem.*` headers renamed
+    /// `idem.previous.*` (one generation kept), so the first *and* the last
+    /// `idem.reason` are the new one. A copy over the producer's size limit
+    /// (the headers added to a record just under it) goes without its
+    /// value, then without its headers, then without its key, each step
+    /// said in `idem.dropped`: a dead letter is never refused for its size.
     async fn dead_letter_one(&self, record: &KafkaRecord, n: u32, reason: &str) -> bool {
         let topic = self
             .dead_letter
             .clone()
             .unwrap_or_else(|| format!("{}.dead", record.topic));
-        let mut headers = OwnedHeaders::new_with_capacity(record.headers.len() + 6);
-        for (name, value) in &record.headers {
-            headers = headers.insert(Header {
-                key: name,
-                value: value.as_deref(),
-            });
-        }
         let partition = record.partition.to_string();
         let offset = record.offset.to_string();
         let deliveries = n.to_string();
-        for (name, value) in [
+        let ours = [
             ("idem.topic", record.topic.as_str()),
-            ("idem.partition", &partition),
-            ("idem.offset", &offset),
-            ("idem.group", &self.group),
-            ("idem.deliveries", &deliveries),
+            ("idem.partition", partition.as_str()),
+            ("idem.offset", offset.as_str()),
+            ("idem.group", self.group.as_str()),
+            ("idem.deliveries", deliveries.as_str()),
             ("idem.reason", reason),
-        ] {
-            headers = headers.insert(Header {
-                key: name,
-                value: Some(value),
-            });
-        }
-        let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(headers);
-        if let Some(k) = record.key.as_deref() {
-            out = out.key(k);
-        }
-        if let Some(p) = record.payload.as_deref() {
-            out = out.payload(p);
-        }
-        match self
-            .producer
-            .send(out, Timeout::After(self.call_timeout))
-            .await
-        {
-            Ok(_) => {
-                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, dead_letter = %topic, %reason, "record dead-lettered");
-                self.shared
-                    .counters
-                    .dead_lettered
-                    .fetch_add(1, Ordering::Relaxed);
-                true
+        ];
+        // Old idem.* headers of a re-driven dead letter, renamed.
+        let theirs: Vec<(String, Option<&[u8]>)> = record
+            .headers
+            .iter()
+            .filter(|(name, _)| !name.starts_with("idem.previous."))
+            .map(|(name, value)| {
+                let name =
+                    if ours.iter().any(|(n, _)| *n == name.as_str()) || name == "idem.dropped" {
+                        format!("idem.previous.{}", &name["idem.".len()..])
+                    } else {
+                        name.clone()
+                    };
+                (name, value.as_deref())
+            })
+            .collect();
+        let steps = ["", "value", "value, headers", "value, headers, key"];
+        for (step, dropped) in steps.iter().enumerate() {
+            let mut headers = OwnedHeaders::new_with_capacity(theirs.len() + ours.len() + 1);
+            for (name, value) in ours {
+                headers = headers.insert(Header {
+                    key: name,
+                    value: Some(value),
+                });
             }
-            Err((e, _)) => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %e, "could not dead-letter: tried again");
-                false
+            if step > 0 {
+                headers = headers.insert(Header {
+                    key: "idem.dropped",
+                    value: Some(*dropped),
+                });
             }
+            if step < 2 {
+                for (name, value) in &theirs {
+                    headers = headers.insert(Header {
+                        key: name,
+                        value: *value,
+                    });
+                }
+            }
+            let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(headers);
+            if step < 3 {
+                if let Some(k) = record.key.as_deref() {
+                    out = out.key(k);
+                }
+            }
+            if step < 1 {
+                if let Some(p) = record.payload.as_deref() {
+                    out = out.payload(p);
+                }
+            }
+            let send = self.producer.send(out, Timeout::After(self.call_timeout));
+            let error = match tokio::time::timeout(self.call_timeout, send).await {
+                Ok(Ok(_)) => {
+                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, dead_letter = %topic, %reason, dropped = %dropped, "record dead-lettered");
+                    self.shared
+                        .counters
+                        .dead_lettered
+                        .fetch_add(1, Ordering::Relaxed);
+                    return true;
+                }
+                Ok(Err((e, _))) => e,
+                Err(_) => KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+            };
+            self.shared
+                .counters
+                .dead_letter_failures
+                .fetch_add(1, Ordering::Relaxed);
+            let too_large = matches!(
+                error.rdkafka_error_code(),
+                Some(
+                    RDKafkaErrorCode::MessageSizeTooLarge
+                        | RDKafkaErrorCode::InvalidMessageSize
+                        | RDKafkaErrorCode::MessageBatchTooLarge
+                )
+            );
+            if !too_large {
+                tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %error, "could not dead-letter: tried again");
+                return false;
+            }
+            tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %error, "the dead letter is too large: sent again with less of the record");
         }
+        false
     }
 }

@@ -230,10 +230,21 @@ fn content_bytes(record: &KafkaRecord) -> Vec<u8> {
     out
 }
 
-/// The fingerprint of a record: its value's bytes (a tombstone has none,
-/// so no payload check).
+/// The fingerprint of a tombstone (a record without a value): 32 zero
+/// bytes, the SHA-256 of no known input, so never the fingerprint of a
+/// value (an empty value's is SHA-256 of nothing). A record with a value
+/// after a tombstone of its key is a mismatch, not the tombstone's replay.
+const TOMBSTONE: Fingerprint = Fingerprint::from_array([0; 32]);
+
+/// The fingerprint of a record: the SHA-256 of its value's bytes, or
+/// [`TOMBSTONE`] when it has no value.
 pub(crate) fn fingerprint_of(record: &KafkaRecord) -> Option<Fingerprint> {
-    record.payload.as_deref().map(Fingerprint::of_bytes)
+    Some(
+        record
+            .payload
+            .as_deref()
+            .map_or(TOMBSTONE, Fingerprint::of_bytes),
+    )
 }
 
 /// The default scope of a topic's keys: `kafka.{topic}` when that is a

@@ -8,9 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem::{
-    Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record, StoreError,
-};
+use idem::{Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record, StoreError};
 
 /// `inner`, failing every call with `Unavailable` while `down` is set.
 pub struct FlakyStore<S> {
