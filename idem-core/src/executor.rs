@@ -654,7 +654,9 @@ where
                         }
                         (bytes, completed)
                     }
-                    Some(reason) => return self.record_marker(lease, value, reason, lease_end).await,
+                    Some(reason) => {
+                        return self.record_marker(lease, value, reason, lease_end).await
+                    }
                 }
             }
             Err(reason) => return self.record_marker(lease, value, reason, lease_end).await,
