@@ -1880,3 +1880,70 @@ async fn custom_problem_rendering() {
     let r = send(&url, &h, "text/plain", "other").await;
     assert_eq!((r.status, code(&r).as_str()), (422, "mismatch"));
 }
+
+/// The store goes away right after the handler's effect, for 3 s, three
+/// times the 1 s lease: the executor gives up recording the response
+/// (`IdemError::Unrecorded`). The client still gets the handler's 201. The
+/// layer writes the completion with the same lease once the store is back
+/// (before: nothing did, and a retry after the lease took the key over and
+/// ran the handler again); the retry then gets the replay, and the effect
+/// ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_twice() {
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                down.store(true, Ordering::SeqCst);
+                std::thread::spawn(move || {
+                    std::thread::sleep(std::time::Duration::from_secs(3));
+                    down.store(false, Ordering::SeqCst);
+                });
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}/payments",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let first = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // Once the store is back, the completion is written (awaited, 20 s).
+    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-outage")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        if !down.load(Ordering::SeqCst) {
+            if let Ok(Some(record)) = idem.get(&key).await {
+                if record.is_completed() {
+                    break;
+                }
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the response was never recorded after the store came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let again = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(
+        (again.status, effects.load(Ordering::SeqCst)),
+        (201, 1),
+        "{:?}",
+        again.body
+    );
+    assert_eq!(again.body, first.body, "the retry gets the first response");
+}

@@ -1198,6 +1198,19 @@ where
                 }
             }
         }
+        // The store was away until the lease ended: the response is
+        // written later with the same lease (a retry meanwhile gets 409),
+        // never by running the handler again.
+        if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    runtime.spawn(finish_later(config.idem.clone(), unrecorded));
+                }
+                Err(_) => {
+                    tracing::error!(key = %key, "idempotency layer: no tokio runtime to record the response later; after its lease a retry runs the handler again");
+                }
+            }
+        }
         return Ok(live);
     }
     let problem = match outcome {
@@ -1236,6 +1249,41 @@ where
         }
     };
     Ok(render(&config, problem))
+}
+
+/// How long [`finish_later`] keeps trying.
+const FINISH_FOR: Duration = Duration::from_secs(3600);
+
+/// Writes the completion of a handler that ran while the store was away
+/// (`IdemError::Unrecorded`), with its own lease, retrying with a backoff
+/// (10 ms to 500 ms: a client retry after the lease may take the key
+/// over, so the completion goes in soon after the store is back) until it
+/// is written, another worker took the key over,
+/// the store refuses it for good, or an hour passed.
+async fn finish_later<S: IdempotencyStore + ?Sized, C: Codec>(
+    idem: Idempotency<S, C>,
+    unrecorded: Box<idem_core::Unrecorded>,
+) {
+    let key = &unrecorded.lease().key;
+    let give_up = tokio::time::Instant::now() + FINISH_FOR;
+    let mut pause = Duration::from_millis(10);
+    loop {
+        match idem.finish(&unrecorded).await {
+            Ok(()) => {
+                tracing::info!(key = %key, "idempotency layer: the response was recorded after the store came back");
+                return;
+            }
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() + pause < give_up => {
+                tracing::debug!(key = %key, error = %e, "idempotency layer: recording the response later");
+            }
+            Err(e) => {
+                tracing::error!(key = %key, error = %e, "idempotency layer: gave up recording a response whose handler ran; after its lease a retry runs the handler again");
+                return;
+            }
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(500));
+    }
 }
 
 /// How far the request body is: not read yet, or buffered.

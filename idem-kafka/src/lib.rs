@@ -41,6 +41,7 @@
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result | settled: its offset may be committed |
 //! | the key is in progress (another consumer runs it: a rebalance moved the partition), the store is unavailable, or the lease was lost | retried in place with a backoff, until settled; the partition's commit point waits |
+//! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | never run again: its completion is written with its own lease ([`Idempotency::finish`]) once the store is back, then it settles |
 //! | the handler failed or panicked | retried in place until it failed [`max_deliveries`](KafkaConsumer::max_deliveries) times, then dead-lettered |
 //! | can never succeed: no usable key, payload mismatch, a corrupt record, a [`RecordError`] from the handler | dead-lettered at once |
 //! | its partition is revoked, or the consumer shuts down, while it waits for a retry | abandoned: never committed by this consumer, redelivered to the next owner |
@@ -58,7 +59,7 @@
 //! failed run of a key takes over a counter record of its own in the store
 //! (scope `idem.failures`, a hash of the key as ID, a 1 ms lease, never
 //! completed), whose attempt number is the count of failures, across
-//! restarts and consumers. And a run cut off by a crash is counted by the
+//! restarts and consumers; deleted when the record settles. And a run cut off by a crash is counted by the
 //! key's own attempt number: an acquisition whose attempt is past
 //! `max_deliveries` does not run the handler and dead-letters the record
 //! (a poison record that kills its consumer does not kill every next one).
@@ -104,7 +105,10 @@
 //! # Shutdown
 //!
 //! When `shutdown` completes, `run` stops reading, lets the running
-//! handlers finish (records waiting for a retry give up), commits, and
+//! handlers finish for up to [`revoke_wait`](KafkaConsumer::revoke_wait)
+//! (records waiting for a retry give up; records still running then are
+//! given up uncommitted, their detached handlers go on and record their
+//! results, so the next owner gets the replay), commits, and
 //! leaves the group (it unsubscribes and serves the revoke itself, so
 //! that dropping the client has nothing to give back: librdkafka can hang
 //! forever in a revoke served while its client closes, librdkafka #4041).

@@ -40,6 +40,7 @@
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acknowledged |
 //! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
+//! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | left pending and never run again: this consumer writes its completion with the run's own lease ([`Idempotency::finish`]) once the store is back, then acknowledges it (a consumer that stops first leaves it pending: after the lease its next owner takes the key over and runs it) |
 //! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
 //! | a field name that is not UTF-8, or that appears twice in the entry | dead-lettered at once, its fields copied byte for byte; the handler never runs ([`StreamEntry::fields`] is a map by `String` name: such names would be merged) |
