@@ -1920,6 +1920,11 @@ async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_tw
     tokio::spawn(async move { axum::serve(listener, router).await });
     let first = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
     assert_eq!(first.status, 201, "{:?}", first.body);
+    // A retry while the response is still to be written: 409 from the
+    // layer itself, the store not asked (after the lease it would let the
+    // retry take the key over).
+    let during = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(during.status, 409, "{:?}", during.body);
     // Once the store is back, the completion is written (awaited, 20 s).
     let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-outage")
         .unwrap_or_else(|e| panic!("{e}"));

@@ -1393,3 +1393,82 @@ async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_tw
     };
     assert_eq!(&response[..], b"\"charged\"", "the first run's result");
 }
+
+// review16
+/// Entry A (`message_id` m-1) runs; the store goes down right after its
+/// effect, so its completion is not written before the 1 s lease ends
+/// (`IdemError::Unrecorded`): A is kept in the consumer's `unfinished` map,
+/// to be finished with its own lease. While the consumer waits in its
+/// `XREADGROUP BLOCK`, the store comes back and the producer sends the
+/// same message again (entry B, a retry with the same `message_id`).
+/// Expected: B gets "in progress" or the replay of A, never a second
+/// effect (DESIGN 2/4/5b: one effect per key; `Unrecorded`: "do not run
+/// the message again"). The skip of unfinished deliveries is by entry ID
+/// only, and `finish_unfinished` runs only at the top of the loop, so B is
+/// processed first and takes the expired lease over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review16_a_duplicate_entry_of_an_unfinished_key_does_not_run_it_again() {
+    let stream = format!("rv16-dup-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = StreamConsumer::connect(
+        support::redis_server::shared_url(),
+        &stream,
+        "g",
+        "a",
+        idem.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_field("message_id")
+    .block(Duration::from_secs(3))
+    .claim_idle(Duration::from_secs(60));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move |_e: StreamEntry| {
+            let (effects, down) = (effects.clone(), down.clone());
+            async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The first run: the store goes down after the effect.
+                    down.store(true, Ordering::SeqCst);
+                }
+                Ok::<_, std::io::Error>("charged".to_owned())
+            }
+        }
+    };
+    // The producer's retry, sent while the consumer blocks on its read,
+    // once the first run's lease is over and the store is back.
+    let retry = {
+        let (effects, down, stream) = (effects.clone(), down.clone(), stream.clone());
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while effects.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(1600)).await;
+            down.store(false, Ordering::SeqCst);
+            xadd(&stream, &[("message_id", "m-1")]).await;
+        })
+    };
+    let t0 = tokio::time::Instant::now();
+    let done = {
+        let effects = effects.clone();
+        move || {
+            let effects = effects.clone();
+            Box::pin(async move {
+                effects.load(Ordering::SeqCst) >= 2 || t0.elapsed() > Duration::from_secs(8)
+            }) as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(30), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    retry.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect of m-1 ran twice (its duplicate entry took the unfinished key over): {stats:?}"
+    );
+}

@@ -309,6 +309,47 @@ struct Config<S: ?Sized, C> {
     route_template: bool,
     on_replay: Option<Arc<ReplayFn>>,
     render: Option<Arc<RenderFn>>,
+    /// Keys whose response is being written after an outage
+    /// ([`finish_later`]); shared by the layer's clones.
+    finishing: Arc<Finishing>,
+}
+
+/// The keys of responses written later, after the store was away: a
+/// request with one of them gets 409 here, without asking the store (after
+/// the lease, the store would let it take the key over and run again).
+#[derive(Default)]
+struct Finishing {
+    /// How many keys: the request path reads this, and looks into the set
+    /// only when it is not zero.
+    count: std::sync::atomic::AtomicUsize,
+    keys: std::sync::Mutex<std::collections::HashSet<IdempotencyKey>>,
+}
+
+impl Finishing {
+    fn contains(&self, key: &IdempotencyKey) -> bool {
+        self.count.load(std::sync::atomic::Ordering::Acquire) > 0
+            && self
+                .keys
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(key)
+    }
+
+    fn insert(&self, key: IdempotencyKey) {
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        if keys.insert(key) {
+            self.count
+                .fetch_add(1, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    fn remove(&self, key: &IdempotencyKey) {
+        let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+        if keys.remove(key) {
+            self.count
+                .fetch_sub(1, std::sync::atomic::Ordering::Release);
+        }
+    }
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {
@@ -328,6 +369,7 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             key_source: self.key_source.clone(),
             route_template: self.route_template,
             on_replay: self.on_replay.clone(),
+            finishing: self.finishing.clone(),
             render: self.render.clone(),
         }
     }
@@ -409,6 +451,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 route_template: false,
                 on_replay: None,
                 render: None,
+                finishing: Arc::default(),
             }),
         }
     }
@@ -1168,6 +1211,11 @@ where
             Ok::<_, NotRecorded<Inner::Error>>(outcome)
         }
     };
+    if config.finishing.contains(&key) {
+        let problem =
+            Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
+        return Ok(render(&config, problem));
+    }
     let outcome = if config.detached {
         config
             .idem
@@ -1204,7 +1252,14 @@ where
         if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    runtime.spawn(finish_later(config.idem.clone(), unrecorded));
+                    config.finishing.insert(key.clone());
+                    let finishing = config.finishing.clone();
+                    let idem = config.idem.clone();
+                    runtime.spawn(async move {
+                        let key = unrecorded.lease().key.clone();
+                        finish_later(idem, unrecorded).await;
+                        finishing.remove(&key);
+                    });
                 }
                 Err(_) => {
                     tracing::error!(key = %key, "idempotency layer: no tokio runtime to record the response later; after its lease a retry runs the handler again");

@@ -948,13 +948,16 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             }
         }
         self.commit_sync().await;
+        // The lag of the partitions still assigned, before leaving the
+        // group (after it, nothing is assigned: the sum would read 0).
+        let lag = self.lag().await.ok().map(|m| m.values().sum());
         self.leave().await;
         let fatal = lock(&work.fatal).take();
         if let Some(e) = fatal {
             return Err(e.into());
         }
         let mut stats = self.stats();
-        stats.lag = self.lag().await.ok().map(|m| m.values().sum());
+        stats.lag = lag;
         Ok(stats)
     }
 
@@ -1494,6 +1497,9 @@ where
         // when the record settles, so a later record of the key, or the
         // record re-driven from its dead letter, counts from zero).
         let mut counted = false;
+        // With a completion to write, when a revoke or shutdown stops
+        // waiting for it.
+        let mut finish_by: Option<tokio::time::Instant> = None;
         loop {
             if let Some(u) = &unfinished {
                 match self.idem.finish(u).await {
@@ -1571,10 +1577,23 @@ where
                     return;
                 }
             }
-            let give_up = track.revoked()
+            let mut give_up = track.revoked()
                 || self.shared.stopping.load(Ordering::SeqCst)
                 || lock(&self.fatal).is_some();
+            if give_up && unfinished.is_some() {
+                // Its handler ran: given up, its key would be taken over
+                // and run again by the next owner once the lease is over.
+                // Finishing goes on for as long as a running record may
+                // hold a revoke or a shutdown (`revoke_wait`).
+                let wait =
+                    Duration::from_millis(self.shared.revoke_wait_ms.load(Ordering::Relaxed));
+                let by = *finish_by.get_or_insert_with(|| tokio::time::Instant::now() + wait);
+                give_up = tokio::time::Instant::now() >= by;
+            }
             if give_up {
+                if unfinished.is_some() {
+                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, "given up with its result not recorded (the store is away): after the lease its next owner runs it again");
+                }
                 self.shared
                     .counters
                     .abandoned
@@ -1582,7 +1601,15 @@ where
                 track.abandon(record.offset);
                 return;
             }
-            tokio::time::sleep(backoff).await;
+            // A completion to write goes in soon after the store is back
+            // (a pause of at most 200 ms): after the lease, anyone may
+            // take the key over.
+            let pause = if unfinished.is_some() {
+                backoff.min(Duration::from_millis(200))
+            } else {
+                backoff
+            };
+            tokio::time::sleep(pause).await;
             backoff = backoff.saturating_mul(2).min(self.retry_backoff.1);
         }
     }

@@ -712,13 +712,18 @@ where
         let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(deliveries.len());
         let mut items = Vec::new();
         let mut item_of = Vec::new();
-        let unfinished: HashSet<String> = {
+        // Completions to write go first: the store may have come back
+        // while the read blocked, and a duplicate of their key in this
+        // batch then gets the replay.
+        self.finish_unfinished().await;
+        // What is still unfinished: those entries, and every entry of
+        // their keys, wait (pending) for the completion; never run.
+        let (unfinished, unfinished_keys): (HashSet<String>, HashSet<IdempotencyKey>) = {
             let map = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
-            deliveries
-                .iter()
-                .filter(|d| map.contains_key(&d.entry.id))
-                .map(|d| d.entry.id.clone())
-                .collect()
+            (
+                map.keys().cloned().collect(),
+                map.values().map(|(_, u)| u.lease().key.clone()).collect(),
+            )
         };
         for (i, delivery) in deliveries.iter().enumerate() {
             let outcome = match &delivery.unusable {
@@ -733,6 +738,7 @@ where
                 None if delivery.entry.fields.is_empty() => Some(Outcome::Deleted),
                 None => match self.key_of(&delivery.entry) {
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
+                    Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Pending),
                     Ok(key) => {
                         let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
                         let (handler, entry) = (handler.clone(), delivery.entry.clone());
