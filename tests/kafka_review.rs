@@ -469,6 +469,9 @@ async fn a_missing_dead_letter_topic_does_not_hold_shutdown_past_call_timeout() 
     );
 }
 
+/// Headers, value, and whether the record is usable.
+type OddCase<'a> = (Vec<(&'a str, Option<&'a [u8]>)>, Option<&'a [u8]>, bool);
+
 /// Input a producer can send, keyed by a header: no key header, a null
 /// value, a repeated key header, a non-UTF-8 header value, a non-ASCII
 /// header name, an empty key, an empty value, a
@@ -483,7 +486,7 @@ async fn odd_input_never_panics_and_every_record_settles() {
     support::kafka::create_topic(&topic, 1);
     support::kafka::create_topic(&dead, 1);
     let long = "k".repeat(513);
-    let cases: Vec<(Vec<(&str, Option<&[u8]>)>, Option<&[u8]>, bool)> = vec![
+    let cases: Vec<OddCase<'_>> = vec![
         (vec![], Some(b"1"), false),             // no key header
         (vec![("id", None)], Some(b"2"), false), // null value
         (
