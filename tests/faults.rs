@@ -147,6 +147,27 @@ enum Delivery {
     Failed(String),
 }
 
+/// Writes an unrecorded completion with its own lease, retrying while the
+/// store is away (30 s at most): the run's value once written, `Failed`
+/// if another worker took the key over or the store refused it.
+async fn finish(idem: &Idempotency<dyn IdempotencyStore>, u: &idem::Unrecorded) -> Delivery {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match idem.finish(u).await {
+            Ok(()) => {
+                return match serde_json::from_slice::<u64>(u.response()) {
+                    Ok(v) => Delivery::Executed(v),
+                    Err(e) => Delivery::Failed(format!("finished, but its value: {e}")),
+                }
+            }
+            Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => return Delivery::Failed(format!("unrecorded, then: {e}")),
+        }
+    }
+}
+
 /// A message receiver on one backend; its effect is counted in a ledger.
 #[derive(Clone)]
 enum Receiver {
@@ -193,6 +214,9 @@ impl Receiver {
                     Err(IdemError::Store(e @ StoreError::Unavailable(_))) => {
                         Delivery::Unavailable(e.to_string())
                     }
+                    // The handler ran; the store was away past the lease:
+                    // finished with the same lease, as a consumer does.
+                    Err(IdemError::Unrecorded(u)) => finish(idem, &u).await,
                     Err(e) => Delivery::Failed(e.to_string()),
                 }
             }

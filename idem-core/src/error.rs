@@ -317,6 +317,13 @@ impl Unrecorded {
         &self.lease
     }
 
+    /// The completion to write: the handler's result as the codec encoded
+    /// it (decode it with the executor's codec), or the "not replayable"
+    /// marker when the result could not be recorded.
+    pub fn response(&self) -> &[u8] {
+        &self.response
+    }
+
     /// The last store error of the completion.
     pub fn cause(&self) -> &StoreError {
         &self.cause

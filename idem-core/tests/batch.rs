@@ -855,3 +855,53 @@ async fn a_handler_whose_lease_ended_while_it_waited_for_its_turn_does_not_run()
         .await
         .is_ok());
 }
+
+/// The store takes no completion until every lease of the batch ended:
+/// each item is `IdemError::Unrecorded` (not retryable), and `finish`
+/// writes each one with its own lease once the store is back. The batch
+/// run again replays every item; no handler ran twice.
+#[tokio::test(start_paused = true)]
+async fn items_not_recorded_before_their_lease_ended_are_finished_not_run_again() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(2));
+    let ks = keys("unrecorded", 3);
+    let runs = Arc::new(AtomicUsize::new(0));
+    store.fail_completes(usize::MAX);
+    let batch = |idem: Idempotency<Tap<MemoryStore>>, ks: Vec<IdempotencyKey>| {
+        let runs = runs.clone();
+        async move {
+            idem.process_batch(ks.into_iter().zip(0u64..), move |n| {
+                let runs = runs.clone();
+                async move {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, Declined>(n)
+                }
+            })
+            .await
+        }
+    };
+    let out = batch(idem.clone(), ks.clone()).await;
+    let mut unrecorded = Vec::new();
+    for outcome in out {
+        match outcome {
+            Err(e @ IdemError::Unrecorded(_)) if !e.is_retryable() => {
+                if let IdemError::Unrecorded(u) = e {
+                    unrecorded.push(u);
+                }
+            }
+            other => panic!("expected Unrecorded, got {other:?}"),
+        }
+    }
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    store.fail_completes(0);
+    for u in &unrecorded {
+        idem.finish(u)
+            .await
+            .unwrap_or_else(|e| panic!("finish: {e}"));
+    }
+    let again = batch(idem.clone(), ks.clone()).await;
+    for (i, outcome) in again.iter().enumerate() {
+        assert_eq!(outcome.as_ref().ok(), Some(&Processed::Replayed(i as u64)));
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "a handler ran twice");
+}
