@@ -305,3 +305,66 @@ async fn shutdown_abort_of_a_running_record_then_restart_runs_the_effect_once() 
         "restart: {stats2:?}"
     );
 }
+
+/// Two records of one key read together and run as one batch
+/// (`.batch(2)`); the store goes down right after the first one's effect,
+/// for 3 s, three times the 1 s lease. The first record's completion is
+/// not written (`Unrecorded`); the second must wait for it, not run: once
+/// the store is back, its acquire would take the expired lease over and
+/// run the handler a second time (a race with the first record's
+/// `finish`). Expected: one effect, both records committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_with_a_key_twice_and_an_outage_past_the_lease_runs_the_effect_once() {
+    let topic = name("rv16-batch-twice");
+    let group = name("rv16-batch-twice-g");
+    support::kafka::create_topic(&topic, 1);
+    send(&topic, b"pay-2", b"{\"amount\":2}").await;
+    let end = send(&topic, b"pay-2", b"{\"amount\":2}").await + 1;
+    let (store, down) = FlakyStore::new(MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let effects: Effects = Arc::default();
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move |record: KafkaRecord| {
+            let (effects, down) = (effects.clone(), down.clone());
+            async move {
+                let id = record.key_text()?.to_owned();
+                if effect(&effects, &id) == 1 {
+                    down.store(true, Ordering::SeqCst);
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_secs(3));
+                        down.store(false, Ordering::SeqCst);
+                    });
+                }
+                Ok::<_, RecordError>(format!("done {id}"))
+            }
+        }
+    };
+    let consumer = KafkaConsumer::new(&config(&group), &[&topic], idem)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .batch(2)
+        .commit_interval(Duration::ZERO)
+        .retry_backoff(Duration::from_millis(20), Duration::from_millis(100));
+    let stats = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run(handler, async {
+            wait_for(Duration::from_secs(30), || async {
+                committed(&group, &topic).await.get(&0) == Some(&end)
+            })
+            .await;
+        }),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("run did not return"))
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects_of(&effects, "pay-2"),
+        1,
+        "the effect ran twice: {stats:?}"
+    );
+    assert_eq!(
+        committed(&group, &topic).await.get(&0),
+        Some(&end),
+        "{stats:?}"
+    );
+}

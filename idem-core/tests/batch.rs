@@ -905,3 +905,40 @@ async fn items_not_recorded_before_their_lease_ended_are_finished_not_run_again(
     }
     assert_eq!(runs.load(Ordering::SeqCst), 3, "a handler ran twice");
 }
+
+/// A key twice in one batch, and the store takes no completion until the
+/// first item's lease ended: the first item is `Unrecorded`; the second
+/// is "in progress" (the key is still held by the first run, to finish),
+/// never acquired: after the lease an acquire would take the key over and
+/// run the handler a second time.
+#[tokio::test(start_paused = true)]
+async fn a_later_item_of_an_unrecorded_key_in_the_batch_is_in_progress_not_run() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone()).lease(Duration::from_secs(2));
+    let k = key("unrecorded-twice");
+    let runs = Arc::new(AtomicUsize::new(0));
+    store.fail_completes(usize::MAX);
+    // Back as soon as the first item gave up, before the second round.
+    let out = {
+        let runs = runs.clone();
+        idem.process_batch([(k.clone(), 1u64), (k.clone(), 1u64)], move |n| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, Declined>(n)
+            }
+        })
+        .await
+    };
+    assert!(
+        matches!(out[0], Err(IdemError::Unrecorded(_))),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(out[1], Err(IdemError::InProgress { .. })),
+        "{:?}",
+        out[1]
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the handler ran twice");
+}

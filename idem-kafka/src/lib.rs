@@ -255,6 +255,34 @@ struct Shared {
     commit_lock: Mutex<()>,
     revoke_wait_ms: AtomicU64,
     partition_concurrency: AtomicU64,
+    /// Keys of records whose handler ran and whose completion is still to
+    /// be written (`Unrecorded`): their other records wait, never run
+    /// (after the lease they would take the key over).
+    finishing: Mutex<HashSet<IdempotencyKey>>,
+}
+
+/// A key in [`Shared::finishing`] while a record's completion is to be
+/// written; out again when dropped (written, given up, or the task
+/// aborted).
+struct Finishing {
+    shared: Arc<Shared>,
+    key: IdempotencyKey,
+}
+
+impl Finishing {
+    fn new(shared: &Arc<Shared>, key: &IdempotencyKey) -> Self {
+        lock(&shared.finishing).insert(key.clone());
+        Finishing {
+            shared: shared.clone(),
+            key: key.clone(),
+        }
+    }
+}
+
+impl Drop for Finishing {
+    fn drop(&mut self) {
+        lock(&self.shared.finishing).remove(&self.key);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -609,6 +637,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             commit_lock: Mutex::new(()),
             revoke_wait_ms: AtomicU64::new(10_000),
             partition_concurrency: AtomicU64::new(16),
+            finishing: Mutex::default(),
         });
         let consumer: StreamConsumer<IdemContext> = config.create_with_context(IdemContext {
             shared: shared.clone(),
@@ -1492,7 +1521,7 @@ where
         let fingerprint = record::fingerprint_of(&record);
         let mut backoff = self.retry_backoff.0;
         // A run whose completion is still to be written.
-        let mut unfinished: Option<Box<Unrecorded>> = None;
+        let mut unfinished: Option<(Box<Unrecorded>, Finishing)> = None;
         // Whether a failed run of the key was counted (the counter goes
         // when the record settles, so a later record of the key, or the
         // record re-driven from its dead letter, counts from zero).
@@ -1501,7 +1530,16 @@ where
         // waiting for it.
         let mut finish_by: Option<tokio::time::Instant> = None;
         loop {
-            if let Some(u) = &unfinished {
+            // Another record of the key waits for its completion to be
+            // written: this one waits too (its run would take the key over
+            // once the lease is over). Not for a batch's first outcome,
+            // which already ran.
+            let held = unfinished.is_none()
+                && first.is_none()
+                && key
+                    .as_ref()
+                    .is_some_and(|k| lock(&self.shared.finishing).contains(k));
+            if let Some((u, _)) = &unfinished {
                 match self.idem.finish(u).await {
                     Ok(()) => {
                         self.shared
@@ -1527,6 +1565,8 @@ where
                         ));
                     }
                 }
+            } else if held {
+                self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
             } else if let (Some(k), None) = (&key, &dead) {
                 let result = match first.take() {
                     Some(r) => r,
@@ -1561,7 +1601,8 @@ where
                     }
                     Settle::Finish(u) => {
                         self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                        unfinished = Some(u);
+                        let guard = Finishing::new(&self.shared, k);
+                        unfinished = Some((u, guard));
                     }
                     Settle::Fatal(e) => {
                         lock(&self.fatal).get_or_insert(e);

@@ -264,8 +264,30 @@ where
             });
             *round += 1;
         }
+        // Keys whose handler ran in an earlier round but whose completion
+        // is not written (`Unrecorded`, the store away past the lease): the
+        // key is still held by that run, to be finished by the caller. Its
+        // later items are "in progress", never acquired (after the lease
+        // an acquire would take the key over and run it again).
+        let mut unrecorded: HashMap<IdempotencyKey, u32> = HashMap::new();
         for round in rounds {
+            let (held, round): (Vec<_>, Vec<_>) = round
+                .into_iter()
+                .partition(|item| unrecorded.contains_key(&item.key));
+            for item in held {
+                let attempt = unrecorded.get(&item.key).copied().unwrap_or(1);
+                out[item.index] = Some(Err(IdemError::InProgress {
+                    retry_after: std::time::Duration::ZERO,
+                    attempt,
+                }));
+            }
+            if round.is_empty() {
+                continue;
+            }
             for (index, outcome) in self.run_round(round, &runner).await {
+                if let Err(IdemError::Unrecorded(u)) = &outcome {
+                    unrecorded.insert(u.lease().key.clone(), u.lease().attempt);
+                }
                 out[index] = Some(outcome);
             }
         }
