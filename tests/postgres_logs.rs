@@ -1,0 +1,69 @@
+//! What `PgStore::migrate` logs, in a test binary of its own: a `tracing`
+//! subscriber set for one thread caches each log line's interest globally,
+//! so in a process where other tests hit the same line on other threads
+//! first (the postgres binary, 79 tests at once) it could miss it (seen
+//! once in CI: "the first run says what it applied:" with nothing logged).
+
+#[path = "support/mod.rs"]
+mod support;
+
+use idem::postgres::PgStore;
+use support::pg;
+
+/// A `MakeWriter` into a shared buffer, to read what was logged.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn migrating_a_migrated_table_logs_nothing_at_info() {
+    let captured = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
+        .with_writer(captured.clone())
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing_subscriber::util::SubscriberInitExt::set_default(subscriber);
+    let table = format!("quiet_{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 2).await)
+        .table(&table)
+        .build()
+        .unwrap_or_else(|e| panic!("build: {e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    let first =
+        String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert!(
+        first.contains("applied idem migration"),
+        "the first run says what it applied: {first}"
+    );
+    captured.0.lock().unwrap_or_else(|p| p.into_inner()).clear();
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate again: {e}"));
+    let second =
+        String::from_utf8_lossy(&captured.0.lock().unwrap_or_else(|p| p.into_inner())).into_owned();
+    assert!(second.is_empty(), "a second start logged: {second}");
+}
