@@ -1952,3 +1952,115 @@ async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_tw
     );
     assert_eq!(again.body, first.body, "the retry gets the first response");
 }
+
+// review16b
+/// A store whose `complete` fails (`Unavailable`) while `fail` is set; every
+/// other call reaches the inner store (a completion that times out while
+/// acquires still go through).
+struct NoComplete<S> {
+    inner: S,
+    fail: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl<S: idem::IdempotencyStore> idem::IdempotencyStore for NoComplete<S> {
+    async fn acquire(
+        &self,
+        key: &idem::IdempotencyKey,
+        fingerprint: Option<&idem::Fingerprint>,
+        lease: std::time::Duration,
+    ) -> Result<idem::Acquisition, idem::StoreError> {
+        self.inner.acquire(key, fingerprint, lease).await
+    }
+    async fn complete(
+        &self,
+        lease: &idem::Lease,
+        response: &[u8],
+        retention: std::time::Duration,
+    ) -> Result<(), idem::StoreError> {
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(idem::StoreError::Unavailable(Box::new(
+                support::flaky::Down,
+            )));
+        }
+        self.inner.complete(lease, response, retention).await
+    }
+    async fn release(&self, lease: &idem::Lease) -> Result<(), idem::StoreError> {
+        self.inner.release(lease).await
+    }
+    async fn extend(
+        &self,
+        lease: &idem::Lease,
+        lease_for: std::time::Duration,
+    ) -> Result<idem::Lease, idem::StoreError> {
+        self.inner.extend(lease, lease_for).await
+    }
+    async fn get(
+        &self,
+        key: &idem::IdempotencyKey,
+    ) -> Result<Option<idem::Record>, idem::StoreError> {
+        self.inner.get(key).await
+    }
+    async fn delete(&self, key: &idem::IdempotencyKey) -> Result<bool, idem::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self, max: usize) -> Result<u64, idem::StoreError> {
+        self.inner.purge_expired(max).await
+    }
+}
+
+// review16b
+/// The first request's completion cannot be written before the executor
+/// gives up (`Unrecorded`): the layer keeps its key in `Finishing` and
+/// answers 409 itself. A request with the same key and a *different* body
+/// is not a retry of that request: DESIGN 2 ("a later acquire of a live
+/// record with a different fingerprint is Mismatch, whatever the record's
+/// state", 422). The store is reachable for acquires (it would answer
+/// Mismatch: the record is live, in progress), but the layer never asks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review16b_a_different_body_while_the_response_is_finishing_is_422_not_409() {
+    let fail = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store = NoComplete {
+        inner: idem::MemoryStore::new(),
+        fail: fail.clone(),
+    };
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, fail) = (effects.clone(), fail.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            fail.store(true, Ordering::SeqCst);
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!(
+        "http://{}/payments",
+        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
+    );
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let first = post_json(&url, Some("k-rv16b"), "t1", &json!({ "amount": 1 })).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // What the store itself says to the other body (control).
+    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-rv16b")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        record.as_ref().is_some_and(|r| !r.is_completed()),
+        "the record is live and in progress: {record:?}"
+    );
+    let other = post_json(&url, Some("k-rv16b"), "t1", &json!({ "amount": 2 })).await;
+    fail.store(false, Ordering::SeqCst);
+    assert_eq!(
+        (other.status, effects.load(Ordering::SeqCst)),
+        (422, 1),
+        "a different body with the key of a response being finished: {:?}",
+        other.body
+    );
+}

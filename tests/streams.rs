@@ -1472,3 +1472,93 @@ async fn review16_a_duplicate_entry_of_an_unfinished_key_does_not_run_it_again()
         "the effect of m-1 ran twice (its duplicate entry took the unfinished key over): {stats:?}"
     );
 }
+
+// review16b
+/// Entry A (m-1) runs; the store goes down right after its effect, so its
+/// completion is not written (`Unrecorded`, A kept to finish). While the
+/// store is still down the producer retries (entry B, same m-1): B is
+/// held back (its key is unfinished) and left pending in this consumer's
+/// PEL. The store comes back, A is finished and acked: B's key now has a
+/// recorded result, and B only needs its replay and its ack. Expected: B
+/// is settled soon after (DESIGN 5b: ack after the result is recorded or
+/// replayed). With `claim_idle` of 60 s (or `Duration::MAX`, "never take
+/// over") the consumer never looks at its own held-back entry again until
+/// claim_idle passes (or a restart): B stays pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review16b_a_duplicate_held_back_by_an_unfinished_key_is_settled_once_it_finishes() {
+    let stream = format!("rv16b-held-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = StreamConsumer::connect(
+        support::redis_server::shared_url(),
+        &stream,
+        "g",
+        "a",
+        idem.clone(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .key_field("message_id")
+    .block(Duration::from_millis(100))
+    .claim_idle(Duration::from_secs(60));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move |_e: StreamEntry| {
+            let (effects, down) = (effects.clone(), down.clone());
+            async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    down.store(true, Ordering::SeqCst);
+                }
+                Ok::<_, std::io::Error>("charged".to_owned())
+            }
+        }
+    };
+    let came_back = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
+    let producer = {
+        let (effects, down, stream, came_back) = (
+            effects.clone(),
+            down.clone(),
+            stream.clone(),
+            came_back.clone(),
+        );
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while effects.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // A's completion given up (Unrecorded) while the store is down.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            xadd(&stream, &[("message_id", "m-1")]).await;
+            // B read and held back, the store still down.
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            down.store(false, Ordering::SeqCst);
+            *came_back.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(tokio::time::Instant::now());
+        })
+    };
+    let t0 = tokio::time::Instant::now();
+    let done = {
+        let (stream, came_back) = (stream.clone(), came_back.clone());
+        move || {
+            let (stream, came_back) = (stream.clone(), came_back.clone());
+            Box::pin(async move {
+                let back = *came_back.lock().unwrap_or_else(|p| p.into_inner());
+                t0.elapsed() > Duration::from_secs(20)
+                    || back.is_some_and(|b| b.elapsed() > Duration::from_secs(10))
+                    || (back.is_some() && pending(&stream, "g").await == 0)
+            }) as futures::future::BoxFuture<'static, bool>
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(40), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    let left = pending(&stream, "g").await;
+    assert_eq!(
+        (effects.load(Ordering::SeqCst), left),
+        (1, 0),
+        "(effects, entries still pending) 10 s after the store came back and A was finished: {stats:?}"
+    );
+}
