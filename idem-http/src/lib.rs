@@ -322,22 +322,27 @@ struct Finishing {
     /// How many keys: the request path reads this, and looks into the set
     /// only when it is not zero.
     count: std::sync::atomic::AtomicUsize,
-    keys: std::sync::Mutex<std::collections::HashSet<IdempotencyKey>>,
+    /// Each key with the fingerprint of the request that ran.
+    keys: std::sync::Mutex<std::collections::HashMap<IdempotencyKey, Fingerprint>>,
 }
 
 impl Finishing {
-    fn contains(&self, key: &IdempotencyKey) -> bool {
+    /// Whether `key` is being finished for a request with this
+    /// fingerprint. Another payload goes on to the store, which answers
+    /// the mismatch (422), whatever the record's state.
+    fn holds(&self, key: &IdempotencyKey, fingerprint: &Fingerprint) -> bool {
         self.count.load(std::sync::atomic::Ordering::Acquire) > 0
             && self
                 .keys
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .contains(key)
+                .get(key)
+                .is_some_and(|f| f == fingerprint)
     }
 
-    fn insert(&self, key: IdempotencyKey) {
+    fn insert(&self, key: IdempotencyKey, fingerprint: Fingerprint) {
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        if keys.insert(key) {
+        if keys.insert(key, fingerprint).is_none() {
             self.count
                 .fetch_add(1, std::sync::atomic::Ordering::Release);
         }
@@ -345,7 +350,7 @@ impl Finishing {
 
     fn remove(&self, key: &IdempotencyKey) {
         let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-        if keys.remove(key) {
+        if keys.remove(key).is_some() {
             self.count
                 .fetch_sub(1, std::sync::atomic::Ordering::Release);
         }
@@ -1211,7 +1216,7 @@ where
             Ok::<_, NotRecorded<Inner::Error>>(outcome)
         }
     };
-    if config.finishing.contains(&key) {
+    if config.finishing.holds(&key, &fingerprint) {
         let problem =
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
         return Ok(render(&config, problem));
@@ -1252,13 +1257,14 @@ where
         if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    config.finishing.insert(key.clone());
-                    let finishing = config.finishing.clone();
+                    config.finishing.insert(key.clone(), fingerprint);
+                    // Out of the set however the task ends (a panic, or
+                    // its runtime shutting down, included).
+                    let guard = FinishingGuard(config.finishing.clone(), key.clone());
                     let idem = config.idem.clone();
                     runtime.spawn(async move {
-                        let key = unrecorded.lease().key.clone();
                         finish_later(idem, unrecorded).await;
-                        finishing.remove(&key);
+                        drop(guard);
                     });
                 }
                 Err(_) => {
@@ -1304,6 +1310,15 @@ where
         }
     };
     Ok(render(&config, problem))
+}
+
+/// Takes a key out of [`Finishing`] when dropped.
+struct FinishingGuard(Arc<Finishing>, IdempotencyKey);
+
+impl Drop for FinishingGuard {
+    fn drop(&mut self) {
+        self.0.remove(&self.1);
+    }
 }
 
 /// How long [`finish_later`] keeps trying.

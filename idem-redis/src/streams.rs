@@ -259,6 +259,9 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     /// (the store was away past the lease), by entry ID: finished with
     /// their own lease, never run again.
     unfinished: Arc<std::sync::Mutex<Unfinished>>,
+    /// An unfinished key was settled: read this consumer's pending
+    /// entries again (those of the key held back meanwhile).
+    reread_own: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
@@ -352,6 +355,7 @@ where
             dead_letter: format!("{stream}:dead"),
             counters: Arc::default(),
             unfinished: Arc::default(),
+            reread_own: Arc::default(),
         };
         let mut create = redis::cmd("XGROUP");
         create
@@ -491,6 +495,12 @@ where
                 break;
             }
             self.finish_unfinished().await;
+            // A key finished: the entries of it held back meanwhile are in
+            // this consumer's pending list; read them again now (they get
+            // the replay) rather than after `claim_idle`.
+            if self.reread_own.swap(false, Ordering::SeqCst) && history.is_none() {
+                history = Some("0-0".to_owned());
+            }
             let mut entries = Vec::new();
             if let Some(from) = history.take() {
                 entries = self.read_own(&from).await?;
@@ -546,9 +556,10 @@ where
             match self.idem.finish(&u).await {
                 Ok(()) => {
                     self.counters.executed.fetch_add(1, Ordering::Relaxed);
+                    self.reread_own.store(true, Ordering::SeqCst);
                     ack.push(id);
                 }
-                Err(StoreError::LeaseLost) => {}
+                Err(StoreError::LeaseLost) => self.reread_own.store(true, Ordering::SeqCst),
                 Err(e) if e.is_retryable() => {
                     self.unfinished
                         .lock()
@@ -564,6 +575,7 @@ where
                         unusable: None,
                     };
                     dead.push((delivery, 0, reason));
+                    self.reread_own.store(true, Ordering::SeqCst);
                 }
             }
         }
