@@ -198,3 +198,41 @@ server_kafka() {
   export IDEM_KAFKA_BROKERS="127.0.0.1:$port" IDEM_TANSU_BIN="$bin"
   echo "Kafka protocol broker (Tansu, $bin) on $IDEM_KAFKA_BROKERS"
 }
+
+# moto's server mode: DynamoDB and SQS (every AWS service on one port) for
+# idem-dynamodb and idem-sqs. Installed with pip into a virtual environment
+# of its own (IDEM_MOTO_VENV, default ~/.cache/idem/moto) when no
+# `moto_server` is there; started on a free port; exports IDEM_MOTO_URL
+# (http://127.0.0.1:port) and IDEM_MOTO_BIN (the fault tests start their
+# own server, and kill it).
+moto_bin() {
+  local venv="${IDEM_MOTO_VENV:-$HOME/.cache/idem/moto}"
+  if [[ -n "${IDEM_MOTO_BIN:-}" && -x "$IDEM_MOTO_BIN" ]]; then
+    echo "$IDEM_MOTO_BIN"
+  elif [[ -x "$venv/bin/moto_server" ]]; then
+    echo "$venv/bin/moto_server"
+  else
+    return 1
+  fi
+}
+
+moto_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+server_moto() {
+  local bin dir port venv="${IDEM_MOTO_VENV:-$HOME/.cache/idem/moto}"
+  bin=$(moto_bin || true)
+  if [[ -z "$bin" ]]; then
+    python3 -c 'import venv, ensurepip' 2>/dev/null || apt_package python3-venv
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet 'moto[server]==5.2.5'
+    bin=$(moto_bin)
+  fi
+  dir="$WORK_DIR/moto"
+  port=$(free_port)
+  mkdir -p "$dir"
+  "$bin" -H 127.0.0.1 -p "$port" >"$dir/server.log" 2>&1 &
+  track_pid $!
+  wait_until 60 "moto_server on port $port" moto_up "$port"
+  export IDEM_MOTO_URL="http://127.0.0.1:$port" IDEM_MOTO_BIN="$bin"
+  echo "moto ($bin) on $IDEM_MOTO_URL"
+}
