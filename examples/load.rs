@@ -63,6 +63,14 @@ enum Backend {
     TieredRedis,
     /// TieredStore with no cache tier (duplicates answered by PostgreSQL).
     TieredPostgres,
+    /// DynamoDbStore on --dynamodb-url (moto, DynamoDB Local).
+    Dynamodb,
+    /// TieredStore: moka, then DynamoDB (duplicates answered by moka).
+    TieredDynamodb,
+    /// No idem: the same conditional PutItem the store's acquire sends,
+    /// from the bare SDK (a fresh key written, a duplicate refused with
+    /// the old item), the floor the store is compared with.
+    DynamodbBare,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -124,6 +132,9 @@ struct Args {
     /// Comma-separated node URLs of a Redis Cluster.
     #[arg(long, env = "IDEM_REDIS_CLUSTER_URLS")]
     redis_cluster_urls: Option<String>,
+    /// A DynamoDB endpoint (moto's server mode, DynamoDB Local).
+    #[arg(long, env = "IDEM_MOTO_URL")]
+    dynamodb_url: Option<String>,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -146,6 +157,8 @@ enum Target {
     ),
     #[cfg(feature = "postgres")]
     PgTx(idem::postgres::PgStore),
+    #[cfg(feature = "dynamodb")]
+    Bare(idem::dynamodb::aws_sdk_dynamodb::Client),
 }
 
 /// What a delivery records: the raw bytes (`--via store`, with the
@@ -227,9 +240,49 @@ impl Target {
                     }
                 }
             }
+            #[cfg(feature = "dynamodb")]
+            Target::Bare(client) => bare_put(client, key).await,
         }
     }
 }
+
+/// The conditional `PutItem` of a fresh acquire, from the bare SDK: a new
+/// key is written, an existing one refused with its old item returned.
+#[cfg(feature = "dynamodb")]
+async fn bare_put(
+    client: &idem::dynamodb::aws_sdk_dynamodb::Client,
+    key: &IdempotencyKey,
+) -> Result<Outcome, BoxError> {
+    use idem::dynamodb::aws_sdk_dynamodb::error::ProvideErrorMetadata;
+    use idem::dynamodb::aws_sdk_dynamodb::primitives::Blob;
+    use idem::dynamodb::aws_sdk_dynamodb::types::{
+        AttributeValue, ReturnValuesOnConditionCheckFailure,
+    };
+    let pk = format!("bare/{}/{}", key.scope(), key.id());
+    let sent = client
+        .put_item()
+        .table_name(DYNAMODB_TABLE)
+        .item("pk", AttributeValue::S(pk))
+        .item("st", AttributeValue::S("p".into()))
+        .item("tk", AttributeValue::B(Blob::new(vec![7u8; 16])))
+        .item("fp", AttributeValue::B(Blob::new(vec![9u8; 32])))
+        .item("le", AttributeValue::N("1763859000123".into()))
+        .item("ex", AttributeValue::N("1763945400123".into()))
+        .condition_expression("attribute_not_exists(#pk)")
+        .expression_attribute_names("#pk", "pk")
+        .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+        .send()
+        .await;
+    match sent {
+        Ok(_) => Ok(Outcome::Executed),
+        Err(e) if e.code() == Some("ConditionalCheckFailedException") => Ok(Outcome::Replayed),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The table the DynamoDB backends use (made if missing).
+#[cfg(feature = "dynamodb")]
+const DYNAMODB_TABLE: &str = "idem_load";
 
 impl Target {
     /// Delivers a batch of keys in one operation; one outcome per key.
@@ -239,7 +292,7 @@ impl Target {
         keys: Vec<IdempotencyKey>,
     ) -> Result<Vec<Result<Outcome, BoxError>>, BoxError> {
         let Target::Store(store, idem, response) = self else {
-            return Err("--batch needs a store backend (not postgres-tx)".into());
+            return Err("--batch needs a store backend (not postgres-tx or dynamodb-bare)".into());
         };
         match via {
             Via::Process => {
@@ -606,6 +659,17 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         }
         #[cfg(all(feature = "tiered", feature = "postgres"))]
         Backend::TieredPostgres => Arc::new(idem::tiered::TieredStore::new(pg_store(args).await?)),
+        #[cfg(feature = "dynamodb")]
+        Backend::Dynamodb => Arc::new(dynamodb_store(args).await?),
+        #[cfg(all(feature = "dynamodb", feature = "tiered"))]
+        Backend::TieredDynamodb => Arc::new(
+            idem::tiered::TieredStore::new(dynamodb_store(args).await?)
+                .with_cache(idem::tiered::MokaCache::new(100_000, 256 << 20)),
+        ),
+        #[cfg(feature = "dynamodb")]
+        Backend::DynamodbBare => {
+            return Ok(Target::Bare(dynamodb_store(args).await?.client().clone()))
+        }
         #[allow(unreachable_patterns)]
         other => {
             return Err(format!(
@@ -626,6 +690,17 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         idem,
         Arc::new(Response::new(args.response_bytes)?),
     ))
+}
+
+#[cfg(feature = "dynamodb")]
+async fn dynamodb_store(args: &Args) -> Result<idem::dynamodb::DynamoDbStore, BoxError> {
+    let url = args
+        .dynamodb_url
+        .as_deref()
+        .ok_or("this backend needs --dynamodb-url (or IDEM_MOTO_URL)")?;
+    let client = idem::dynamodb::local_client(url);
+    idem::dynamodb::create_table(&client, DYNAMODB_TABLE).await?;
+    Ok(idem::dynamodb::DynamoDbStore::new(client, DYNAMODB_TABLE))
 }
 
 #[cfg(feature = "redis")]

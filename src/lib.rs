@@ -40,3 +40,9 @@ pub use idem_http as http;
 #[cfg(feature = "kafka")]
 #[doc(inline)]
 pub use idem_kafka as kafka;
+
+/// The DynamoDB store (feature `dynamodb`, crate `idem-dynamodb`); its
+/// `aws-sdk-dynamodb` re-export is `idem::dynamodb::aws_sdk_dynamodb`.
+#[cfg(feature = "dynamodb")]
+#[doc(inline)]
+pub use idem_dynamodb as dynamodb;

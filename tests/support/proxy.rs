@@ -20,6 +20,8 @@ pub struct CountingProxy {
     pub addr: SocketAddr,
     turns: Arc<AtomicU64>,
     loss: Arc<Loss>,
+    cut: Arc<AtomicBool>,
+    pipes: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -67,18 +69,32 @@ impl CountingProxy {
         let turns = Arc::new(AtomicU64::new(0));
         let loss = Arc::new(Loss::default());
         let (counter, rule) = (turns.clone(), loss.clone());
+        let cut = Arc::new(AtomicBool::new(false));
+        let pipes: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let (is_cut, open) = (cut.clone(), pipes.clone());
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if is_cut.load(Ordering::SeqCst) {
+                    // Cut off: the connection is closed at once, as by a
+                    // server that is not there.
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                tokio::spawn(pipe(client, server, counter.clone(), rule.clone()));
+                let piped = tokio::spawn(pipe(client, server, counter.clone(), rule.clone()));
+                let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
+                open.retain(|p| !p.is_finished());
+                open.push(piped.abort_handle());
             }
         });
         CountingProxy {
             addr,
             turns,
             loss,
+            cut,
+            pipes,
             task,
         }
     }
@@ -95,6 +111,23 @@ impl CountingProxy {
         self.loss.every.store(every.max(1), Ordering::SeqCst);
         self.loss.budget.store(budget, Ordering::SeqCst);
         *self.loss.pattern.lock().unwrap_or_else(|p| p.into_inner()) = pattern.to_vec();
+    }
+
+    /// Cuts every connection through the proxy and closes new ones at
+    /// once (`true`), as a server that went away; `false` lets them
+    /// through again.
+    pub fn cut(&self, on: bool) {
+        self.cut.store(on, Ordering::SeqCst);
+        if on {
+            for pipe in self
+                .pipes
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .drain(..)
+            {
+                pipe.abort();
+            }
+        }
     }
 
     /// Replies lost so far.

@@ -1,0 +1,1389 @@
+//! DynamoDB store for [idem](https://docs.rs/idem): one item per key, a
+//! conditional write for every transition.
+//!
+//! [`DynamoDbStore`] keeps each idempotency key in one item of a table whose
+//! partition key is the string attribute `pk` ([`create_table`] makes one).
+//! Every write is conditional, so a reservation, a completion, a release and
+//! a lease renewal are each **one request** and atomic in DynamoDB:
+//!
+//! | operation | requests | how |
+//! |---|---|---|
+//! | `acquire`, fresh key | 1 | `PutItem` if the item does not exist |
+//! | `acquire`, duplicate (completed, in progress, mismatch) | 1 | the same `PutItem`: its condition fails and DynamoDB returns the stored item (`ReturnValuesOnConditionCheckFailure = ALL_OLD`); the fingerprint is checked on that item |
+//! | `acquire` after a lease ended, a release, a delete or an expiry | 2 | the `PutItem` above, then a `PutItem` conditioned on the item's revision (another writer in between: the answer comes from what it wrote) |
+//! | `complete`, `release`, `extend` | 1 | `UpdateItem` conditioned on the lease token |
+//! | `complete` of a response over [`INLINE_RESPONSE_BYTES`] | 1 | `TransactWriteItems`: the record and the response's chunk items together |
+//! | replay of a response over [`INLINE_RESPONSE_BYTES`] | 2 | the `PutItem`, then a consistent `BatchGetItem` of its chunks |
+//! | `get` | 1 (2 with chunks) | `GetItem` with `ConsistentRead` |
+//! | `delete` | 1 | `UpdateItem` into a tombstone |
+//! | `purge_expired` | scan pages + 1 per removed item | a consistent `Scan` filtered on the expiry, then a `DeleteItem` conditioned on each item's revision |
+//!
+//! ```no_run
+//! use idem_core::{Idempotency, IdempotencyKey};
+//! use idem_dynamodb::DynamoDbStore;
+//!
+//! # async fn demo(client: aws_sdk_dynamodb::Client) -> Result<(), Box<dyn std::error::Error>> {
+//! // `client` from aws-config: `aws_sdk_dynamodb::Client::new(&aws_config::load_from_env().await)`.
+//! idem_dynamodb::create_table(&client, "idem_records").await?; // once; harmless if it exists
+//! let store = DynamoDbStore::new(client, "idem_records");
+//! let idem = Idempotency::new(store);
+//! let key = IdempotencyKey::new("emails.send", "msg-1")?;
+//! idem.process(&key, "hello", |m| async move { Ok::<_, std::io::Error>(m.len()) }).await?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Time: the clients' clocks, with a skew margin
+//!
+//! DynamoDB has no server clock that a condition can read, so leases and
+//! expiries are timed by the clock of the client that writes them, and
+//! compared with the clock of the client that reads them. A client whose
+//! clock runs ahead of the holder's would see a lease end early and take
+//! the key over while its holder still runs. So every comparison gives the
+//! other side a margin, [`DynamoDbStore::clock_skew_margin`] (default
+//! 1 s): a lease can be taken over only once it ended `margin` ago by the
+//! reader's clock, and a record is absent only `margin` after its expiry.
+//! **Clocks that differ by less than the margin never let a key run twice
+//! while its lease holds**; keep the clients' clocks synchronised (NTP,
+//! chrony, the Amazon Time Sync Service) well inside it. The cost: a
+//! crashed holder's key waits `margin` longer before a takeover, and a
+//! record replays `margin` longer than its retention.
+//!
+//! # Fences
+//!
+//! A fence is the acquiring client's clock in microseconds, or the stored
+//! fence + 1 if that is higher. Releases and deletes leave a **tombstone**
+//! (status `r` or `x`, [`TOMBSTONE_FOR`], then purged or removed by the
+//! TTL) that keeps the fence, so a re-acquisition right after a release by
+//! a client whose clock is behind still gets a higher fence. Once an item
+//! is gone (its tombstone or its expired record purged), the next fence
+//! rests on the acquiring client's clock alone, which is higher as long as
+//! clocks differ by less than the time since the last acquisition.
+//!
+//! # Guarantees and their limits
+//!
+//! - **Consistency**: every write is conditional and every read
+//!   (`GetItem`, `BatchGetItem`, `Scan`) is strongly consistent. Global
+//!   tables replicate asynchronously between regions and resolve
+//!   conflicts by last writer: use one region's table as the store.
+//! - **Expiry**: the store checks `ex` itself; DynamoDB's TTL (attribute
+//!   `tt`, enabled by [`create_table`]) only removes items days later, and
+//!   `purge_expired` removes them sooner.
+//! - **Item size**: DynamoDB refuses items over 400 KB. A response up to
+//!   [`INLINE_RESPONSE_BYTES`] lives in the record; a larger one, up to
+//!   [`DynamoDbStore::max_response_bytes`] (default
+//!   [`DEFAULT_MAX_RESPONSE_BYTES`], under the 4 MB of a transaction), in
+//!   chunk items written in the same transaction as the completion. A
+//!   larger one is refused with [`StoreError::ResponseTooLarge`] before
+//!   anything is sent (the executor then completes the key as "not
+//!   replayable").
+//! - **Resent requests**: the SDK resends a request whose reply was lost.
+//!   An `acquire` resent finds its own token holding the key and answers
+//!   "acquired"; a `complete` or `release` resent finds its own token in
+//!   the completed record or the release tombstone and succeeds. `delete`
+//!   is sent once (the SDK's retries are turned off for it): a resend could
+//!   delete a reservation made since; a lost reply is
+//!   [`StoreError::Unavailable`].
+//! - **Timeouts**: every call is bounded by
+//!   [`DynamoDbStore::call_timeout`] (default 2 s), the SDK's retries
+//!   included; a request that timed out may still be applied (an
+//!   acquisition held by nobody frees itself when its lease ends).
+//! - **Durations**: a zero lease is refused before anything is sent;
+//!   leases and retentions are saturated to
+//!   [`MAX_DURATION`](idem_core::MAX_DURATION) and rounded up to whole ms.
+#![deny(missing_docs)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod item;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use aws_sdk_dynamodb::config::retry::RetryConfig;
+use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
+use aws_sdk_dynamodb::operation::put_item::PutItemError;
+use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
+use aws_sdk_dynamodb::types::{
+    AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, KeysAndAttributes,
+    Put, ReturnValue, ReturnValuesOnConditionCheckFailure, ScalarAttributeType,
+    TimeToLiveSpecification, TransactWriteItem, Update,
+};
+use aws_sdk_dynamodb::Client;
+use bytes::{Bytes, BytesMut};
+use idem_core::{
+    saturate, AcquireItem, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey,
+    IdempotencyStore, Lease, LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
+};
+use item::{b, n, s, Attrs, Item, Response, State};
+
+pub use aws_sdk_dynamodb;
+pub use idem_core;
+
+/// The largest response kept in the record's own item. DynamoDB items hold
+/// at most 400 KB, names and values of every attribute counted; the rest
+/// of a record takes under 1 KB.
+///
+/// ```
+/// assert_eq!(idem_dynamodb::INLINE_RESPONSE_BYTES, 380_000);
+/// ```
+pub const INLINE_RESPONSE_BYTES: usize = 380_000;
+
+/// The default largest response: 3 MiB, in up to 9 chunk items written
+/// with the completion in one transaction (4 MB at most).
+///
+/// ```
+/// assert_eq!(idem_dynamodb::DEFAULT_MAX_RESPONSE_BYTES, 3 << 20);
+/// ```
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 3 << 20;
+
+/// The most a response can be: 10 chunks, with the record, under the
+/// 4 MB of a `TransactWriteItems`.
+const HARD_MAX_RESPONSE_BYTES: usize = 10 * INLINE_RESPONSE_BYTES;
+
+/// How long a release or delete tombstone keeps a key's fence.
+pub const TOMBSTONE_FOR: Duration = Duration::from_secs(3_600);
+
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
+const DEFAULT_SKEW: Duration = Duration::from_secs(1);
+/// Rounds of `acquire` when writers keep changing the item between its
+/// read and the conditional write (each round is a new state).
+const ACQUIRE_ROUNDS: usize = 16;
+
+/// A call that did not finish within the store's call timeout; the source
+/// of [`StoreError::Unavailable`].
+#[derive(Debug, thiserror::Error)]
+#[error("DynamoDB did not answer within {0:?}")]
+pub struct CallTimeout(pub Duration);
+
+/// The DynamoDB [`IdempotencyStore`]. Cloning is cheap (the SDK client is
+/// shared).
+///
+/// ```no_run
+/// use std::time::Duration;
+/// use idem_dynamodb::DynamoDbStore;
+///
+/// # fn demo(client: aws_sdk_dynamodb::Client) {
+/// let store = DynamoDbStore::new(client, "idem_records")
+///     .call_timeout(Duration::from_millis(800))
+///     .clock_skew_margin(Duration::from_millis(500));
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct DynamoDbStore {
+    client: Client,
+    table: Arc<str>,
+    call_timeout: Duration,
+    skew_ms: i64,
+    max_response_bytes: usize,
+    clock_offset_ms: i64,
+    purge_cursor: Arc<std::sync::Mutex<Option<Attrs>>>,
+}
+
+impl std::fmt::Debug for DynamoDbStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DynamoDbStore")
+            .field("table", &self.table)
+            .field("call_timeout", &self.call_timeout)
+            .field("clock_skew_margin_ms", &self.skew_ms)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .finish()
+    }
+}
+
+/// A client for a local DynamoDB endpoint (moto, DynamoDB Local,
+/// LocalStack): region `us-east-1`, static dummy credentials, the SDK's
+/// latest behaviour version. For AWS itself, build the client from
+/// `aws-config`.
+///
+/// ```
+/// let client = idem_dynamodb::local_client("http://127.0.0.1:5000");
+/// # drop(client);
+/// ```
+pub fn local_client(endpoint_url: &str) -> Client {
+    use aws_sdk_dynamodb::config::{BehaviorVersion, Credentials, Region};
+    let config = aws_sdk_dynamodb::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new("us-east-1"))
+        .endpoint_url(endpoint_url)
+        .credentials_provider(Credentials::new("idem", "idem", None, None, "idem-static"))
+        .build();
+    Client::from_conf(config)
+}
+
+/// Creates the table the store expects, if it does not exist: partition
+/// key `pk` (string), no sort key, on-demand billing, and DynamoDB's TTL
+/// on the attribute `tt`. Waits until the table is active. Harmless to
+/// call on every start.
+///
+/// To make it yourself (CloudFormation, Terraform): one `HASH` key named
+/// `pk` of type `S`, TTL attribute `tt`; any billing mode.
+pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError> {
+    let created = client
+        .create_table()
+        .table_name(table)
+        .attribute_definitions(
+            AttributeDefinition::builder()
+                .attribute_name(item::PK)
+                .attribute_type(ScalarAttributeType::S)
+                .build()
+                .map_err(StoreError::backend)?,
+        )
+        .key_schema(
+            KeySchemaElement::builder()
+                .attribute_name(item::PK)
+                .key_type(KeyType::Hash)
+                .build()
+                .map_err(StoreError::backend)?,
+        )
+        .billing_mode(BillingMode::PayPerRequest)
+        .send()
+        .await;
+    match created {
+        Ok(_) => {}
+        Err(e) if e.code() == Some("ResourceInUseException") => {}
+        Err(e) => return Err(map_sdk(e)),
+    }
+    // Active: on AWS a new table takes seconds; moto is active at once.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let described = client
+            .describe_table()
+            .table_name(table)
+            .send()
+            .await
+            .map_err(map_sdk)?;
+        let active = described
+            .table()
+            .and_then(|t| t.table_status())
+            .is_some_and(|s| s.as_str() == "ACTIVE");
+        if active {
+            break;
+        }
+        if tokio::time::Instant::now() > deadline {
+            return Err(StoreError::unavailable(format!(
+                "table {table} is not active after 120 s"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let ttl = client
+        .update_time_to_live()
+        .table_name(table)
+        .time_to_live_specification(
+            TimeToLiveSpecification::builder()
+                .enabled(true)
+                .attribute_name(item::TT)
+                .build()
+                .map_err(StoreError::backend)?,
+        )
+        .send()
+        .await;
+    match ttl {
+        Ok(_) => Ok(()),
+        // Already enabled (AWS answers ValidationException to a second
+        // enable of the same attribute).
+        Err(e) if e.code() == Some("ValidationException") => Ok(()),
+        Err(e) => Err(map_sdk(e)),
+    }
+}
+
+/// Maps an SDK error: timeouts, connection failures, throttling and
+/// DynamoDB's own server errors are [`StoreError::Unavailable`]
+/// (retryable); the rest (a missing table, a refused request) are
+/// [`StoreError::Backend`].
+fn map_sdk<E, R>(e: SdkError<E, R>) -> StoreError
+where
+    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
+{
+    match &e {
+        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
+            StoreError::unavailable(e)
+        }
+        SdkError::ServiceError(se) => {
+            let retryable = matches!(
+                se.err().code(),
+                Some(
+                    "InternalServerError"
+                        | "ServiceUnavailable"
+                        | "ProvisionedThroughputExceededException"
+                        | "RequestLimitExceeded"
+                        | "ThrottlingException"
+                        | "TransactionConflictException"
+                        | "TransactionInProgressException"
+                        | "ReplicatedWriteConflictException"
+                )
+            );
+            if retryable {
+                StoreError::unavailable(e)
+            } else {
+                StoreError::backend(e)
+            }
+        }
+        _ => StoreError::backend(e),
+    }
+}
+
+/// `d` in whole milliseconds, saturated and rounded up.
+fn millis(d: Duration) -> i64 {
+    let d = saturate(d);
+    let ms = d.as_millis() + u128::from(!d.subsec_nanos().is_multiple_of(1_000_000));
+    i64::try_from(ms).unwrap_or(i64::MAX)
+}
+
+fn wall(ms: i64) -> SystemTime {
+    if ms >= 0 {
+        UNIX_EPOCH + Duration::from_millis(ms.unsigned_abs())
+    } else {
+        UNIX_EPOCH - Duration::from_millis(ms.unsigned_abs())
+    }
+}
+
+fn since(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+fn random_rev() -> u64 {
+    // 53 bits: DynamoDB numbers are exact far beyond, but a smaller value
+    // keeps every tool that reads the table as f64 exact too.
+    u64::try_from(LeaseToken::random().as_u128() & ((1 << 53) - 1)).unwrap_or(1)
+}
+
+fn names(pairs: &[&str]) -> HashMap<String, String> {
+    pairs
+        .iter()
+        .map(|n| (format!("#{n}"), (*n).to_owned()))
+        .collect()
+}
+
+/// How a conditional write failed: the item as it was, if any.
+enum Write<T> {
+    Done(T),
+    Refused(Option<Attrs>),
+}
+
+impl DynamoDbStore {
+    /// A store on `table` (made by [`create_table`] or to its shape).
+    /// Defaults: 2 s call timeout, 1 s clock skew margin, responses up to
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`].
+    pub fn new(client: Client, table: impl Into<String>) -> Self {
+        DynamoDbStore {
+            client,
+            table: Arc::from(table.into()),
+            call_timeout: DEFAULT_TIMEOUT,
+            skew_ms: millis(DEFAULT_SKEW),
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            clock_offset_ms: 0,
+            purge_cursor: Arc::new(std::sync::Mutex::new(None)),
+        }
+    }
+
+    /// The longest one call may take, the SDK's retries included, before
+    /// it fails with [`StoreError::Unavailable`] (default 2 s).
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = saturate(timeout).max(Duration::from_millis(1));
+        self
+    }
+
+    /// How far apart the clients' clocks may be (default 1 s): a lease is
+    /// taken over only once it ended this long ago by the reader's clock,
+    /// and a record is absent this long after its expiry. See the crate
+    /// docs.
+    pub fn clock_skew_margin(mut self, margin: Duration) -> Self {
+        self.skew_ms = millis(margin);
+        self
+    }
+
+    /// The largest response `complete` accepts (default
+    /// [`DEFAULT_MAX_RESPONSE_BYTES`]; at most 3.8 MB, ten chunks of
+    /// [`INLINE_RESPONSE_BYTES`]: a larger value is lowered to that). A
+    /// larger response is refused with [`StoreError::ResponseTooLarge`]
+    /// before anything is sent.
+    pub fn max_response_bytes(mut self, max: usize) -> Self {
+        self.max_response_bytes = max.min(HARD_MAX_RESPONSE_BYTES);
+        self
+    }
+
+    /// Moves this store's clock by `offset_ms` milliseconds (negative:
+    /// behind). For tests of clock skew between clients; never needed in
+    /// production.
+    pub fn clock_offset_ms(mut self, offset_ms: i64) -> Self {
+        self.clock_offset_ms = offset_ms;
+        self
+    }
+
+    /// The table's name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The SDK client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The partition key (`pk`) of a key's item: `{scope}/{id}`.
+    pub fn item_key(key: &IdempotencyKey) -> String {
+        item::record_pk(key.scope(), key.id())
+    }
+
+    fn now_ms(&self) -> i64 {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        now.saturating_add(self.clock_offset_ms)
+    }
+
+    fn now_us(&self) -> u64 {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| i64::try_from(d.as_micros()).unwrap_or(i64::MAX))
+            .unwrap_or(0);
+        u64::try_from(now.saturating_add(self.clock_offset_ms.saturating_mul(1_000))).unwrap_or(0)
+    }
+
+    /// The TTL attribute for an item live until `ex`: seconds, after the
+    /// skew margin, rounded up.
+    fn ttl_of(&self, ex: i64) -> AttributeValue {
+        n(ex.saturating_add(self.skew_ms) / 1_000 + 1)
+    }
+
+    /// Whether an item that stops being live at `ex` is gone by `now`.
+    fn gone(&self, ex: i64, now: i64) -> bool {
+        ex.saturating_add(self.skew_ms) < now
+    }
+
+    async fn timed<T, F>(&self, call: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, StoreError>>,
+    {
+        match tokio::time::timeout(self.call_timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::unavailable(CallTimeout(self.call_timeout))),
+        }
+    }
+
+    fn pk(&self, pk: String) -> HashMap<String, AttributeValue> {
+        HashMap::from([(item::PK.to_owned(), s(pk))])
+    }
+
+    /// A `PutItem` of `attrs`, if no item exists (`expect_rev` `None`) or
+    /// the item's revision is `expect_rev`.
+    async fn put_if(&self, attrs: Attrs, expect_rev: Option<u64>) -> Result<Write<()>, StoreError> {
+        let req = self
+            .client
+            .put_item()
+            .table_name(&*self.table)
+            .set_item(Some(attrs))
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        let req = match expect_rev {
+            None => req
+                .condition_expression("attribute_not_exists(#pk)")
+                .expression_attribute_names("#pk", item::PK),
+            Some(rev) => req
+                .condition_expression("#rv = :rv")
+                .expression_attribute_names("#rv", item::RV)
+                .expression_attribute_values(":rv", n(rev)),
+        };
+        match req.send().await {
+            Ok(_) => Ok(Write::Done(())),
+            Err(e) => match e.as_service_error() {
+                Some(PutItemError::ConditionalCheckFailedException(c)) => {
+                    Ok(Write::Refused(c.item().cloned()))
+                }
+                _ => Err(map_sdk(e)),
+            },
+        }
+    }
+
+    /// An `UpdateItem` of the record of `pk`; on a failed condition, the
+    /// item as it was.
+    async fn update(
+        &self,
+        pk: String,
+        update: &str,
+        condition: &str,
+        names: HashMap<String, String>,
+        values: HashMap<String, AttributeValue>,
+        returns: ReturnValue,
+    ) -> Result<Write<Option<Attrs>>, StoreError> {
+        let req = self
+            .client
+            .update_item()
+            .table_name(&*self.table)
+            .set_key(Some(self.pk(pk)))
+            .update_expression(update)
+            .condition_expression(condition)
+            .set_expression_attribute_names(Some(names))
+            .set_expression_attribute_values(Some(values))
+            .return_values(returns)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
+        match req.send().await {
+            Ok(out) => Ok(Write::Done(out.attributes().cloned())),
+            Err(e) => match e.as_service_error() {
+                Some(UpdateItemError::ConditionalCheckFailedException(c)) => {
+                    Ok(Write::Refused(c.item().cloned()))
+                }
+                _ => Err(map_sdk(e)),
+            },
+        }
+    }
+
+    fn corrupt(key: &IdempotencyKey, detail: impl Into<String>) -> StoreError {
+        StoreError::Corrupt {
+            key: key.clone(),
+            detail: detail.into(),
+        }
+    }
+
+    /// The attributes of a new in-progress record.
+    #[allow(clippy::too_many_arguments)]
+    fn in_progress_item(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        fence: u64,
+        attempt: u32,
+        fingerprint: Option<&Fingerprint>,
+        created: i64,
+        lease_until: i64,
+        rev: u64,
+    ) -> Attrs {
+        let ex = lease_until.saturating_add(millis(IN_PROGRESS_GRACE));
+        let mut attrs = HashMap::with_capacity(11);
+        attrs.insert(item::PK.to_owned(), s(Self::item_key(key)));
+        attrs.insert(item::ST.to_owned(), s("p"));
+        attrs.insert(item::TK.to_owned(), b(token.to_bytes().to_vec()));
+        attrs.insert(item::FE.to_owned(), n(fence));
+        attrs.insert(item::AT.to_owned(), n(attempt));
+        if let Some(fp) = fingerprint {
+            attrs.insert(item::FP.to_owned(), b(fp.as_bytes().to_vec()));
+        }
+        attrs.insert(item::LE.to_owned(), n(lease_until));
+        attrs.insert(item::CR.to_owned(), n(created));
+        attrs.insert(item::EX.to_owned(), n(ex));
+        attrs.insert(item::RV.to_owned(), n(rev));
+        attrs.insert(item::TT.to_owned(), self.ttl_of(ex));
+        attrs
+    }
+
+    async fn acquire_inner(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let lease_ms = millis(lease);
+        let token = LeaseToken::random();
+        // Round 1: a fresh key.
+        let mut now = self.now_ms();
+        let mut lease_until = now.saturating_add(lease_ms);
+        let mut fence = self.now_us();
+        let mut attempt = 1;
+        let mut stored_fp = fingerprint.copied();
+        let mut expect_rev = None;
+        let mut attrs = self.in_progress_item(
+            key,
+            token,
+            fence,
+            attempt,
+            fingerprint,
+            now,
+            lease_until,
+            random_rev(),
+        );
+        for _ in 0..ACQUIRE_ROUNDS {
+            let old = match self.put_if(attrs, expect_rev).await? {
+                Write::Done(()) => {
+                    return Ok(Acquisition::Acquired(
+                        Lease::new(key.clone(), token, attempt, wall(lease_until))
+                            .with_fence(fence)
+                            .with_fingerprint(stored_fp),
+                    ))
+                }
+                Write::Refused(old) => old,
+            };
+            now = self.now_ms();
+            lease_until = now.saturating_add(lease_ms);
+            let Some(old) = old else {
+                // The item went away between the two writes: a fresh key.
+                expect_rev = None;
+                fence = self.now_us();
+                attempt = 1;
+                stored_fp = fingerprint.copied();
+                attrs = self.in_progress_item(
+                    key,
+                    token,
+                    fence,
+                    attempt,
+                    fingerprint,
+                    now,
+                    lease_until,
+                    random_rev(),
+                );
+                continue;
+            };
+            let old = item::decode(&old).map_err(|d| Self::corrupt(key, d))?;
+            // A resend of this call (a reply lost, the SDK sent it again):
+            // this token already holds the key.
+            if let (State::InProgress { lease_until: held }, Some(t)) = (&old.state, old.token) {
+                if t == token {
+                    return Ok(Acquisition::Acquired(
+                        Lease::new(key.clone(), token, old.attempt, wall(*held))
+                            .with_fence(old.fence)
+                            .with_fingerprint(old.fingerprint),
+                    ));
+                }
+            }
+            fence = self.now_us().max(old.fence.saturating_add(1));
+            expect_rev = Some(old.rev);
+            if old.is_tombstone() || self.gone(old.expires, now) {
+                // Absent: a fresh acquisition, above the stored fence.
+                attempt = 1;
+                stored_fp = fingerprint.copied();
+                attrs = self.in_progress_item(
+                    key,
+                    token,
+                    fence,
+                    attempt,
+                    fingerprint,
+                    now,
+                    lease_until,
+                    random_rev(),
+                );
+                continue;
+            }
+            if let (Some(stored), Some(given)) = (&old.fingerprint, fingerprint) {
+                if stored != given {
+                    return Ok(Acquisition::Mismatch);
+                }
+            }
+            match &old.state {
+                State::Completed {
+                    completed_at,
+                    response,
+                } => {
+                    let response = self.response_of(key, &old, response).await?;
+                    let ttl = since(old.expires.saturating_sub(now));
+                    return Ok(Acquisition::Completed(
+                        CompletedRecord::new(
+                            key.clone(),
+                            response,
+                            old.fingerprint,
+                            old.attempt,
+                            wall(*completed_at),
+                            wall(old.expires),
+                        )
+                        .with_fence(old.fence)
+                        .with_ttl(ttl),
+                    ));
+                }
+                State::InProgress { lease_until: held } if !self.gone(*held, now) => {
+                    let retry_after = since(held.saturating_add(self.skew_ms).saturating_sub(now))
+                        .max(Duration::from_millis(1));
+                    return Ok(Acquisition::InProgress {
+                        lease_expires_at: wall(*held),
+                        retry_after,
+                        attempt: old.attempt,
+                    });
+                }
+                _ => {
+                    // Takeover: the holder's lease ended (by the margin).
+                    // Fingerprint and attempt carry over.
+                    attempt = old.attempt.saturating_add(1);
+                    stored_fp = old.fingerprint.or(fingerprint.copied());
+                    attrs = self.in_progress_item(
+                        key,
+                        token,
+                        fence,
+                        attempt,
+                        stored_fp.as_ref(),
+                        old.created,
+                        lease_until,
+                        random_rev(),
+                    );
+                }
+            }
+        }
+        Err(StoreError::unavailable(format!(
+            "acquire of {key}: the item changed under {ACQUIRE_ROUNDS} conditional writes in a row"
+        )))
+    }
+
+    /// The response of a completed item: inline, or read from its chunks
+    /// (one consistent `BatchGetItem`, more if DynamoDB leaves keys
+    /// unprocessed).
+    async fn response_of(
+        &self,
+        key: &IdempotencyKey,
+        item: &Item,
+        response: &Response,
+    ) -> Result<Bytes, StoreError> {
+        let (chunks, size) = match response {
+            Response::Inline(bytes) => return Ok(bytes.clone()),
+            Response::Chunked { chunks, size } => (*chunks, *size),
+        };
+        let Some(token) = item.token else {
+            return Err(Self::corrupt(key, "a chunked response without a token"));
+        };
+        if chunks as usize > HARD_MAX_RESPONSE_BYTES / INLINE_RESPONSE_BYTES
+            || size > HARD_MAX_RESPONSE_BYTES as u64
+        {
+            return Err(Self::corrupt(
+                key,
+                format!("a chunked response of {chunks} chunks, {size} bytes"),
+            ));
+        }
+        let mut found: HashMap<String, Bytes> = HashMap::with_capacity(chunks as usize);
+        let mut wanted: Vec<Attrs> = (0..chunks)
+            .map(|i| self.pk(item::chunk_pk(token, i)))
+            .collect();
+        for _ in 0..16 {
+            if wanted.is_empty() {
+                break;
+            }
+            let keys = KeysAndAttributes::builder()
+                .set_keys(Some(std::mem::take(&mut wanted)))
+                .consistent_read(true)
+                .build()
+                .map_err(StoreError::backend)?;
+            let out = self
+                .client
+                .batch_get_item()
+                .request_items(&*self.table, keys)
+                .send()
+                .await
+                .map_err(map_sdk)?;
+            for got in out
+                .responses()
+                .and_then(|r| r.get(&*self.table))
+                .into_iter()
+                .flatten()
+            {
+                let (Some(AttributeValue::S(pk)), Some(AttributeValue::B(d))) =
+                    (got.get(item::PK), got.get(item::D))
+                else {
+                    return Err(Self::corrupt(key, "a chunk item without pk or d"));
+                };
+                found.insert(pk.clone(), Bytes::copy_from_slice(d.as_ref()));
+            }
+            if let Some(left) = out
+                .unprocessed_keys()
+                .and_then(|u| u.get(&*self.table))
+                .map(|k| k.keys().to_vec())
+            {
+                wanted = left;
+            }
+        }
+        let mut whole = BytesMut::with_capacity(usize::try_from(size).unwrap_or(0));
+        for i in 0..chunks {
+            match found.get(&item::chunk_pk(token, i)) {
+                Some(part) => whole.extend_from_slice(part),
+                None => {
+                    return Err(Self::corrupt(
+                        key,
+                        format!("chunk {i} of {chunks} of the response is missing"),
+                    ))
+                }
+            }
+        }
+        if whole.len() as u64 != size {
+            return Err(Self::corrupt(
+                key,
+                format!(
+                    "the response's chunks hold {} bytes, not {size}",
+                    whole.len()
+                ),
+            ));
+        }
+        Ok(whole.freeze())
+    }
+
+    async fn complete_inner(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        if response.len() > self.max_response_bytes {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        let now = self.now_ms();
+        let ex = now.saturating_add(millis(retention));
+        let token = b(lease.token.to_bytes().to_vec());
+        let condition = "#tk = :tk AND #st = :p AND #ex >= :gone";
+        let mut values = HashMap::from([
+            (":tk".to_owned(), token),
+            (":p".to_owned(), s("p")),
+            (":gone".to_owned(), n(now.saturating_sub(self.skew_ms))),
+            (":c".to_owned(), s("c")),
+            (":co".to_owned(), n(now)),
+            (":ex".to_owned(), n(ex)),
+            (":tt".to_owned(), self.ttl_of(ex)),
+            (":rv".to_owned(), n(random_rev())),
+        ]);
+        let pk = Self::item_key(&lease.key);
+        if response.len() <= INLINE_RESPONSE_BYTES {
+            values.insert(":rs".to_owned(), b(response.to_vec()));
+            let wrote = self
+                .update(
+                    pk,
+                    "SET #st = :c, #rs = :rs, #co = :co, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #le",
+                    condition,
+                    names(&[
+                        item::TK,
+                        item::ST,
+                        item::EX,
+                        item::RS,
+                        item::CO,
+                        item::TT,
+                        item::RV,
+                        item::LE,
+                    ]),
+                    values,
+                    ReturnValue::None,
+                )
+                .await?;
+            return match wrote {
+                Write::Done(_) => Ok(()),
+                Write::Refused(old) => Self::completed_by(lease, old.as_ref()),
+            };
+        }
+        // Chunked: the record and its chunks in one transaction.
+        let chunks: Vec<&[u8]> = response.chunks(INLINE_RESPONSE_BYTES).collect();
+        values.insert(":nc".to_owned(), n(chunks.len()));
+        values.insert(":rz".to_owned(), n(response.len()));
+        let mut actions = Vec::with_capacity(chunks.len() + 1);
+        actions.push(
+            TransactWriteItem::builder()
+                .update(
+                    Update::builder()
+                        .table_name(&*self.table)
+                        .set_key(Some(self.pk(pk.clone())))
+                        .update_expression(
+                            "SET #st = :c, #nc = :nc, #rz = :rz, #co = :co, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #le",
+                        )
+                        .condition_expression(condition)
+                        .set_expression_attribute_names(Some(names(&[
+                            item::TK,
+                            item::ST,
+                            item::EX,
+                            item::NC,
+                            item::RZ,
+                            item::CO,
+                            item::TT,
+                            item::RV,
+                            item::LE,
+                        ])))
+                        .set_expression_attribute_values(Some(values))
+                        .build()
+                        .map_err(StoreError::backend)?,
+                )
+                .build(),
+        );
+        for (i, part) in chunks.iter().enumerate() {
+            let i = u32::try_from(i).unwrap_or(u32::MAX);
+            let chunk = HashMap::from([
+                (item::PK.to_owned(), s(item::chunk_pk(lease.token, i))),
+                (item::D.to_owned(), b(part.to_vec())),
+                (item::EX.to_owned(), n(ex)),
+                (item::RV.to_owned(), n(random_rev())),
+                (item::TT.to_owned(), self.ttl_of(ex)),
+            ]);
+            actions.push(
+                TransactWriteItem::builder()
+                    .put(
+                        Put::builder()
+                            .table_name(&*self.table)
+                            .set_item(Some(chunk))
+                            .build()
+                            .map_err(StoreError::backend)?,
+                    )
+                    .build(),
+            );
+        }
+        let sent = self
+            .client
+            .transact_write_items()
+            .set_transact_items(Some(actions))
+            .send()
+            .await;
+        match sent {
+            Ok(_) => Ok(()),
+            Err(e) if e.code() == Some("TransactionCanceledException") => {
+                // Which condition failed is in the cancellation reasons,
+                // but not every DynamoDB returns the item there: read it.
+                let old = self.get_item(&lease.key).await?;
+                Self::completed_by(lease, old.as_ref())
+            }
+            Err(e) => Err(map_sdk(e)),
+        }
+    }
+
+    /// After a refused completion: `Ok` if `lease` itself completed the
+    /// record (a resend of the same call), else `LeaseLost`.
+    fn completed_by(lease: &Lease, old: Option<&Attrs>) -> Result<(), StoreError> {
+        match old.map(item::decode) {
+            Some(Ok(Item {
+                state: State::Completed { .. },
+                token: Some(t),
+                ..
+            })) if t == lease.token => Ok(()),
+            _ => Err(StoreError::LeaseLost),
+        }
+    }
+
+    async fn get_item(&self, key: &IdempotencyKey) -> Result<Option<Attrs>, StoreError> {
+        let out = self
+            .client
+            .get_item()
+            .table_name(&*self.table)
+            .set_key(Some(self.pk(Self::item_key(key))))
+            .consistent_read(true)
+            .send()
+            .await
+            .map_err(map_sdk)?;
+        Ok(out.item().cloned())
+    }
+
+    async fn release_inner(&self, lease: &Lease) -> Result<(), StoreError> {
+        let now = self.now_ms();
+        let ex = now.saturating_add(millis(TOMBSTONE_FOR));
+        let wrote = self
+            .update(
+                Self::item_key(&lease.key),
+                "SET #st = :r, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #at, #fp, #le, #cr",
+                "#tk = :tk AND #st = :p AND #ex >= :gone",
+                names(&[
+                    item::TK,
+                    item::ST,
+                    item::EX,
+                    item::TT,
+                    item::RV,
+                    item::AT,
+                    item::FP,
+                    item::LE,
+                    item::CR,
+                ]),
+                HashMap::from([
+                    (":tk".to_owned(), b(lease.token.to_bytes().to_vec())),
+                    (":p".to_owned(), s("p")),
+                    (":r".to_owned(), s("r")),
+                    (":gone".to_owned(), n(now.saturating_sub(self.skew_ms))),
+                    (":ex".to_owned(), n(ex)),
+                    (":tt".to_owned(), self.ttl_of(ex)),
+                    (":rv".to_owned(), n(random_rev())),
+                ]),
+                ReturnValue::None,
+            )
+            .await?;
+        match wrote {
+            Write::Done(_) => Ok(()),
+            Write::Refused(old) => match old.as_ref().map(item::decode) {
+                // A resend of this release: its tombstone is there.
+                Some(Ok(Item {
+                    state: State::Released,
+                    token: Some(t),
+                    ..
+                })) if t == lease.token => Ok(()),
+                _ => Err(StoreError::LeaseLost),
+            },
+        }
+    }
+
+    async fn extend_inner(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        if lease_for.is_zero() {
+            return Err(StoreError::InvalidArgument {
+                detail: "extending a lease by zero would end it at once".to_owned(),
+            });
+        }
+        let now = self.now_ms();
+        let until = now.saturating_add(millis(lease_for));
+        let ex = until.saturating_add(millis(IN_PROGRESS_GRACE));
+        let wrote = self
+            .update(
+                Self::item_key(&lease.key),
+                "SET #le = :le, #ex = :ex, #tt = :tt, #rv = :rv",
+                "#tk = :tk AND #st = :p AND #ex >= :gone",
+                names(&[item::TK, item::ST, item::EX, item::TT, item::RV, item::LE]),
+                HashMap::from([
+                    (":tk".to_owned(), b(lease.token.to_bytes().to_vec())),
+                    (":p".to_owned(), s("p")),
+                    (":gone".to_owned(), n(now.saturating_sub(self.skew_ms))),
+                    (":le".to_owned(), n(until)),
+                    (":ex".to_owned(), n(ex)),
+                    (":tt".to_owned(), self.ttl_of(ex)),
+                    (":rv".to_owned(), n(random_rev())),
+                ]),
+                ReturnValue::AllNew,
+            )
+            .await?;
+        match wrote {
+            Write::Done(Some(new)) => {
+                let new = item::decode(&new).map_err(|d| Self::corrupt(&lease.key, d))?;
+                Ok(
+                    Lease::new(lease.key.clone(), lease.token, new.attempt, wall(until))
+                        .with_fence(new.fence)
+                        .with_fingerprint(new.fingerprint),
+                )
+            }
+            Write::Done(None) => {
+                Ok(
+                    Lease::new(lease.key.clone(), lease.token, lease.attempt, wall(until))
+                        .with_fence(lease.fence)
+                        .with_fingerprint(lease.fingerprint),
+                )
+            }
+            Write::Refused(_) => Err(StoreError::LeaseLost),
+        }
+    }
+
+    async fn get_inner(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let Some(attrs) = self.get_item(key).await? else {
+            return Ok(None);
+        };
+        let item = item::decode(&attrs).map_err(|d| Self::corrupt(key, d))?;
+        let now = self.now_ms();
+        if item.is_tombstone() || self.gone(item.expires, now) {
+            return Ok(None);
+        }
+        let Some(token) = item.token else {
+            return Err(Self::corrupt(key, "a live record without a token"));
+        };
+        let state = match &item.state {
+            State::InProgress { lease_until } => RecordState::InProgress {
+                lease_expires_at: wall(*lease_until),
+            },
+            State::Completed {
+                completed_at,
+                response,
+            } => RecordState::Completed {
+                response: self.response_of(key, &item, response).await?,
+                completed_at: wall(*completed_at),
+            },
+            State::Released | State::Deleted => return Ok(None),
+        };
+        Ok(Some(
+            Record::new(
+                key.clone(),
+                state,
+                item.fingerprint,
+                token,
+                item.attempt,
+                wall(item.created),
+                wall(item.expires),
+            )
+            .with_fence(item.fence),
+        ))
+    }
+
+    async fn delete_inner(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let now = self.now_ms();
+        let ex = now.saturating_add(millis(TOMBSTONE_FOR));
+        let pk = Self::item_key(key);
+        // Sent once (the SDK's retries off): a resend after a lost reply
+        // could turn a reservation made since into a tombstone.
+        let sent = self
+            .client
+            .update_item()
+            .table_name(&*self.table)
+            .set_key(Some(self.pk(pk.clone())))
+            .update_expression(
+                "SET #st = :x, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #tk, #at, #fp, #le, #cr, #co, #rs, #nc, #rz",
+            )
+            .condition_expression("attribute_exists(#pk)")
+            .set_expression_attribute_names(Some(names(&[
+                item::PK,
+                item::ST,
+                item::EX,
+                item::TT,
+                item::RV,
+                item::TK,
+                item::AT,
+                item::FP,
+                item::LE,
+                item::CR,
+                item::CO,
+                item::RS,
+                item::NC,
+                item::RZ,
+            ])))
+            .set_expression_attribute_values(Some(HashMap::from([
+                (":x".to_owned(), s("x")),
+                (":ex".to_owned(), n(ex)),
+                (":tt".to_owned(), self.ttl_of(ex)),
+                (":rv".to_owned(), n(random_rev())),
+            ])))
+            .return_values(ReturnValue::AllOld)
+            .customize()
+            .config_override(aws_sdk_dynamodb::Config::builder().retry_config(RetryConfig::disabled()))
+            .send()
+            .await;
+        let old = match sent {
+            Ok(out) => out.attributes().cloned(),
+            Err(e) => {
+                return match e.as_service_error() {
+                    Some(UpdateItemError::ConditionalCheckFailedException(_)) => Ok(false),
+                    _ => Err(map_sdk(e)),
+                }
+            }
+        };
+        match old.as_ref().map(item::decode) {
+            Some(Ok(old)) => Ok(!old.is_tombstone() && !self.gone(old.expires, now)),
+            None => Ok(false),
+            // Corrupt: the tombstone kept what was left of it, a fence
+            // that may not decode either. A clean tombstone replaces it,
+            // its fence from this clock (one more request, on this path
+            // only).
+            Some(Err(_)) => {
+                let tomb = HashMap::from([
+                    (item::PK.to_owned(), s(pk)),
+                    (item::ST.to_owned(), s("x")),
+                    (item::FE.to_owned(), n(self.now_us())),
+                    (item::EX.to_owned(), n(ex)),
+                    (item::TT.to_owned(), self.ttl_of(ex)),
+                    (item::RV.to_owned(), n(random_rev())),
+                ]);
+                self.client
+                    .put_item()
+                    .table_name(&*self.table)
+                    .set_item(Some(tomb))
+                    .customize()
+                    .config_override(
+                        aws_sdk_dynamodb::Config::builder().retry_config(RetryConfig::disabled()),
+                    )
+                    .send()
+                    .await
+                    .map_err(map_sdk)?;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn purge_inner(&self, max: usize) -> Result<u64, StoreError> {
+        if max == 0 {
+            return Ok(0);
+        }
+        let now = self.now_ms();
+        let cut = now.saturating_sub(self.skew_ms);
+        let start = self
+            .purge_cursor
+            .lock()
+            .map(|mut c| c.take())
+            .unwrap_or(None);
+        let mut cursor = start;
+        let mut found: Vec<(String, u64)> = Vec::new();
+        loop {
+            // Each page, and each delete below, is bounded by the call
+            // timeout (a sweep may take several).
+            let scan = self
+                .client
+                .scan()
+                .table_name(&*self.table)
+                .consistent_read(true)
+                .projection_expression("#pk, #rv")
+                .filter_expression("#ex < :cut")
+                .set_expression_attribute_names(Some(names(&[item::PK, item::RV, item::EX])))
+                .expression_attribute_values(":cut", n(cut))
+                .set_exclusive_start_key(cursor.take())
+                .send();
+            let out = self.timed(async { scan.await.map_err(map_sdk) }).await?;
+            for it in out.items() {
+                if let (Some(AttributeValue::S(pk)), Some(AttributeValue::N(rv))) =
+                    (it.get(item::PK), it.get(item::RV))
+                {
+                    if let Ok(rv) = rv.parse::<u64>() {
+                        found.push((pk.clone(), rv));
+                    }
+                }
+            }
+            cursor = out.last_evaluated_key().cloned();
+            if cursor.is_none() || found.len() >= max {
+                break;
+            }
+        }
+        if let Ok(mut c) = self.purge_cursor.lock() {
+            *c = cursor;
+        }
+        let mut removed = 0;
+        for (pk, rv) in found.into_iter().take(max) {
+            let sent = self
+                .client
+                .delete_item()
+                .table_name(&*self.table)
+                .set_key(Some(self.pk(pk)))
+                .condition_expression("#rv = :rv")
+                .expression_attribute_names("#rv", item::RV)
+                .expression_attribute_values(":rv", n(rv))
+                .send();
+            let sent = self.timed(async { Ok(sent.await) }).await?;
+            match sent {
+                Ok(_) => removed += 1,
+                Err(e) => match e.as_service_error() {
+                    // Written since the scan (acquired again): kept.
+                    Some(DeleteItemError::ConditionalCheckFailedException(_)) => {}
+                    _ => return Err(map_sdk(e)),
+                },
+            }
+        }
+        Ok(removed)
+    }
+}
+
+#[async_trait]
+impl IdempotencyStore for DynamoDbStore {
+    fn backend_name(&self) -> &'static str {
+        "dynamodb"
+    }
+
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.timed(self.acquire_inner(key, fingerprint, lease))
+            .await
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.timed(self.complete_inner(lease, response, retention))
+            .await
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        self.timed(self.release_inner(lease)).await
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        self.timed(self.extend_inner(lease, lease_for)).await
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        self.timed(self.get_inner(key)).await
+    }
+
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        self.timed(self.delete_inner(key)).await
+    }
+
+    async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
+        self.purge_inner(max).await
+    }
+
+    /// One `acquire` per item (DynamoDB has no conditional batch write
+    /// that answers per item), up to [`BATCH_CONCURRENCY`] at once: the
+    /// items of one key one after the other, in order, so a key twice in
+    /// a batch sees its earlier item's effect.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        Ok(per_key(
+            items.len(),
+            |i| items[i].key,
+            |i| async move {
+                self.acquire(items[i].key, items[i].fingerprint, lease)
+                    .await
+            },
+        )
+        .await)
+    }
+
+    /// One `complete` per item, as [`acquire_many`](Self::acquire_many).
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        Ok(per_key(
+            items.len(),
+            |i| &items[i].0.key,
+            |i| async move { self.complete(items[i].0, items[i].1, retention).await },
+        )
+        .await)
+    }
+}
+
+/// How many requests of one batch run at once.
+pub const BATCH_CONCURRENCY: usize = 32;
+
+/// Runs `call(i)` for every item: the items of one key one after the
+/// other, in order, the keys [`BATCH_CONCURRENCY`] at once. Once an item
+/// of a key finds the store unavailable, the later items of that key are
+/// not sent (they get a retryable error of their own).
+async fn per_key<'a, T, K, C, F>(len: usize, key_of: K, call: C) -> Vec<Result<T, StoreError>>
+where
+    K: Fn(usize) -> &'a IdempotencyKey,
+    C: Fn(usize) -> F,
+    F: std::future::Future<Output = Result<T, StoreError>>,
+{
+    use futures_util::StreamExt;
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut group_of: HashMap<&IdempotencyKey, usize> = HashMap::new();
+    for i in 0..len {
+        let g = *group_of.entry(key_of(i)).or_insert_with(|| {
+            groups.push(Vec::new());
+            groups.len() - 1
+        });
+        groups[g].push(i);
+    }
+    let call = &call;
+    let done: Vec<Vec<(usize, Result<T, StoreError>)>> = futures_util::stream::iter(groups)
+        .map(|group| async move {
+            let mut out = Vec::with_capacity(group.len());
+            let mut down = false;
+            for i in group {
+                if down {
+                    out.push((
+                        i,
+                        Err(StoreError::unavailable(
+                            "not sent: an earlier item of this key found the store unavailable",
+                        )),
+                    ));
+                    continue;
+                }
+                let r = call(i).await;
+                down = matches!(r, Err(StoreError::Unavailable(_)));
+                out.push((i, r));
+            }
+            out
+        })
+        .buffer_unordered(BATCH_CONCURRENCY)
+        .collect()
+        .await;
+    let mut results: Vec<Option<Result<T, StoreError>>> = (0..len).map(|_| None).collect();
+    for (i, r) in done.into_iter().flatten() {
+        results[i] = Some(r);
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| Err(StoreError::backend("an item of the batch got no answer")))
+        })
+        .collect()
+}
