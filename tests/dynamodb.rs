@@ -28,13 +28,23 @@ const TABLE: &str = "idem_records";
 const LONG: Duration = Duration::from_secs(30);
 const DAY: Duration = Duration::from_secs(86_400);
 
+/// A store on a table of its own (moto scans a table in full: `purge`
+/// stays quick when each test has its own).
 async fn store_at(url: &str) -> DynamoDbStore {
+    let table = format!("{TABLE}_{:016x}", fastrand::u64(..));
+    store_on(url, &table).await
+}
+
+async fn store_on(url: &str, table: &str) -> DynamoDbStore {
     let client = local_client(url);
-    create_table(&client, TABLE)
+    create_table(&client, table)
         .await
-        .unwrap_or_else(|e| panic!("cannot create the table at {url}: {e}"));
-    // The suite's leases are 300 ms: a margin well inside them.
-    DynamoDbStore::new(client, TABLE).clock_skew_margin(Duration::from_millis(20))
+        .unwrap_or_else(|e| panic!("cannot create the table {table} at {url}: {e}"));
+    // The suite's leases are 300 ms: a margin well inside them. moto is a
+    // Python emulator sharing two cores with the tests: calls get 10 s.
+    DynamoDbStore::new(client, table)
+        .clock_skew_margin(Duration::from_millis(20))
+        .call_timeout(Duration::from_secs(10))
 }
 
 async fn store() -> DynamoDbStore {
@@ -59,7 +69,7 @@ async fn overwrite(store: &DynamoDbStore, key: &IdempotencyKey, attrs: &[(&str, 
     store
         .client()
         .put_item()
-        .table_name(TABLE)
+        .table_name(store.table())
         .set_item(Some(item))
         .send()
         .await
@@ -104,11 +114,10 @@ async fn proxied(url: &str) -> (DynamoDbStore, CountingProxy) {
         .parse()
         .unwrap_or_else(|e| panic!("{url}: {e}"));
     let proxy = CountingProxy::start(upstream).await;
-    // The table exists (made through the direct URL first).
-    store_at(url).await;
-    let client = local_client(&format!("http://{}", proxy.addr));
+    // The table made through the direct URL first.
+    let table = store_at(url).await.table().to_owned();
     (
-        DynamoDbStore::new(client, TABLE).clock_skew_margin(Duration::from_millis(20)),
+        store_on(&format!("http://{}", proxy.addr), &table).await,
         proxy,
     )
 }
@@ -404,7 +413,7 @@ async fn large_responses_in_chunks() {
     store
         .client()
         .delete_item()
-        .table_name(TABLE)
+        .table_name(store.table())
         .key(
             "pk",
             AttributeValue::S(format!("#{}/1", lease.token.to_hex())),
