@@ -40,3 +40,9 @@ pub use idem_http as http;
 #[cfg(feature = "kafka")]
 #[doc(inline)]
 pub use idem_kafka as kafka;
+
+/// The idempotent Amazon SQS consumer (feature `sqs`, crate `idem-sqs`);
+/// its `aws-sdk-sqs` re-export is `idem::sqs::aws_sdk_sqs`.
+#[cfg(feature = "sqs")]
+#[doc(inline)]
+pub use idem_sqs as sqs;
