@@ -45,7 +45,7 @@
 //! | outcome | the message |
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | deleted |
-//! | the key is in progress with another consumer ([`IdemError::InProgress`], [`IdemError::WaitTimeout`]), or the store is unavailable | left for redelivery (never dead-lettered: the lease ends, the store comes back) |
+//! | the key is in progress with another consumer ([`IdemError::InProgress`], [`IdemError::WaitTimeout`]) or with another receive of this one, or the store is unavailable | left for redelivery (never dead-lettered: the lease ends, the store comes back) |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | never run again: kept invisible (the heartbeat goes on), its completion written with the run's own lease ([`Idempotency::finish`]) once the store is back, then deleted; other messages of its key are left for redelivery meanwhile |
 //! | the handler failed or panicked | left for redelivery, until its `ApproximateReceiveCount` reaches [`max_deliveries`](SqsConsumer::max_deliveries): then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, a key attribute over 512 bytes, payload mismatch, lease lost, a corrupt record, a response that does not decode; a [`MessageError`] from the handler) | dead-lettered at once |
@@ -103,7 +103,10 @@
 //! and their messages, not deleted, come back after their visibility
 //! timeout and are replayed and deleted then. Messages of one key in one
 //! receive run one after the other (the later ones get the first's
-//! replay). A handler must be `Send + Sync + 'static`.
+//! replay); a message whose key another receive of this consumer is still
+//! processing is left for redelivery (counted in
+//! [`ConsumerStats::in_progress`], as the store would answer "in
+//! progress"). A handler must be `Send + Sync + 'static`.
 //!
 //! # Shutdown
 //!
@@ -239,11 +242,17 @@ impl SqsError {
             // Timeouts, connections that failed, replies that did not parse.
             _ => true,
         };
+        // A service error's own message; the whole chain of anything else
+        // (a connection refused, a timeout).
+        let message = match e.as_service_error() {
+            Some(s) => s.message().unwrap_or("(no message)").to_owned(),
+            None => DisplayErrorContext(&e).to_string(),
+        };
         SqsError {
             operation,
             code,
             transient,
-            message: DisplayErrorContext(&e).to_string(),
+            message,
         }
     }
 }
@@ -374,6 +383,24 @@ struct Shared {
     unfinished: Mutex<HashMap<String, Unfinished>>,
     /// A batch found that nothing can succeed: `run` stops with this.
     fatal: Mutex<Option<StoreError>>,
+    /// Keys that a batch task is processing.
+    busy: Mutex<HashSet<IdempotencyKey>>,
+}
+
+/// The keys a batch task claimed in [`Shared::busy`]; given back when
+/// dropped (settled, or the task aborted).
+struct Claimed {
+    shared: Arc<Shared>,
+    keys: HashSet<IdempotencyKey>,
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        let mut busy = lock(&self.shared.busy);
+        for key in &self.keys {
+            busy.remove(key);
+        }
+    }
 }
 
 /// The queue and the calls made on it.
@@ -1302,47 +1329,65 @@ where
             })
             .collect();
         // Runs still to finish: their messages (a redelivery) and every
-        // message of their keys are left, never run.
-        let (unfinished_ids, unfinished_keys): (HashSet<String>, HashSet<IdempotencyKey>) = {
-            let map = lock(&shared.unfinished);
-            (
-                map.values()
-                    .map(|u| u.message.message_id.clone())
-                    .filter(|id| !id.is_empty())
-                    .collect(),
-                map.values()
-                    .map(|u| u.unrecorded.lease().key.clone())
-                    .collect(),
-            )
+        // message of their keys are left, never run. Keys that another
+        // batch of this consumer is processing are left too ("in
+        // progress"): the two never race, so a run of the other batch that
+        // ends unrecorded is in `unfinished` before its key is free here
+        // (else this batch could take its expired lease over and run it
+        // again).
+        let mut claimed = Claimed {
+            shared: shared.clone(),
+            keys: HashSet::new(),
         };
         let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
         let mut items = Vec::new();
         let mut item_of = Vec::new();
-        for (i, (message, _)) in batch.iter().enumerate() {
-            let outcome = if unfinished_ids.contains(&message.message_id) {
-                Some(Outcome::Left)
-            } else {
-                match self.key.key_of(&self.scope, message) {
-                    Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
-                    Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Left),
-                    Ok(key) => {
-                        let fingerprint = Some(message::fingerprint_of(message));
-                        let (handler, mut message) = (self.handler.clone(), message.clone());
-                        let max = self.max_deliveries;
-                        items.push((key, fingerprint, move |context: Context| async move {
-                            if context.attempt > max {
-                                return Err(Run::TooManyAttempts(context.attempt));
-                            }
-                            message.attempt = context.attempt;
-                            message.fence = context.fence;
-                            handler(message).await.map_err(Run::Handler)
-                        }));
-                        item_of.push(i);
-                        None
-                    }
-                }
+        {
+            let mut busy = lock(&shared.busy);
+            let (unfinished_ids, unfinished_keys): (HashSet<String>, HashSet<IdempotencyKey>) = {
+                let map = lock(&shared.unfinished);
+                (
+                    map.values()
+                        .map(|u| u.message.message_id.clone())
+                        .filter(|id| !id.is_empty())
+                        .collect(),
+                    map.values()
+                        .map(|u| u.unrecorded.lease().key.clone())
+                        .collect(),
+                )
             };
-            settled.push(outcome);
+            for (i, (message, _)) in batch.iter().enumerate() {
+                let outcome = if unfinished_ids.contains(&message.message_id) {
+                    Some(Outcome::Left)
+                } else {
+                    match self.key.key_of(&self.scope, message) {
+                        Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
+                        Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Left),
+                        Ok(key) if busy.contains(&key) && !claimed.keys.contains(&key) => {
+                            add(&shared.counters.in_progress, 1);
+                            Some(Outcome::Left)
+                        }
+                        Ok(key) => {
+                            claimed.keys.insert(key.clone());
+                            let fingerprint = Some(message::fingerprint_of(message));
+                            let (handler, mut message) = (self.handler.clone(), message.clone());
+                            let max = self.max_deliveries;
+                            items.push((key, fingerprint, move |context: Context| async move {
+                                if context.attempt > max {
+                                    return Err(Run::TooManyAttempts(context.attempt));
+                                }
+                                message.attempt = context.attempt;
+                                message.fence = context.fence;
+                                handler(message).await.map_err(Run::Handler)
+                            }));
+                            item_of.push(i);
+                            None
+                        }
+                    }
+                };
+                settled.push(outcome);
+            }
+            busy.extend(claimed.keys.iter().cloned());
         }
         let processed = self.idem.process_batch_with_detached(items).await;
         for (i, result) in item_of.into_iter().zip(processed) {
@@ -1399,6 +1444,8 @@ where
                 }
             }
         }
+        // Unrecorded runs are in `unfinished` now: their keys may go.
+        drop(claimed);
         // Out of the heartbeat first: a visibility set below must not be
         // undone by a renewal (one already under way may still extend a
         // message once; it then comes back a little later).
