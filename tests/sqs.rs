@@ -16,9 +16,12 @@ use idem::sqs::aws_sdk_sqs::types::{
     SendMessageBatchRequestEntry,
 };
 use idem::sqs::aws_sdk_sqs::{self, Client};
-use idem::sqs::{ConsumerStats, SqsConsumer, SqsMessage};
-use idem::{Idempotency, MemoryStore};
+use idem::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
+use idem::{Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore, RecordState};
 use tokio::sync::oneshot;
+
+#[path = "support/mod.rs"]
+mod support;
 
 fn moto_url() -> String {
     std::env::var("IDEM_MOTO_URL").unwrap_or_else(|_| {
@@ -226,14 +229,14 @@ type Effects = Arc<Mutex<HashMap<String, u32>>>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A consumer run in a task of its own, with its shutdown switch.
-struct Running {
-    consumer: Arc<SqsConsumer<MemoryStore>>,
+struct Running<S: IdempotencyStore = MemoryStore> {
+    consumer: Arc<SqsConsumer<S>>,
     stop: oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<ConsumerStats, idem::sqs::SqsConsumerError>>,
 }
 
-impl Running {
-    fn start<F, Fut>(consumer: SqsConsumer<MemoryStore>, handler: F) -> Self
+impl<S: IdempotencyStore> Running<S> {
+    fn start<F, Fut>(consumer: SqsConsumer<S>, handler: F) -> Self
     where
         F: Fn(SqsMessage) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<usize, BoxError>> + Send + 'static,
@@ -696,4 +699,114 @@ async fn extremes_get_typed_outcomes() {
         (2, 1, 4),
         "{stats:?}"
     );
+}
+
+/// The store goes away right after the handler's effect, for 3 s, three
+/// times the 1 s lease: the executor gives up completing before the lease
+/// ends (`IdemError::Unrecorded`). The message is kept invisible (past its
+/// 2 s visibility timeout) and never run again; a duplicate sent meanwhile
+/// is left for redelivery; once the store is back the completion is
+/// written with the first run's lease, the message deleted, and the
+/// duplicate replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_outage_past_the_lease_never_runs_the_message_twice() {
+    let client = client();
+    let url = create_queue(&client, "idem-outage").await;
+    let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let effects = Arc::new(AtomicUsize::new(0));
+    let consumer = SqsConsumer::new(client.clone(), &url, idem.clone())
+        .key_attribute("key")
+        .visibility_timeout(Duration::from_secs(2))
+        .retry_visibility(Duration::from_secs(1))
+        .wait_time(Duration::from_secs(1));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move |_m: SqsMessage| {
+            let (effects, down) = (effects.clone(), down.clone());
+            async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    // The first run: the store goes down now, for 3 s.
+                    down.store(true, Ordering::SeqCst);
+                    std::thread::spawn(move || {
+                        std::thread::sleep(Duration::from_secs(3));
+                        down.store(false, Ordering::SeqCst);
+                    });
+                }
+                Ok(7)
+            }
+        }
+    };
+    let running = Running::start(consumer, handler);
+    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
+    let e = effects.clone();
+    wait_until("the first run", Duration::from_secs(30), || {
+        let ran = e.load(Ordering::SeqCst) > 0;
+        async move { ran }
+    })
+    .await;
+    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
+    wait_until("the queue empty", Duration::from_secs(60), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect ran twice: {stats:?}"
+    );
+    assert_eq!((stats.executed, stats.replayed), (1, 1), "{stats:?}");
+    assert!(
+        stats.left_for_redelivery >= 1,
+        "the duplicate waited: {stats:?}"
+    );
+    assert_eq!(stats.heartbeat_failures, 0, "{stats:?}");
+    let scope = idem::sqs::default_scope(idem::sqs::queue_name(&url));
+    let key = IdempotencyKey::new(scope, "k-1").unwrap();
+    match idem.get(&key).await.unwrap().map(|r| r.state) {
+        Some(RecordState::Completed { response, .. }) => assert_eq!(&response[..], b"7"),
+        other => panic!("the record: {other:?}"),
+    }
+}
+
+/// A configuration that cannot work fails `run` before any call; a queue
+/// that does not exist fails it with SQS's error, not transient.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn misconfiguration_and_a_missing_queue_fail_run_with_typed_errors() {
+    let client = client();
+    let url = create_queue(&client, "idem-config").await;
+    let idem = Idempotency::new(MemoryStore::new());
+    let handler = |m: SqsMessage| async move { Ok::<_, std::io::Error>(m.body.len()) };
+    let run = |consumer: SqsConsumer<MemoryStore>| async move {
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            consumer.run(handler, std::future::pending()),
+        )
+        .await
+        .expect("run returned")
+    };
+    let same = SqsConsumer::new(client.clone(), &url, idem.clone()).dead_letter(&url);
+    assert!(
+        matches!(run(same).await, Err(SqsConsumerError::Config(e)) if e.contains("the queue itself"))
+    );
+    let scope = SqsConsumer::new(client.clone(), &url, idem.clone()).scope("a scope with spaces");
+    assert!(matches!(run(scope).await, Err(SqsConsumerError::Config(e)) if e.contains("scope")));
+    let empty = SqsConsumer::new(client.clone(), "", idem.clone());
+    assert!(matches!(run(empty).await, Err(SqsConsumerError::Config(_))));
+    let missing = format!("{}-gone", url);
+    let gone =
+        SqsConsumer::new(client.clone(), missing, idem.clone()).wait_time(Duration::from_secs(1));
+    match run(gone).await {
+        Err(SqsConsumerError::Sqs(e)) => {
+            assert!(!e.is_transient(), "{e}");
+            assert_eq!(e.operation(), "ReceiveMessage");
+            let code = e.code().unwrap_or_default();
+            assert!(
+                code.contains("NonExistentQueue") || code.contains("QueueDoesNotExist"),
+                "{e}"
+            );
+        }
+        other => panic!("a missing queue: {other:?}"),
+    }
 }
