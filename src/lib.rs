@@ -46,3 +46,9 @@ pub use idem_kafka as kafka;
 #[cfg(feature = "dynamodb")]
 #[doc(inline)]
 pub use idem_dynamodb as dynamodb;
+
+/// The idempotent Amazon SQS consumer (feature `sqs`, crate `idem-sqs`);
+/// its `aws-sdk-sqs` re-export is `idem::sqs::aws_sdk_sqs`.
+#[cfg(feature = "sqs")]
+#[doc(inline)]
+pub use idem_sqs as sqs;
