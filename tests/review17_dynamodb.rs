@@ -73,7 +73,12 @@ async fn all_items(store: &DynamoDbStore) -> Vec<HashMap<String, AttributeValue>
 /// past the skew margin).
 async fn until_absent(store: &DynamoDbStore, k: &IdempotencyKey) {
     for _ in 0..500 {
-        if store.get(k).await.unwrap_or_else(|e| panic!("{e}")).is_none() {
+        if store
+            .get(k)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none()
+        {
             // `gone` is strict on the same numbers `purge` compares: one
             // more millisecond puts the item past the purge's cut too.
             tokio::time::sleep(Duration::from_millis(2)).await;
@@ -125,7 +130,10 @@ async fn review17_purge_drain_leaves_no_expired_item_behind() {
     loop {
         calls += 1;
         assert!(calls < 20, "the drain never came back short");
-        let n = store.purge_expired(1).await.unwrap_or_else(|e| panic!("{e}"));
+        let n = store
+            .purge_expired(1)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
         purged += n;
         if n < 1 {
             break;
@@ -135,9 +143,7 @@ async fn review17_purge_drain_leaves_no_expired_item_behind() {
         .await
         .into_iter()
         .filter_map(|it| match it.get("pk") {
-            Some(AttributeValue::S(pk)) if pk.starts_with("a.review17/") => {
-                Some(pk.clone())
-            }
+            Some(AttributeValue::S(pk)) if pk.starts_with("a.review17/") => Some(pk.clone()),
             _ => None,
         })
         .collect();
@@ -162,7 +168,10 @@ async fn review17_delete_leaves_no_orphan_chunks() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(store.delete(&k).await.unwrap_or_else(|e| panic!("{e}")));
-    store.purge_expired(1_000).await.unwrap_or_else(|e| panic!("{e}"));
+    store
+        .purge_expired(1_000)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let prefix = format!("#{}/", l.token.to_hex());
     let orphans: Vec<String> = all_items(&store)
         .await
@@ -192,11 +201,17 @@ async fn review17_fence_at_u64_max_is_never_reused() {
         .unwrap_or_default()
         .as_millis();
     let item = HashMap::from([
-        ("pk".to_owned(), AttributeValue::S(DynamoDbStore::item_key(&k))),
+        (
+            "pk".to_owned(),
+            AttributeValue::S(DynamoDbStore::item_key(&k)),
+        ),
         ("st".to_owned(), AttributeValue::S("r".into())),
         ("tk".to_owned(), AttributeValue::B(Blob::new(vec![7u8; 16]))),
         ("fe".to_owned(), AttributeValue::N(u64::MAX.to_string())),
-        ("ex".to_owned(), AttributeValue::N((now_ms + 3_600_000).to_string())),
+        (
+            "ex".to_owned(),
+            AttributeValue::N((now_ms + 3_600_000).to_string()),
+        ),
         ("rv".to_owned(), AttributeValue::N("1".into())),
     ]);
     store

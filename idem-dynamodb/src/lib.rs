@@ -12,10 +12,10 @@
 //! | `acquire`, duplicate (completed, in progress, mismatch) | 1 | the same `PutItem`: its condition fails and DynamoDB returns the stored item (`ReturnValuesOnConditionCheckFailure = ALL_OLD`); the fingerprint is checked on that item |
 //! | `acquire` after a lease ended, a release, a delete or an expiry | 2 | the `PutItem` above, then a `PutItem` conditioned on the item's revision (another writer in between: the answer comes from what it wrote) |
 //! | `complete`, `release`, `extend` | 1 | `UpdateItem` conditioned on the lease token |
-//! | `complete` of a response over [`INLINE_RESPONSE_BYTES`] | 1 | `TransactWriteItems`: the record and the response's chunk items together |
+//! | `complete` of a response over [`INLINE_RESPONSE_BYTES`] | 1 | `TransactWriteItems`: the record and the response's chunk items together (a refused one learns why from the record's item in the cancellation reasons; a conflict with another transaction costs one `GetItem` more) |
 //! | replay of a response over [`INLINE_RESPONSE_BYTES`] | 2 | the `PutItem`, then a consistent `BatchGetItem` of its chunks |
 //! | `get` | 1 (2 with chunks) | `GetItem` with `ConsistentRead` |
-//! | `delete` | 1 | `UpdateItem` into a tombstone |
+//! | `delete` | 1 (2 with chunks or a corrupt item) | `UpdateItem` into a tombstone; a chunked response's chunks in one `BatchWriteItem`; a corrupt item replaced by a clean tombstone |
 //! | `purge_expired` | scan pages + 1 per removed item | a consistent `Scan` filtered on the expiry, then a `DeleteItem` conditioned on each item's revision |
 //!
 //! ```no_run
@@ -104,6 +104,7 @@ use aws_sdk_dynamodb::config::retry::RetryConfig;
 use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::put_item::PutItemError;
+use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, AttributeValue, BillingMode, KeySchemaElement, KeyType, KeysAndAttributes,
@@ -641,7 +642,13 @@ impl DynamoDbStore {
                     ));
                 }
             }
-            fence = self.now_us().max(old.fence.saturating_add(1));
+            let Some(above) = old.fence.checked_add(1) else {
+                return Err(Self::corrupt(
+                    key,
+                    "the fence is at its maximum: no higher one can be given",
+                ));
+            };
+            fence = self.now_us().max(above);
             expect_rev = Some(old.rev);
             if old.is_tombstone() || self.gone(old.expires, now) {
                 // Absent: a fresh acquisition, above the stored fence.
@@ -873,6 +880,9 @@ impl DynamoDbStore {
                             "SET #st = :c, #nc = :nc, #rz = :rz, #co = :co, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #le",
                         )
                         .condition_expression(condition)
+                        .return_values_on_condition_check_failure(
+                            ReturnValuesOnConditionCheckFailure::AllOld,
+                        )
                         .set_expression_attribute_names(Some(names(&[
                             item::TK,
                             item::ST,
@@ -920,9 +930,37 @@ impl DynamoDbStore {
         match sent {
             Ok(_) => Ok(()),
             Err(e) if e.code() == Some("TransactionCanceledException") => {
-                // Which condition failed is in the cancellation reasons,
-                // but not every DynamoDB returns the item there: read it.
+                // The record's own condition failed: its item, as it was,
+                // is in the first cancellation reason (ALL_OLD).
+                if let Some(TransactWriteItemsError::TransactionCanceledException(t)) =
+                    e.as_service_error()
+                {
+                    if let Some(first) = t.cancellation_reasons().first() {
+                        if first.code() == Some("ConditionalCheckFailed") && first.item().is_some()
+                        {
+                            return Self::completed_by(lease, first.item());
+                        }
+                    }
+                }
+                // Otherwise (an emulator that leaves the item out, a
+                // conflict with another transaction): read the record.
                 let old = self.get_item(&lease.key).await?;
+                if let Some(Ok(Item {
+                    state: State::InProgress { .. },
+                    token: Some(t),
+                    expires,
+                    ..
+                })) = old.as_ref().map(item::decode)
+                {
+                    if t == lease.token && !self.gone(expires, self.now_ms()) {
+                        // Still held by this lease: the transaction was
+                        // cancelled for another reason (a conflict with
+                        // another transaction, capacity). Retryable.
+                        return Err(StoreError::unavailable(format!(
+                            "the completion's transaction was cancelled with the lease still held: {e}"
+                        )));
+                    }
+                }
                 Self::completed_by(lease, old.as_ref())
             }
             Err(e) => Err(map_sdk(e)),
@@ -1138,7 +1176,27 @@ impl DynamoDbStore {
             }
         };
         match old.as_ref().map(item::decode) {
-            Some(Ok(old)) => Ok(!old.is_tombstone() && !self.gone(old.expires, now)),
+            Some(Ok(old)) => {
+                if let (
+                    State::Completed {
+                        response: Response::Chunked { chunks, .. },
+                        ..
+                    },
+                    Some(token),
+                ) = (&old.state, old.token)
+                {
+                    // Its chunks go too (one more request, on this path
+                    // only): they would otherwise live until the deleted
+                    // record's retention ended.
+                    // The record is deleted either way; chunks left
+                    // behind are unreachable (a new completion has a new
+                    // token) and only take space until their expiry.
+                    if let Err(e) = self.delete_chunks(token, *chunks).await {
+                        tracing::warn!(key = %key, error = %e, "the deleted record's response chunks were not all deleted");
+                    }
+                }
+                Ok(!old.is_tombstone() && !self.gone(old.expires, now))
+            }
             None => Ok(false),
             // Corrupt: the tombstone kept what was left of it, a fence
             // that may not decode either. A clean tombstone replaces it,
@@ -1169,6 +1227,51 @@ impl DynamoDbStore {
         }
     }
 
+    /// Deletes the chunk items of the response completed by `token`: one
+    /// `BatchWriteItem` (more if DynamoDB leaves some unprocessed).
+    async fn delete_chunks(&self, token: LeaseToken, chunks: u32) -> Result<(), StoreError> {
+        use aws_sdk_dynamodb::types::{DeleteRequest, WriteRequest};
+        let chunks = chunks
+            .min(u32::try_from(HARD_MAX_RESPONSE_BYTES / INLINE_RESPONSE_BYTES).unwrap_or(10));
+        let mut requests = Vec::with_capacity(chunks as usize);
+        for i in 0..chunks {
+            requests.push(
+                WriteRequest::builder()
+                    .delete_request(
+                        DeleteRequest::builder()
+                            .set_key(Some(self.pk(item::chunk_pk(token, i))))
+                            .build()
+                            .map_err(StoreError::backend)?,
+                    )
+                    .build(),
+            );
+        }
+        for _ in 0..8 {
+            if requests.is_empty() {
+                return Ok(());
+            }
+            let out = self
+                .client
+                .batch_write_item()
+                .request_items(&*self.table, std::mem::take(&mut requests))
+                .send()
+                .await
+                .map_err(map_sdk)?;
+            requests = out
+                .unprocessed_items()
+                .and_then(|u| u.get(&*self.table))
+                .cloned()
+                .unwrap_or_default();
+        }
+        if requests.is_empty() {
+            Ok(())
+        } else {
+            Err(StoreError::unavailable(
+                "DynamoDB left chunks of the deleted response unprocessed; they expire with its retention",
+            ))
+        }
+    }
+
     async fn purge_inner(&self, max: usize) -> Result<u64, StoreError> {
         if max == 0 {
             return Ok(0);
@@ -1183,6 +1286,10 @@ impl DynamoDbStore {
         let mut cursor = start;
         let mut found: Vec<(String, u64)> = Vec::new();
         loop {
+            // Where this page starts: kept as the next call's start if the
+            // page found more than `max` (the rest are purged next time,
+            // never skipped).
+            let page_start = cursor.clone();
             // Each page, and each delete below, is bounded by the call
             // timeout (a sweep may take several).
             let scan = self
@@ -1207,7 +1314,11 @@ impl DynamoDbStore {
                 }
             }
             cursor = out.last_evaluated_key().cloned();
-            if cursor.is_none() || found.len() >= max {
+            if found.len() > max {
+                cursor = page_start;
+                break;
+            }
+            if cursor.is_none() || found.len() == max {
                 break;
             }
         }
