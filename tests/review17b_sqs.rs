@@ -49,7 +49,12 @@ fn moto_addr() -> SocketAddr {
 
 async fn create_queue(client: &Client, prefix: &str) -> String {
     let name = format!("{prefix}-{:016x}", fastrand::u64(..));
-    let out = client.create_queue().queue_name(&name).send().await.unwrap();
+    let out = client
+        .create_queue()
+        .queue_name(&name)
+        .send()
+        .await
+        .unwrap();
     out.queue_url().unwrap().to_owned()
 }
 

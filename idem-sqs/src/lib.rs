@@ -171,6 +171,16 @@ const MAX_WAIT_SECONDS: u64 = 20;
 const MAX_VISIBILITY_SECONDS: u64 = 43_200;
 /// The longest `idem.reason` (and `idem.dropped`) value, in bytes.
 const MAX_REASON: usize = 1024;
+/// The most messages in flight at once ([`SqsConsumer::concurrency`] is
+/// lowered to it): far above what a consumer can hold, far below what a
+/// semaphore refuses.
+pub const MAX_CONCURRENCY: usize = 1 << 20;
+
+/// How often unfinished runs are tried again while the consumer waits
+/// (for room, or for a receive): soon after the store is back, their
+/// completions are written.
+const FINISH_EVERY: Duration = Duration::from_millis(50);
+
 /// The pause after an empty short poll (`wait_time` zero).
 const IDLE_PAUSE: Duration = Duration::from_millis(100);
 
@@ -369,7 +379,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A message whose handler ran but whose completion is not written yet.
 struct Unfinished {
     message: SqsMessage,
-    unrecorded: Box<Unrecorded>,
+    /// Shared, so a finish in flight leaves the entry in the map: its key
+    /// stays held against the other messages of the key meanwhile.
+    unrecorded: Arc<Unrecorded>,
 }
 
 /// State shared by the run loop, the batch tasks and the heartbeat.
@@ -555,7 +567,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// Messages in flight at once, over several receives (default 40, at
     /// least 1). A receive asks for no more than the room left.
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.concurrency = n.clamp(1, MAX_CONCURRENCY);
         self
     }
 
@@ -768,13 +780,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             let permits = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
-                p = room.clone().acquire_many_owned(want as u32) => p,
+                p = work.finishing_while(room.clone().acquire_many_owned(want as u32)) => p,
             };
             let Ok(mut permits) = permits else { break };
             let received = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
-                r = queue.receive(want, wait) => r,
+                r = work.finishing_while(queue.receive(want, wait)) => r,
             };
             let messages = match received {
                 Ok(messages) => {
@@ -1438,7 +1450,7 @@ where
                         receipt,
                         Unfinished {
                             message,
-                            unrecorded,
+                            unrecorded: Arc::from(unrecorded),
                         },
                     );
                 }
@@ -1537,6 +1549,25 @@ where
     /// (its redelivery gets the new holder's answer); one the store
     /// refuses for good is dead-lettered (its handler ran: never run
     /// again); one still failing waits for the next round, invisible.
+    /// Awaits `wait`, trying the unfinished runs again every
+    /// [`FINISH_EVERY`] meanwhile (a long poll can take 20 s: the lease of
+    /// an unfinished run is over, and another worker may take its key over
+    /// at any time, so its completion is written as soon as the store
+    /// takes it).
+    async fn finishing_while<T>(&self, wait: impl std::future::Future<Output = T>) -> T {
+        futures_util::pin_mut!(wait);
+        // A run may end unrecorded while this waits: the map is looked at
+        // on every tick (a lock and an empty check while nothing is
+        // unfinished).
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut wait => return out,
+                () = tokio::time::sleep(FINISH_EVERY) => self.finish_unfinished().await,
+            }
+        }
+    }
+
     async fn finish_unfinished(&self) {
         let shared = &self.queue.shared;
         let todo: Vec<String> = {
@@ -1549,10 +1580,22 @@ where
         let mut delete = Vec::new();
         let mut dead = Vec::new();
         for receipt in todo {
+            // The entry stays in the map while its finish is in flight
+            // (its key held); it leaves once the finish settles.
+            let Some(unrecorded) = lock(&shared.unfinished)
+                .get(&receipt)
+                .map(|u| u.unrecorded.clone())
+            else {
+                continue;
+            };
+            let finished = self.idem.finish(&unrecorded).await;
+            if matches!(&finished, Err(e) if e.is_retryable()) {
+                continue;
+            }
             let Some(u) = lock(&shared.unfinished).remove(&receipt) else {
                 continue;
             };
-            match self.idem.finish(&u.unrecorded).await {
+            match finished {
                 Ok(()) => {
                     add(&shared.counters.executed, 1);
                     lock(&shared.in_flight).remove(&receipt);
