@@ -244,6 +244,19 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
         });
     }
 
+    // Member B joins once A has run an effect, so A holds partitions
+    // when the group rebalances (had B joined first, it could take every
+    // partition and finish the topic before A was assigned any: A would
+    // never reach 300 effects, as happened once in CI).
+    let waited = tokio::time::Instant::now();
+    while a_effects.load(Ordering::SeqCst) == 0 {
+        assert!(
+            waited.elapsed() < Duration::from_secs(60),
+            "member A never ran an effect"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
     // Member B, in this process, until every message had its effect and
     // the group's lag is 0.
     let b = KafkaConsumer::new(
