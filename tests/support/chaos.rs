@@ -29,7 +29,7 @@ pub async fn storm_through_fault<S>(
     recover: Option<Action>,
 ) -> Report
 where
-    S: IdempotencyStore,
+    S: IdempotencyStore + ?Sized,
 {
     let run = format!("{:08x}", fastrand::u32(..));
     let keys: Arc<Vec<IdempotencyKey>> = Arc::new(

@@ -9,6 +9,7 @@ pub mod chaos;
 pub mod flaky;
 pub mod kafka;
 pub mod moto;
+pub mod netns;
 pub mod pg;
 pub mod proxy;
 pub mod redis_server;
