@@ -83,8 +83,13 @@
 mod admin;
 mod format;
 pub mod streams;
+#[cfg(feature = "tls")]
+mod tls;
 
 pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
+#[cfg(feature = "tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+pub use tls::{install_crypto_provider, TlsOptions};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -228,11 +233,60 @@ const CLUSTER_RETRIES: u32 = 6;
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
 impl RedisStore<ConnectionManager> {
-    /// Connects to a standalone Redis (`redis://host:port/db`) through a
-    /// [`ConnectionManager`] that reconnects after errors, and checks the
-    /// eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
+    /// Connects to a standalone Redis (`redis://host:port/db`, or
+    /// `redis://user:password@host:port/db` with a password or an ACL user)
+    /// through a [`ConnectionManager`] that reconnects after errors, and
+    /// checks the eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
+    ///
+    /// A `rediss://` URL connects over TLS, trusting the system's root
+    /// certificates (feature `tls`; for a CA of your own, see
+    /// `connect_tls`).
+    ///
+    /// Fails fast, with a message naming the cause: a refused or
+    /// unanswered connection is [`StoreError::Unavailable`] (retryable);
+    /// a wrong password or user name, a certificate that is not trusted,
+    /// or `redis://` to a port that speaks only TLS is
+    /// [`StoreError::Backend`] (not retryable: the settings must change),
+    /// its source a [`Refused`] or a connection error naming the cause.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(map_error)?;
+        Self::connect_client(client).await
+    }
+
+    /// Connects over TLS (`rediss://[user:password@]host:port/db`) with the
+    /// CA and client identity of `tls` (see [`TlsOptions`]). The server's
+    /// certificate must chain to the CA and name the URL's host. Errors as
+    /// [`connect`](Self::connect).
+    ///
+    /// ```no_run
+    /// use idem_redis::{RedisStore, TlsOptions};
+    ///
+    /// # async fn run() -> Result<(), idem_core::StoreError> {
+    /// let tls = TlsOptions::new().root_ca_file("/etc/idem/redis-ca.pem")?;
+    /// let store = RedisStore::connect_tls("rediss://idem:secret@127.0.0.1:6380/", &tls).await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub async fn connect_tls(url: &str, tls: &TlsOptions) -> Result<Self, StoreError> {
+        if !url.starts_with("rediss://") {
+            return Err(StoreError::InvalidArgument {
+                detail: "connect_tls takes a rediss:// URL (redis:// is plaintext)".to_owned(),
+            });
+        }
+        let client = redis::Client::build_with_tls(url, tls.certificates()).map_err(map_error)?;
+        Self::connect_client(client).await
+    }
+
+    async fn connect_client(client: redis::Client) -> Result<Self, StoreError> {
+        #[cfg(feature = "tls")]
+        if matches!(
+            client.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            tls::install_crypto_provider();
+        }
+        let target = describe_target(client.get_connection_info());
         // No response timeout on the connection: every call is bounded by
         // the store's own settings (`call_timeout`, plus the `WAIT` timeout
         // for `WAIT`), which may be set after connecting.
@@ -242,9 +296,9 @@ impl RedisStore<ConnectionManager> {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client, config)
+        let conn = ConnectionManager::new_with_config(client.clone(), config)
             .await
-            .map_err(map_error)?;
+            .map_err(|e| connect_error(e, &target, &client))?;
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
@@ -260,6 +314,31 @@ impl RedisStore<ClusterConnection> {
         I: IntoIterator<Item = T>,
         T: redis::IntoConnectionInfo,
     {
+        Self::connect_cluster_with(redis::cluster::ClusterClient::builder(nodes)).await
+    }
+
+    /// [`connect_cluster`](Self::connect_cluster) over TLS (`rediss://`
+    /// node URLs, the cluster run with `tls-cluster yes`), with the CA and
+    /// client identity of `tls`.
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub async fn connect_cluster_tls<I, T>(nodes: I, tls: &TlsOptions) -> Result<Self, StoreError>
+    where
+        I: IntoIterator<Item = T>,
+        T: redis::IntoConnectionInfo,
+    {
+        tls::install_crypto_provider();
+        Self::connect_cluster_with(
+            redis::cluster::ClusterClient::builder(nodes).certs(tls.certificates()),
+        )
+        .await
+    }
+
+    async fn connect_cluster_with(
+        builder: redis::cluster::ClusterClientBuilder,
+    ) -> Result<Self, StoreError> {
+        #[cfg(feature = "tls")]
+        tls::install_crypto_provider();
         // No response timeout on the connections (the builder's default):
         // every call is bounded by the store's own settings, as with
         // `connect`.
@@ -270,7 +349,7 @@ impl RedisStore<ClusterConnection> {
         // node while the owner's connection is rebuilt (MOVED), before it
         // reaches the owner again: two retries were often not enough. The
         // call timeout bounds them all.
-        let client = redis::cluster::ClusterClient::builder(nodes)
+        let client = builder
             .connection_timeout(DEFAULT_TIMEOUT)
             .retries(CLUSTER_RETRIES)
             .build()
@@ -441,7 +520,12 @@ where
             }
             Ok(_) => None,
             Err(e) => {
-                tracing::debug!(error = %e, "cannot read maxmemory-policy");
+                // A user limited by an ACL (see the crate docs), or a
+                // managed service: the store works without it.
+                tracing::warn!(
+                    error = %e,
+                    "cannot read maxmemory-policy (CONFIG GET refused?): make sure this Redis runs with noeviction, or live idempotency records can be evicted"
+                );
                 None
             }
         }
@@ -1107,14 +1191,29 @@ fn millis(d: Duration) -> u64 {
 const INVALID_CODE: &str = "IDEM_INVALID";
 
 fn map_error(e: RedisError) -> StoreError {
-    use redis::RetryMethod;
     if e.code() == Some(INVALID_CODE) {
         // A script refused an argument before writing anything.
         return StoreError::InvalidArgument {
             detail: e.detail().unwrap_or("refused by the script").to_owned(),
         };
     }
-    let transient = e.is_io_error()
+    if let Some(cause) = refused_setting(&e) {
+        // Wrong credentials, an ACL that refuses a command or a key, a
+        // certificate not trusted: every retry fails alike.
+        return StoreError::Backend(Box::new(Refused { cause, source: e }));
+    }
+    if is_transient(&e) {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+/// Whether trying again later can succeed: a connection refused, dropped
+/// or timed out, a cluster redirection or reconfiguration.
+fn is_transient(e: &RedisError) -> bool {
+    use redis::RetryMethod;
+    e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -1126,13 +1225,184 @@ fn map_error(e: RedisError) -> StoreError {
                 | RetryMethod::WaitAndRetry
                 | RetryMethod::ReconnectFromInitialConnections
                 | RetryMethod::RefreshSlotsAndRetry
-        );
-    if transient {
-        StoreError::Unavailable(Box::new(e))
-    } else {
-        StoreError::Backend(Box::new(e))
+        )
+}
+
+/// A call or a connection refused because of a setting (credentials, ACL,
+/// TLS): the source of [`StoreError::Backend`], its message the cause in
+/// words.
+///
+/// ```
+/// use idem_core::StoreError;
+/// use idem_redis::Refused;
+///
+/// fn misconfigured(e: &StoreError) -> bool {
+///     matches!(e, StoreError::Backend(source) if source.downcast_ref::<Refused>().is_some())
+/// }
+/// # assert!(!misconfigured(&StoreError::LeaseLost));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}")]
+pub struct Refused {
+    cause: String,
+    #[source]
+    source: RedisError,
+}
+
+impl Refused {
+    /// The cause, in words: `authentication failed: ...`, `permission
+    /// denied by the ACL: ...`, `TLS: ...`.
+    pub fn cause(&self) -> &str {
+        &self.cause
     }
 }
+
+/// The cause, if `e` is a refusal that only a change of settings cures.
+fn refused_setting(e: &RedisError) -> Option<String> {
+    #[cfg(feature = "tls")]
+    if let Some(tls) = tls::tls_error(e) {
+        if tls::is_setting(tls) {
+            return Some(tls::describe(tls));
+        }
+    }
+    if e.kind() == ErrorKind::AuthenticationFailed {
+        return Some(format!(
+            "authentication failed: wrong password or user name, or the user is disabled (give them in the URL: redis[s]://user:password@host:port/) [{e}]"
+        ));
+    }
+    // A command refused to a script (Redis 7.0 answers ERR, not NOPERM).
+    let acl_in_script = e.code() != Some("NOPERM")
+        && e.detail()
+            .is_some_and(|d| d.contains("user executing the script can't run"));
+    if acl_in_script {
+        return Some(format!(
+            "permission denied by the ACL: a command the store's scripts run is not allowed to this user (the idem-redis docs list the ACL the store needs) [{e}]"
+        ));
+    }
+    match e.code() {
+        Some("NOAUTH") => Some(format!(
+            "authentication required: the server has a password (requirepass or an ACL user) and the URL gives none [{e}]"
+        )),
+        Some("WRONGPASS") => Some(format!(
+            "authentication failed: wrong password or user name [{e}]"
+        )),
+        Some("NOPERM") => Some(format!(
+            "permission denied by the ACL: the user may not run this command or touch this key (the idem-redis docs list the ACL the store needs) [{e}]"
+        )),
+        _ => None,
+    }
+}
+
+/// Where a connection goes, and as whom: never the password.
+fn describe_target(info: &redis::ConnectionInfo) -> String {
+    let addr = match info.addr() {
+        redis::ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}"),
+        redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}"),
+        other => format!("{other}"),
+    };
+    match info.redis_settings().username() {
+        Some(user) => format!("Redis at {addr} (user {user:?})"),
+        None => format!("Redis at {addr}"),
+    }
+}
+
+/// Why [`RedisStore::connect`] could not connect, with where it tried.
+#[derive(Debug)]
+struct ConnectError {
+    target: String,
+    cause: String,
+    source: RedisError,
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot connect to {}: {}", self.target, self.cause)
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// A failed first connection: a setting (credentials, TLS, plaintext to a
+/// TLS port) is `Backend`; a refused, dropped or timed out connection is
+/// `Unavailable`.
+fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreError {
+    let (cause, retryable) = if let Some(cause) = refused_setting(&e) {
+        (cause, false)
+    } else if e.is_connection_refusal() {
+        (
+            format!("connection refused (is the server running, on this port?) [{e}]"),
+            true,
+        )
+    } else if e.is_connection_dropped() && speaks_tls(client) {
+        (
+            format!(
+                "the server closed the connection: it speaks TLS on this port, use a rediss:// URL [{e}]"
+            ),
+            false,
+        )
+    } else {
+        (e.to_string(), is_transient(&e))
+    };
+    let error = Box::new(ConnectError {
+        target: target.to_owned(),
+        cause,
+        source: e,
+    });
+    if retryable {
+        StoreError::Unavailable(error)
+    } else {
+        StoreError::Backend(error)
+    }
+}
+
+/// Whether a server reached with `redis://` (plaintext) dropped the
+/// connection because it speaks TLS on that port: one probe, the start of
+/// a TLS handshake, answered with a TLS record (a handshake or an alert)
+/// by a TLS server; a Redis speaking RESP answers an error, or nothing
+/// like it. Asked only after a first connection was dropped, bounded by a
+/// second.
+fn speaks_tls(client: &redis::Client) -> bool {
+    use std::io::{Read, Write};
+    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else {
+        return false;
+    };
+    let Ok(addrs) = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), *port)) else {
+        return false;
+    };
+    let limit = Duration::from_secs(1);
+    for addr in addrs {
+        let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, limit) else {
+            continue;
+        };
+        let _ = stream.set_read_timeout(Some(limit));
+        let _ = stream.set_write_timeout(Some(limit));
+        if stream.write_all(&CLIENT_HELLO).is_err() {
+            return false;
+        }
+        let mut reply = [0u8; 3];
+        // A handshake record (0x16) or an alert (0x15), TLS 1.0 to 1.3.
+        return stream.read_exact(&mut reply).is_ok()
+            && matches!(reply, [0x15 | 0x16, 0x03, 0x00..=0x04]);
+    }
+    false
+}
+
+/// The start of a TLS 1.2 ClientHello (one cipher suite, no extensions):
+/// enough for a TLS server to answer with a handshake record or an alert.
+const CLIENT_HELLO: [u8; 50] = [
+    0x16, 0x03, 0x01, 0x00, 0x2d, // a handshake record of 45 bytes
+    0x01, 0x00, 0x00, 0x29, // ClientHello, 41 bytes
+    0x03, 0x03, // TLS 1.2
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // random
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,    // random
+    0x00, // no session id
+    0x00, 0x02, 0xc0, 0x2f, // TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+    0x01, 0x00, // null compression
+];
 
 /// Whether Redis (or the cluster client) refused a call whose keys span
 /// hash slots: refused before anything ran.
