@@ -84,7 +84,7 @@ fn certs() -> &'static Certs {
         std::fs::write(
             &ext,
             "subjectAltName=DNS:localhost,IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\n\
-             keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+             keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n",
         )
         .unwrap_or_else(|e| panic!("{e}"));
         for which in ["a", "b"] {
@@ -354,8 +354,11 @@ impl Drop for TlsRedis {
 /// Starts `redis-server --port 0 --tls-port P` with the server certificate
 /// of CA `which` and `requirepass`.
 fn start_tls_redis(which: &str) -> TlsRedis {
+    start_tls_redis_on(support::free_port(), which, &[])
+}
+
+fn start_tls_redis_on(port: u16, which: &str, extra: &[&str]) -> TlsRedis {
     let certs = certs();
-    let port = support::free_port();
     let dir = support::temp_dir("redis-tls");
     let child = Command::new("redis-server")
         .args([
@@ -383,6 +386,7 @@ fn start_tls_redis(which: &str) -> TlsRedis {
             "--maxmemory-policy",
             "noeviction",
         ])
+        .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -746,6 +750,129 @@ async fn redis_acl_has_no_command_to_spare() {
         ],
         started,
     );
+}
+
+/// A port whose cluster bus port (port + 10000) is free too.
+fn cluster_port() -> u16 {
+    for _ in 0..1000 {
+        let port = support::free_port();
+        if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port pair for a cluster node");
+}
+
+fn redis_cli_tls(port: u16) -> Command {
+    // Bounded: `--cluster create` waits for the nodes to join forever.
+    let mut c = Command::new("timeout");
+    c.args(["60", "redis-cli", "--tls", "--cacert"])
+        .arg(certs().ca("a"))
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &port.to_string(),
+            "--no-auth-warning",
+            "-a",
+            PASSWORD,
+        ]);
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_over_tls_with_password() {
+    // Three masters speaking TLS only, clients and cluster bus alike (the
+    // nodes present their certificate as clients on the bus: hence
+    // clientAuth in its extended key usage).
+    let ports: Vec<u16> = (0..3).map(|_| cluster_port()).collect();
+    let nodes: Vec<TlsRedis> = ports
+        .iter()
+        .map(|&port| {
+            let conf = format!("nodes-{port}.conf");
+            start_tls_redis_on(
+                port,
+                "a",
+                &[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &conf,
+                    "--cluster-node-timeout",
+                    "5000",
+                    "--tls-cluster",
+                    "yes",
+                    "--masterauth",
+                    PASSWORD,
+                ],
+            )
+        })
+        .collect();
+    let out = redis_cli_tls(ports[0])
+        .arg("--cluster")
+        .arg("create")
+        .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}. {HOW_TO}"));
+    assert!(
+        out.status.success(),
+        "redis-cli --cluster create over TLS failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for &port in &ports {
+        loop {
+            let info = redis_cli_tls(port)
+                .args(["CLUSTER", "INFO"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                .unwrap_or_default();
+            if info.contains("cluster_state:ok") {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the TLS cluster did not reach cluster_state:ok"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let urls: Vec<String> = ports
+        .iter()
+        .map(|p| format!("rediss://:{PASSWORD}@127.0.0.1:{p}/"))
+        .collect();
+    let store = RedisStore::connect_cluster_tls(urls.clone(), &trusted())
+        .await
+        .unwrap_or_else(|e| panic!("connect_cluster_tls: {}", chain(&e)));
+    round(store).await;
+
+    let wrong: Vec<String> = ports
+        .iter()
+        .map(|p| format!("rediss://:wrong@127.0.0.1:{p}/"))
+        .collect();
+    let started = Instant::now();
+    let result = RedisStore::connect_cluster_tls(wrong, &trusted()).await;
+    expect_refused(
+        "tls_wrong_password",
+        "redis-cluster",
+        result,
+        started,
+        &["authentication"],
+    );
+    let started = Instant::now();
+    let result =
+        RedisStore::connect_cluster_tls(urls, &TlsOptions::new().root_ca_pem(certs().ca_pem("b")))
+            .await;
+    expect_refused(
+        "tls_untrusted_certificate",
+        "redis-cluster",
+        result,
+        started,
+        &["certificate"],
+    );
+    drop(nodes);
 }
 
 // ------------------------------------------------------------ PostgreSQL

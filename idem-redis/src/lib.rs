@@ -354,7 +354,10 @@ impl RedisStore<ClusterConnection> {
             .retries(CLUSTER_RETRIES)
             .build()
             .map_err(map_error)?;
-        let conn = client.get_async_connection().await.map_err(map_error)?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(cluster_connect_error)?;
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
@@ -1356,6 +1359,32 @@ fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreEr
         StoreError::Unavailable(error)
     } else {
         StoreError::Backend(error)
+    }
+}
+
+/// A failed first connection to a cluster. The cluster client keeps only
+/// the text of the nodes' errors ("Failed to create initial connections -
+/// Io: <the last node's error>"), so the causes that no retry cures are
+/// told by that text: a wrong password, a certificate not trusted.
+fn cluster_connect_error(e: RedisError) -> StoreError {
+    let detail = e.detail().unwrap_or_default();
+    let cause = if detail.contains("AuthenticationFailed")
+        || detail.contains("WRONGPASS")
+        || detail.contains("NOAUTH")
+    {
+        Some(format!(
+            "authentication failed on the cluster's nodes: wrong password or user name, or the user is disabled [{e}]"
+        ))
+    } else if detail.contains("invalid peer certificate") {
+        Some(format!(
+            "TLS: the nodes' certificate is not trusted: give the CA that signed it (TlsOptions::root_ca_pem / root_ca_file) and certificates naming the nodes' hosts [{e}]"
+        ))
+    } else {
+        None
+    };
+    match cause {
+        Some(cause) => StoreError::Backend(Box::new(Refused { cause, source: e })),
+        None => map_error(e),
     }
 }
 
