@@ -12,7 +12,7 @@
 //!   non-retryable `StoreError::Backend` whose message names the cause,
 //!   while a refused connection stays `Unavailable` (retryable);
 //! - the Redis store runs as an ACL user limited to exactly the commands and
-//!   the key pattern it needs (`REDIS_ACL`), and that user cannot touch a
+//!   the key pattern it needs (`idem_redis::acl_rules`), and that user cannot touch a
 //!   key outside the pattern.
 //!
 //! Each negative case prints `reliability scenario=... backend=... fail_ms=...`.
@@ -41,12 +41,14 @@ const PASSWORD: &str = "s3cret-Pa55";
 /// The password of the limited Redis ACL user `idem`.
 const ACL_PASSWORD: &str = "acl-Pa55";
 
-/// The ACL of the Redis store (standalone): the commands it sends, those its
-/// scripts run, and its key pattern (the default prefix `idem:`). With
-/// `wait_for_replicas`, add `+wait +exists +time`. `CONFIG GET` (the
-/// eviction-policy check at connect) is left out on purpose: the store logs
-/// a warning and goes on.
-const REDIS_ACL: &str = "on resetkeys ~idem:* resetchannels -@all +evalsha +script|load +get +set +del +mget +pttl +time";
+/// The ACL of the Redis store (standalone), as `idem_redis::acl_rules`
+/// documents it: the commands it sends, those its scripts run, and its key
+/// pattern (the default prefix `idem:`). `CONFIG GET` (the eviction-policy
+/// check at connect) is left out on purpose: the store logs a warning and
+/// goes on.
+fn redis_acl() -> String {
+    format!("on {}", idem::redis::acl_rules("idem:", false))
+}
 
 // ------------------------------------------------------------ certificates
 
@@ -492,7 +494,7 @@ async fn redis_wrong_password_is_refused_fast() {
 
     // An ACL user with a wrong password (WRONGPASS), and no password at all
     // (NOAUTH on the first command).
-    acl_user(server.port, "idem-wrong", ACL_PASSWORD, REDIS_ACL).await;
+    acl_user(server.port, "idem-wrong", ACL_PASSWORD, &redis_acl()).await;
     let started = Instant::now();
     let result = RedisStore::connect_tls(
         &format!("rediss://idem-wrong:nope@127.0.0.1:{}/", server.port),
@@ -602,7 +604,7 @@ async fn redis_refused_connection_stays_unavailable() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_store_runs_as_a_minimal_acl_user() {
     let server = shared_redis();
-    acl_user(server.port, "idem", ACL_PASSWORD, REDIS_ACL).await;
+    acl_user(server.port, "idem", ACL_PASSWORD, &redis_acl()).await;
     let url = format!("rediss://idem:{ACL_PASSWORD}@127.0.0.1:{}/", server.port);
     let store = RedisStore::connect_tls(&url, &trusted())
         .await
@@ -616,7 +618,7 @@ async fn redis_store_runs_as_a_minimal_acl_user() {
         server.port,
         "idem-wait",
         ACL_PASSWORD,
-        &format!("{REDIS_ACL} +wait +exists +time"),
+        &format!("on {}", idem::redis::acl_rules("idem:", true)),
     )
     .await;
     let waiting = RedisStore::connect_tls(
@@ -701,7 +703,8 @@ async fn redis_acl_has_no_command_to_spare() {
     // A server of its own: no script is loaded yet, so SCRIPT LOAD is needed.
     let server = start_tls_redis("a");
     let started = Instant::now();
-    let rules: Vec<&str> = REDIS_ACL.split_whitespace().collect();
+    let acl = redis_acl();
+    let rules: Vec<&str> = acl.split_whitespace().collect();
     let commands: Vec<&str> = rules
         .iter()
         .copied()
@@ -718,7 +721,7 @@ async fn redis_acl_has_no_command_to_spare() {
         let round = tokio::spawn(round(store));
         match round.await {
             Ok(()) => {
-                panic!("the store works without {left_out}: REDIS_ACL has a command to spare")
+                panic!("the store works without {left_out}: acl_rules has a command to spare")
             }
             Err(panicked) => {
                 let text = panicked

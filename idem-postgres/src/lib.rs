@@ -1793,6 +1793,10 @@ impl Drop for Lent<'_> {
 /// |---|---|---|
 /// | connection refused, host unreachable, no answer within the pool's acquire timeout | [`StoreError::Unavailable`] | yes |
 /// | authentication failed, unknown role, unknown database, TLS refused or not built in | [`StoreError::Backend`] | no |
+/// | a server certificate not signed by `sslrootcert` or not naming the host, `sslmode=disable` to a server whose pg_hba.conf has `hostssl` lines only | [`StoreError::Backend`] | no |
+///
+/// TLS (feature `tls`, on rustls) is asked in the URL:
+/// `postgres://idem:secret@db.internal/app?sslmode=verify-full&sslrootcert=/etc/idem/pg-ca.pem`.
 /// | a URL that does not parse | [`StoreError::InvalidArgument`] | no |
 ///
 /// The message names the host, port, user and database, never the

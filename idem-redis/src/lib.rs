@@ -77,6 +77,32 @@
 //!   over by the server's clock; a lease that ended while waiting (it may
 //!   be taken over already) is released and answered
 //!   [`StoreError::Unavailable`], never handed out.
+//!
+//! # Access: TLS, passwords and ACL users
+//!
+//! The password, or an ACL user and its password, go in the URL:
+//! `redis://idem:secret@host:6379/`. TLS (feature `tls`, on rustls) is a
+//! `rediss://` URL: [`RedisStore::connect`] trusts the system's roots;
+//! `RedisStore::connect_tls(url, &TlsOptions::new().root_ca_file(path)?)`
+//! trusts your CA only (`connect_cluster_tls` for a cluster run with
+//! `tls-cluster yes`). The server's certificate must name the URL's host
+//! (a DNS name, or an IP address SAN for `127.0.0.1`).
+//!
+//! A setting that does not match fails at once (well under the call
+//! timeout) with [`StoreError::Backend`], not retryable, its message naming
+//! the cause: a wrong password or user (`authentication failed`), no
+//! password where one is needed (`authentication required`), a
+//! certificate not signed by a trusted CA (`TLS: the server's certificate
+//! is not trusted`), `redis://` to a port that speaks TLS only (`it speaks
+//! TLS on this port, use a rediss:// URL`), a command or key the ACL
+//! refuses (`permission denied by the ACL`). A refused or dropped
+//! connection, or one that does not answer, stays
+//! [`StoreError::Unavailable`] (retryable).
+//!
+//! The least an ACL user needs is [`acl_rules`]: for the default prefix,
+//! `ACL SETUSER idem on >secret resetkeys ~idem:* resetchannels -@all
+//! +evalsha +script|load +get +set +del +mget +pttl +time` (and `+wait
+//! +exists` with [`RedisStore::wait_for_replicas`]).
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -110,6 +136,44 @@ use redis::{
 
 pub use idem_core;
 pub use redis;
+
+/// The Redis ACL rules the store needs for record keys under `prefix`
+/// (`idem:` by default), on a standalone Redis: exactly the commands it
+/// sends (`EVALSHA`, `SCRIPT LOAD` when a script is not loaded yet, `GET`
+/// for [`get`](idem_core::IdempotencyStore::get)) and those its scripts run
+/// (`GET SET DEL MGET PTTL TIME`), and the keys under the prefix (its
+/// `delete` markers included). With `wait` ([`RedisStore::wait_for_replicas`]),
+/// `WAIT`, `EXISTS` and `TIME` too. `CONFIG GET` is not needed: without it
+/// the eviction check at connect logs a warning and the store goes on.
+/// The operator scans (`idem` command) need `+scan` besides; Redis Streams
+/// consumers their stream commands and keys.
+///
+/// ```
+/// assert_eq!(
+///     idem_redis::acl_rules("idem:", false),
+///     "resetkeys ~idem:* resetchannels -@all +evalsha +script|load +get +set +del +mget +pttl +time"
+/// );
+/// // ACL SETUSER idem on >password resetkeys ~idem:* resetchannels -@all +evalsha ...
+/// ```
+pub fn acl_rules(prefix: &str, wait: bool) -> String {
+    let mut escaped = String::with_capacity(prefix.len() + 4);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    let mut rules = format!("resetkeys ~{escaped}*");
+    if prefix.contains('{') {
+        // `delete` markers of a prefix with a hash tag: `{n}{prefix}delete/...`.
+        rules.push_str(&format!(" ~{{*}}{escaped}delete/*"));
+    }
+    rules.push_str(" resetchannels -@all +evalsha +script|load +get +set +del +mget +pttl +time");
+    if wait {
+        rules.push_str(" +wait +exists");
+    }
+    rules
+}
 
 /// A call that did not finish within the store's call timeout; the source
 /// of [`StoreError::Unavailable`].
