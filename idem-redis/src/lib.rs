@@ -351,6 +351,22 @@ impl RedisStore<ConnectionManager> {
             tls::install_crypto_provider();
         }
         let target = describe_target(client.get_connection_info());
+        // One connection first, not retried: a setting that does not match
+        // (a wrong password, a certificate not trusted) fails at once,
+        // where the manager below would try it three times with backoff.
+        // A transient failure goes on to the manager, which retries it.
+        let probe = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(DEFAULT_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_TIMEOUT));
+        if let Err(e) = client
+            .get_multiplexed_async_connection_with_config(&probe)
+            .await
+        {
+            let error = connect_error(e, &target, &client);
+            if !error.is_retryable() {
+                return Err(error);
+            }
+        }
         // No response timeout on the connection: every call is bounded by
         // the store's own settings (`call_timeout`, plus the `WAIT` timeout
         // for `WAIT`), which may be set after connecting.
