@@ -362,7 +362,7 @@ impl RedisStore<ConnectionManager> {
             .get_multiplexed_async_connection_with_config(&probe)
             .await
         {
-            let error = connect_error(e, &target, &client);
+            let error = connect_error(e, &target, &client).await;
             if !error.is_retryable() {
                 return Err(error);
             }
@@ -376,9 +376,10 @@ impl RedisStore<ConnectionManager> {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client.clone(), config)
-            .await
-            .map_err(|e| connect_error(e, &target, &client))?;
+        let conn = match ConnectionManager::new_with_config(client.clone(), config).await {
+            Ok(conn) => conn,
+            Err(e) => return Err(connect_error(e, &target, &client).await),
+        };
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
@@ -1412,7 +1413,7 @@ impl std::error::Error for ConnectError {
 /// A failed first connection: a setting (credentials, TLS, plaintext to a
 /// TLS port) is `Backend`; a refused, dropped or timed out connection is
 /// `Unavailable`.
-fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreError {
+async fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreError {
     let (cause, retryable) = if let Some(cause) = refused_setting(&e) {
         (cause, false)
     } else if e.is_connection_refusal() {
@@ -1420,7 +1421,7 @@ fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreEr
             format!("connection refused (is the server running, on this port?) [{e}]"),
             true,
         )
-    } else if e.is_connection_dropped() && speaks_tls(client) {
+    } else if e.is_connection_dropped() && speaks_tls(client).await {
         (
             format!(
                 "the server closed the connection: it speaks TLS on this port, use a rediss:// URL [{e}]"
@@ -1474,30 +1475,23 @@ fn cluster_connect_error(e: RedisError) -> StoreError {
 /// by a TLS server; a Redis speaking RESP answers an error, or nothing
 /// like it. Asked only after a first connection was dropped, bounded by a
 /// second.
-fn speaks_tls(client: &redis::Client) -> bool {
-    use std::io::{Read, Write};
+async fn speaks_tls(client: &redis::Client) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else {
         return false;
     };
-    let Ok(addrs) = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), *port)) else {
-        return false;
-    };
-    let limit = Duration::from_secs(1);
-    for addr in addrs {
-        let Ok(mut stream) = std::net::TcpStream::connect_timeout(&addr, limit) else {
-            continue;
-        };
-        let _ = stream.set_read_timeout(Some(limit));
-        let _ = stream.set_write_timeout(Some(limit));
-        if stream.write_all(&CLIENT_HELLO).is_err() {
-            return false;
-        }
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+        stream.write_all(&CLIENT_HELLO).await?;
         let mut reply = [0u8; 3];
-        // A handshake record (0x16) or an alert (0x15), TLS 1.0 to 1.3.
-        return stream.read_exact(&mut reply).is_ok()
-            && matches!(reply, [0x15 | 0x16, 0x03, 0x00..=0x04]);
-    }
-    false
+        stream.read_exact(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    // A handshake record (0x16) or an alert (0x15), TLS 1.0 to 1.3.
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), probe).await,
+        Ok(Ok([0x15 | 0x16, 0x03, 0x00..=0x04]))
+    )
 }
 
 /// The start of a TLS 1.2 ClientHello (one cipher suite, no extensions):
