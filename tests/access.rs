@@ -1045,6 +1045,22 @@ async fn postgres_wrong_password_is_refused_fast() {
         started,
         &["authentication"],
     );
+
+    // No password at all.
+    let url = format!(
+        "postgres://idem@127.0.0.1:{}/idem?{}",
+        shared_pg().port,
+        verify_full(&certs().ca("a"))
+    );
+    let started = Instant::now();
+    let result = idem::postgres::connect_with(pool_options(), &url).await;
+    expect_refused(
+        "tls_no_password",
+        "postgres",
+        result,
+        started,
+        &["authentication", "password"],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
