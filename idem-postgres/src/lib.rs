@@ -1793,6 +1793,10 @@ impl Drop for Lent<'_> {
 /// |---|---|---|
 /// | connection refused, host unreachable, no answer within the pool's acquire timeout | [`StoreError::Unavailable`] | yes |
 /// | authentication failed, unknown role, unknown database, TLS refused or not built in | [`StoreError::Backend`] | no |
+/// | a server certificate not signed by `sslrootcert` or not naming the host, `sslmode=disable` to a server whose pg_hba.conf has `hostssl` lines only | [`StoreError::Backend`] | no |
+///
+/// TLS (feature `tls`, on rustls) is asked in the URL:
+/// `postgres://idem:secret@db.internal/app?sslmode=verify-full&sslrootcert=/etc/idem/pg-ca.pem`.
 /// | a URL that does not parse | [`StoreError::InvalidArgument`] | no |
 ///
 /// The message names the host, port, user and database, never the
@@ -1874,6 +1878,7 @@ impl std::error::Error for ConnectError {
 
 fn connect_error(e: sqlx::Error, target: String) -> StoreError {
     let (cause, retryable) = match &e {
+        e2 if tls_refusal(e2).is_some() => (tls_refusal(e2).unwrap_or_default(), false),
         sqlx::Error::Io(io) => (
             match io.kind() {
                 std::io::ErrorKind::ConnectionRefused => {
@@ -1886,6 +1891,10 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             let what = match code.as_str() {
+                // pg_hba.conf has `hostssl` lines only: a plaintext attempt.
+                "28000" if db.message().contains("no encryption") => {
+                    "the server takes only TLS connections here (use sslmode=verify-full, with sslrootcert=)"
+                }
                 "28P01" | "28000" => "authentication failed",
                 "3D000" => "the database does not exist",
                 _ => "the server refused the connection",
@@ -1937,7 +1946,70 @@ fn retryable_code(code: &str) -> bool {
         )
 }
 
+/// A TLS failure that only a change of settings cures (a certificate not
+/// trusted or not naming the host, a server that refuses TLS or our
+/// certificate, TLS asked of a build without it), in words: every retry
+/// would fail alike, so it is [`StoreError::Backend`], never
+/// `Unavailable`.
+fn tls_refusal(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Tls(tls) => {
+            #[cfg(feature = "tls")]
+            if let Some(tls) = tls.downcast_ref::<rustls::Error>() {
+                return Some(describe_tls(tls));
+            }
+            Some(format!("TLS: {tls}"))
+        }
+        #[cfg(feature = "tls")]
+        sqlx::Error::Io(io) => io
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+            .filter(|tls| {
+                matches!(
+                    tls,
+                    rustls::Error::InvalidCertificate(_)
+                        | rustls::Error::NoCertificatesPresented
+                        | rustls::Error::UnsupportedNameType
+                        | rustls::Error::PeerIncompatible(_)
+                        | rustls::Error::AlertReceived(_)
+                        | rustls::Error::InvalidMessage(_)
+                        | rustls::Error::InappropriateMessage { .. }
+                        | rustls::Error::InappropriateHandshakeMessage { .. }
+                        | rustls::Error::InvalidCertRevocationList(_)
+                )
+            })
+            .map(describe_tls),
+        _ => None,
+    }
+}
+
+#[cfg(feature = "tls")]
+fn describe_tls(e: &rustls::Error) -> String {
+    match e {
+        rustls::Error::InvalidCertificate(cause) => format!(
+            "TLS: the server's certificate is not trusted ({cause:?}): give the CA that signed it (sslrootcert= in the URL) and a certificate naming the host (sslmode=verify-full)"
+        ),
+        rustls::Error::AlertReceived(alert) => format!(
+            "TLS: the server refused the handshake ({alert:?}; a client certificate it wants, or one it does not trust?)"
+        ),
+        other => format!("TLS: {other}"),
+    }
+}
+
+/// A connection or a call refused by a TLS setting: the source of
+/// [`StoreError::Backend`], its message the cause in words.
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}")]
+pub struct TlsRefused {
+    cause: String,
+    #[source]
+    source: sqlx::Error,
+}
+
 fn map_error(e: sqlx::Error, table: &str) -> StoreError {
+    if let Some(cause) = tls_refusal(&e) {
+        return StoreError::Backend(Box::new(TlsRefused { cause, source: e }));
+    }
     match &e {
         e2 if map_error_kind(e2) => StoreError::Unavailable(Box::new(e)),
         sqlx::Error::Database(db) => {

@@ -42,6 +42,9 @@ if #fp ~= 0 and #fp ~= 32 then
   return redis.error_reply('IDEM_INVALID fingerprint must be 0 or 32 bytes')
 end
 local v = redis.pcall('GET', key)
+-- Only a key of another type reads as corrupt / not ours: any other
+-- error (an ACL that refuses GET) is the caller's to see.
+if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then return v end
 if type(v) == 'table' then
   return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}
 end

@@ -66,6 +66,9 @@ local seen = {}
 local function acquire(i, key, fp, token)
   local v = first[i]
   if seen[key] then v = redis.pcall('GET', key) end
+  -- Only a key of another type reads as corrupt / not ours: any other
+  -- error (an ACL that refuses GET) is the caller's to see.
+  if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then error(v) end
   seen[key] = true
   if not v then
     -- Absent as MGET saw it: claimed with SET NX, which refuses a key that
@@ -81,6 +84,9 @@ local function acquire(i, key, fp, token)
       return {'acquired', 1, until_ms, fp, now_us}
     end
     v = redis.pcall('GET', key)
+    -- Only a key of another type reads as corrupt / not ours: any other
+    -- error (an ACL that refuses GET) is the caller's to see.
+    if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then error(v) end
   end
   if type(v) == 'table' then
     return {'corrupt', 'the record is not a string: ' .. tostring(v.err)}

@@ -28,6 +28,9 @@ if retention == nil or retention ~= retention or retention ~= math.floor(retenti
 end
 
 local v = redis.pcall('GET', key)
+-- Only a key of another type reads as corrupt / not ours: any other
+-- error (an ACL that refuses GET) is the caller's to see.
+if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then return v end
 if type(v) ~= 'string' or #v < HEADER_LEN then return 0 end
 if string.sub(v, 35, 50) ~= token then return 0 end
 local s = string.byte(v, 1)

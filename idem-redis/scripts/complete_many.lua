@@ -41,6 +41,9 @@ for i = 1, count do
   local key, token, response = KEYS[i], ARGV[2 * i], ARGV[2 * i + 1]
   local v = first[i]
   if seen[key] then v = redis.pcall('GET', key) end
+  -- Only a key of another type reads as corrupt / not ours: any other
+  -- error (an ACL that refuses GET) is the caller's to see.
+  if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then return v end
   seen[key] = true
   if type(v) ~= 'string' or #v < HEADER_LEN or string.sub(v, 35, 50) ~= token then
     out[i] = 0

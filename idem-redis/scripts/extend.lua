@@ -31,6 +31,9 @@ if not lease then return invalid('lease must be an integer number of ms in 1..='
 if not grace then return invalid('grace must be an integer number of ms in 0..=' .. int(MAX_MS)) end
 
 local v = redis.pcall('GET', key)
+-- Only a key of another type reads as corrupt / not ours: any other
+-- error (an ACL that refuses GET) is the caller's to see.
+if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then return v end
 if type(v) ~= 'string' or #v < HEADER_LEN then return 0 end
 if string.byte(v, 1) ~= 112 or string.sub(v, 35, 50) ~= token then return 0 end
 local s, hasfp, f, t, a, n, _, c = struct.unpack(HEADER, v)

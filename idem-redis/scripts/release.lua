@@ -9,6 +9,9 @@ local key = KEYS[1]
 local token = ARGV[1]
 if #token ~= 16 then return redis.error_reply('IDEM_INVALID token must be 16 bytes') end
 local v = redis.pcall('GET', key)
+-- Only a key of another type reads as corrupt / not ours: any other
+-- error (an ACL that refuses GET) is the caller's to see.
+if type(v) == 'table' and not string.find(tostring(v.err), 'WRONGTYPE', 1, true) then return v end
 if type(v) ~= 'string' or #v < 94 then return 0 end
 if string.byte(v, 1) ~= 112 or string.sub(v, 35, 50) ~= token then return 0 end
 redis.call('DEL', key)

@@ -77,14 +77,45 @@
 //!   over by the server's clock; a lease that ended while waiting (it may
 //!   be taken over already) is released and answered
 //!   [`StoreError::Unavailable`], never handed out.
+//!
+//! # Access: TLS, passwords and ACL users
+//!
+//! The password, or an ACL user and its password, go in the URL:
+//! `redis://idem:secret@host:6379/`. TLS (feature `tls`, on rustls) is a
+//! `rediss://` URL: [`RedisStore::connect`] trusts the system's roots;
+//! `RedisStore::connect_tls(url, &TlsOptions::new().root_ca_file(path)?)`
+//! trusts your CA only (`connect_cluster_tls` for a cluster run with
+//! `tls-cluster yes`). The server's certificate must name the URL's host
+//! (a DNS name, or an IP address SAN for `127.0.0.1`).
+//!
+//! A setting that does not match fails at once (well under the call
+//! timeout) with [`StoreError::Backend`], not retryable, its message naming
+//! the cause: a wrong password or user (`authentication failed`), no
+//! password where one is needed (`authentication required`), a
+//! certificate not signed by a trusted CA (`TLS: the server's certificate
+//! is not trusted`), `redis://` to a port that speaks TLS only (`it speaks
+//! TLS on this port, use a rediss:// URL`), a command or key the ACL
+//! refuses (`permission denied by the ACL`). A refused or dropped
+//! connection, or one that does not answer, stays
+//! [`StoreError::Unavailable`] (retryable).
+//!
+//! The least an ACL user needs is [`acl_rules`]: for the default prefix,
+//! `ACL SETUSER idem on >secret resetkeys ~idem:* resetchannels -@all
+//! +evalsha +script|load +get +set +del +mget +pttl +time` (and `+wait
+//! +exists` with [`RedisStore::wait_for_replicas`]).
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
 mod format;
 pub mod streams;
+#[cfg(feature = "tls")]
+mod tls;
 
 pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
+#[cfg(feature = "tls")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+pub use tls::{install_crypto_provider, TlsOptions};
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -105,6 +136,44 @@ use redis::{
 
 pub use idem_core;
 pub use redis;
+
+/// The Redis ACL rules the store needs for record keys under `prefix`
+/// (`idem:` by default), on a standalone Redis: exactly the commands it
+/// sends (`EVALSHA`, `SCRIPT LOAD` when a script is not loaded yet, `GET`
+/// for [`get`](idem_core::IdempotencyStore::get)) and those its scripts run
+/// (`GET SET DEL MGET PTTL TIME`), and the keys under the prefix (its
+/// `delete` markers included). With `wait` ([`RedisStore::wait_for_replicas`]),
+/// `WAIT`, `EXISTS` and `TIME` too. `CONFIG GET` is not needed: without it
+/// the eviction check at connect logs a warning and the store goes on.
+/// The operator scans (`idem` command) need `+scan` besides; Redis Streams
+/// consumers their stream commands and keys.
+///
+/// ```
+/// assert_eq!(
+///     idem_redis::acl_rules("idem:", false),
+///     "resetkeys ~idem:* resetchannels -@all +evalsha +script|load +get +set +del +mget +pttl +time"
+/// );
+/// // ACL SETUSER idem on >password resetkeys ~idem:* resetchannels -@all +evalsha ...
+/// ```
+pub fn acl_rules(prefix: &str, wait: bool) -> String {
+    let mut escaped = String::with_capacity(prefix.len() + 4);
+    for c in prefix.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            escaped.push('\\');
+        }
+        escaped.push(c);
+    }
+    let mut rules = format!("resetkeys ~{escaped}*");
+    if prefix.contains('{') {
+        // `delete` markers of a prefix with a hash tag: `{n}{prefix}delete/...`.
+        rules.push_str(&format!(" ~{{*}}{escaped}delete/*"));
+    }
+    rules.push_str(" resetchannels -@all +evalsha +script|load +get +set +del +mget +pttl +time");
+    if wait {
+        rules.push_str(" +wait +exists");
+    }
+    rules
+}
 
 /// A call that did not finish within the store's call timeout; the source
 /// of [`StoreError::Unavailable`].
@@ -228,11 +297,76 @@ const CLUSTER_RETRIES: u32 = 6;
 pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 64 << 20;
 
 impl RedisStore<ConnectionManager> {
-    /// Connects to a standalone Redis (`redis://host:port/db`) through a
-    /// [`ConnectionManager`] that reconnects after errors, and checks the
-    /// eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
+    /// Connects to a standalone Redis (`redis://host:port/db`, or
+    /// `redis://user:password@host:port/db` with a password or an ACL user)
+    /// through a [`ConnectionManager`] that reconnects after errors, and
+    /// checks the eviction policy (see [`check_eviction_policy`](Self::check_eviction_policy)).
+    ///
+    /// A `rediss://` URL connects over TLS, trusting the system's root
+    /// certificates (feature `tls`; for a CA of your own, see
+    /// `connect_tls`).
+    ///
+    /// Fails fast, with a message naming the cause: a refused or
+    /// unanswered connection is [`StoreError::Unavailable`] (retryable);
+    /// a wrong password or user name, a certificate that is not trusted,
+    /// or `redis://` to a port that speaks only TLS is
+    /// [`StoreError::Backend`] (not retryable: the settings must change),
+    /// its source a [`Refused`] or a connection error naming the cause.
     pub async fn connect(url: &str) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(map_error)?;
+        Self::connect_client(client).await
+    }
+
+    /// Connects over TLS (`rediss://[user:password@]host:port/db`) with the
+    /// CA and client identity of `tls` (see [`TlsOptions`]). The server's
+    /// certificate must chain to the CA and name the URL's host. Errors as
+    /// [`connect`](Self::connect).
+    ///
+    /// ```no_run
+    /// use idem_redis::{RedisStore, TlsOptions};
+    ///
+    /// # async fn run() -> Result<(), idem_core::StoreError> {
+    /// let tls = TlsOptions::new().root_ca_file("/etc/idem/redis-ca.pem")?;
+    /// let store = RedisStore::connect_tls("rediss://idem:secret@127.0.0.1:6380/", &tls).await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub async fn connect_tls(url: &str, tls: &TlsOptions) -> Result<Self, StoreError> {
+        if !url.starts_with("rediss://") {
+            return Err(StoreError::InvalidArgument {
+                detail: "connect_tls takes a rediss:// URL (redis:// is plaintext)".to_owned(),
+            });
+        }
+        let client = redis::Client::build_with_tls(url, tls.certificates()).map_err(map_error)?;
+        Self::connect_client(client).await
+    }
+
+    async fn connect_client(client: redis::Client) -> Result<Self, StoreError> {
+        #[cfg(feature = "tls")]
+        if matches!(
+            client.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            tls::install_crypto_provider();
+        }
+        let target = describe_target(client.get_connection_info());
+        // One connection first, not retried: a setting that does not match
+        // (a wrong password, a certificate not trusted) fails at once,
+        // where the manager below would try it three times with backoff.
+        // A transient failure goes on to the manager, which retries it.
+        let probe = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(DEFAULT_TIMEOUT))
+            .set_response_timeout(Some(DEFAULT_TIMEOUT));
+        if let Err(e) = client
+            .get_multiplexed_async_connection_with_config(&probe)
+            .await
+        {
+            let error = connect_error(e, &target, &client).await;
+            if !error.is_retryable() {
+                return Err(error);
+            }
+        }
         // No response timeout on the connection: every call is bounded by
         // the store's own settings (`call_timeout`, plus the `WAIT` timeout
         // for `WAIT`), which may be set after connecting.
@@ -242,9 +376,10 @@ impl RedisStore<ConnectionManager> {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_with_config(client, config)
-            .await
-            .map_err(map_error)?;
+        let conn = match ConnectionManager::new_with_config(client.clone(), config).await {
+            Ok(conn) => conn,
+            Err(e) => return Err(connect_error(e, &target, &client).await),
+        };
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
@@ -260,6 +395,31 @@ impl RedisStore<ClusterConnection> {
         I: IntoIterator<Item = T>,
         T: redis::IntoConnectionInfo,
     {
+        Self::connect_cluster_with(redis::cluster::ClusterClient::builder(nodes)).await
+    }
+
+    /// [`connect_cluster`](Self::connect_cluster) over TLS (`rediss://`
+    /// node URLs, the cluster run with `tls-cluster yes`), with the CA and
+    /// client identity of `tls`.
+    #[cfg(feature = "tls")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
+    pub async fn connect_cluster_tls<I, T>(nodes: I, tls: &TlsOptions) -> Result<Self, StoreError>
+    where
+        I: IntoIterator<Item = T>,
+        T: redis::IntoConnectionInfo,
+    {
+        tls::install_crypto_provider();
+        Self::connect_cluster_with(
+            redis::cluster::ClusterClient::builder(nodes).certs(tls.certificates()),
+        )
+        .await
+    }
+
+    async fn connect_cluster_with(
+        builder: redis::cluster::ClusterClientBuilder,
+    ) -> Result<Self, StoreError> {
+        #[cfg(feature = "tls")]
+        tls::install_crypto_provider();
         // No response timeout on the connections (the builder's default):
         // every call is bounded by the store's own settings, as with
         // `connect`.
@@ -270,12 +430,15 @@ impl RedisStore<ClusterConnection> {
         // node while the owner's connection is rebuilt (MOVED), before it
         // reaches the owner again: two retries were often not enough. The
         // call timeout bounds them all.
-        let client = redis::cluster::ClusterClient::builder(nodes)
+        let client = builder
             .connection_timeout(DEFAULT_TIMEOUT)
             .retries(CLUSTER_RETRIES)
             .build()
             .map_err(map_error)?;
-        let conn = client.get_async_connection().await.map_err(map_error)?;
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(cluster_connect_error)?;
         let store = RedisStore::new(conn);
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
@@ -441,7 +604,12 @@ where
             }
             Ok(_) => None,
             Err(e) => {
-                tracing::debug!(error = %e, "cannot read maxmemory-policy");
+                // A user limited by an ACL (see the crate docs), or a
+                // managed service: the store works without it.
+                tracing::warn!(
+                    error = %e,
+                    "cannot read maxmemory-policy (CONFIG GET refused?): make sure this Redis runs with noeviction, or live idempotency records can be evicted"
+                );
                 None
             }
         }
@@ -1107,14 +1275,29 @@ fn millis(d: Duration) -> u64 {
 const INVALID_CODE: &str = "IDEM_INVALID";
 
 fn map_error(e: RedisError) -> StoreError {
-    use redis::RetryMethod;
     if e.code() == Some(INVALID_CODE) {
         // A script refused an argument before writing anything.
         return StoreError::InvalidArgument {
             detail: e.detail().unwrap_or("refused by the script").to_owned(),
         };
     }
-    let transient = e.is_io_error()
+    if let Some(cause) = refused_setting(&e) {
+        // Wrong credentials, an ACL that refuses a command or a key, a
+        // certificate not trusted: every retry fails alike.
+        return StoreError::Backend(Box::new(Refused { cause, source: e }));
+    }
+    if is_transient(&e) {
+        StoreError::Unavailable(Box::new(e))
+    } else {
+        StoreError::Backend(Box::new(e))
+    }
+}
+
+/// Whether trying again later can succeed: a connection refused, dropped
+/// or timed out, a cluster redirection or reconfiguration.
+fn is_transient(e: &RedisError) -> bool {
+    use redis::RetryMethod;
+    e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
@@ -1126,13 +1309,203 @@ fn map_error(e: RedisError) -> StoreError {
                 | RetryMethod::WaitAndRetry
                 | RetryMethod::ReconnectFromInitialConnections
                 | RetryMethod::RefreshSlotsAndRetry
-        );
-    if transient {
-        StoreError::Unavailable(Box::new(e))
-    } else {
-        StoreError::Backend(Box::new(e))
+        )
+}
+
+/// A call or a connection refused because of a setting (credentials, ACL,
+/// TLS): the source of [`StoreError::Backend`], its message the cause in
+/// words.
+///
+/// ```
+/// use idem_core::StoreError;
+/// use idem_redis::Refused;
+///
+/// fn misconfigured(e: &StoreError) -> bool {
+///     matches!(e, StoreError::Backend(source) if source.downcast_ref::<Refused>().is_some())
+/// }
+/// # assert!(!misconfigured(&StoreError::LeaseLost));
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}")]
+pub struct Refused {
+    cause: String,
+    #[source]
+    source: RedisError,
+}
+
+impl Refused {
+    /// The cause, in words: `authentication failed: ...`, `permission
+    /// denied by the ACL: ...`, `TLS: ...`.
+    pub fn cause(&self) -> &str {
+        &self.cause
     }
 }
+
+/// The cause, if `e` is a refusal that only a change of settings cures.
+fn refused_setting(e: &RedisError) -> Option<String> {
+    #[cfg(feature = "tls")]
+    if let Some(tls) = tls::tls_error(e) {
+        if tls::is_setting(tls) {
+            return Some(tls::describe(tls));
+        }
+    }
+    if e.kind() == ErrorKind::AuthenticationFailed {
+        return Some(format!(
+            "authentication failed: wrong password or user name, or the user is disabled (give them in the URL: redis[s]://user:password@host:port/) [{e}]"
+        ));
+    }
+    // A command refused to a script (Redis 7.0 answers ERR, not NOPERM).
+    let acl_in_script = e.code() != Some("NOPERM")
+        && e.detail()
+            .is_some_and(|d| d.contains("user executing the script can't run"));
+    if acl_in_script {
+        return Some(format!(
+            "permission denied by the ACL: a command the store's scripts run is not allowed to this user (the idem-redis docs list the ACL the store needs) [{e}]"
+        ));
+    }
+    match e.code() {
+        Some("NOAUTH") => Some(format!(
+            "authentication required: the server has a password (requirepass or an ACL user) and the URL gives none [{e}]"
+        )),
+        Some("WRONGPASS") => Some(format!(
+            "authentication failed: wrong password or user name [{e}]"
+        )),
+        Some("NOPERM") => Some(format!(
+            "permission denied by the ACL: the user may not run this command or touch this key (the idem-redis docs list the ACL the store needs) [{e}]"
+        )),
+        _ => None,
+    }
+}
+
+/// Where a connection goes, and as whom: never the password.
+fn describe_target(info: &redis::ConnectionInfo) -> String {
+    let addr = match info.addr() {
+        redis::ConnectionAddr::Tcp(host, port) => format!("redis://{host}:{port}"),
+        redis::ConnectionAddr::TcpTls { host, port, .. } => format!("rediss://{host}:{port}"),
+        other => format!("{other}"),
+    };
+    match info.redis_settings().username() {
+        Some(user) => format!("Redis at {addr} (user {user:?})"),
+        None => format!("Redis at {addr}"),
+    }
+}
+
+/// Why [`RedisStore::connect`] could not connect, with where it tried.
+#[derive(Debug)]
+struct ConnectError {
+    target: String,
+    cause: String,
+    source: RedisError,
+}
+
+impl std::fmt::Display for ConnectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cannot connect to {}: {}", self.target, self.cause)
+    }
+}
+
+impl std::error::Error for ConnectError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+/// A failed first connection: a setting (credentials, TLS, plaintext to a
+/// TLS port) is `Backend`; a refused, dropped or timed out connection is
+/// `Unavailable`.
+async fn connect_error(e: RedisError, target: &str, client: &redis::Client) -> StoreError {
+    let (cause, retryable) = if let Some(cause) = refused_setting(&e) {
+        (cause, false)
+    } else if e.is_connection_refusal() {
+        (
+            format!("connection refused (is the server running, on this port?) [{e}]"),
+            true,
+        )
+    } else if e.is_connection_dropped() && speaks_tls(client).await {
+        (
+            format!(
+                "the server closed the connection: it speaks TLS on this port, use a rediss:// URL [{e}]"
+            ),
+            false,
+        )
+    } else {
+        (e.to_string(), is_transient(&e))
+    };
+    let error = Box::new(ConnectError {
+        target: target.to_owned(),
+        cause,
+        source: e,
+    });
+    if retryable {
+        StoreError::Unavailable(error)
+    } else {
+        StoreError::Backend(error)
+    }
+}
+
+/// A failed first connection to a cluster. The cluster client keeps only
+/// the text of the nodes' errors ("Failed to create initial connections -
+/// Io: <the last node's error>"), so the causes that no retry cures are
+/// told by that text: a wrong password, a certificate not trusted.
+fn cluster_connect_error(e: RedisError) -> StoreError {
+    let detail = e.detail().unwrap_or_default();
+    let cause = if detail.contains("AuthenticationFailed")
+        || detail.contains("WRONGPASS")
+        || detail.contains("NOAUTH")
+    {
+        Some(format!(
+            "authentication failed on the cluster's nodes: wrong password or user name, or the user is disabled [{e}]"
+        ))
+    } else if detail.contains("invalid peer certificate") {
+        Some(format!(
+            "TLS: the nodes' certificate is not trusted: give the CA that signed it (TlsOptions::root_ca_pem / root_ca_file) and certificates naming the nodes' hosts [{e}]"
+        ))
+    } else {
+        None
+    };
+    match cause {
+        Some(cause) => StoreError::Backend(Box::new(Refused { cause, source: e })),
+        None => map_error(e),
+    }
+}
+
+/// Whether a server reached with `redis://` (plaintext) dropped the
+/// connection because it speaks TLS on that port: one probe, the start of
+/// a TLS handshake, answered with a TLS record (a handshake or an alert)
+/// by a TLS server; a Redis speaking RESP answers an error, or nothing
+/// like it. Asked only after a first connection was dropped, bounded by a
+/// second.
+async fn speaks_tls(client: &redis::Client) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else {
+        return false;
+    };
+    let probe = async {
+        let mut stream = tokio::net::TcpStream::connect((host.as_str(), *port)).await?;
+        stream.write_all(&CLIENT_HELLO).await?;
+        let mut reply = [0u8; 3];
+        stream.read_exact(&mut reply).await?;
+        Ok::<_, std::io::Error>(reply)
+    };
+    // A handshake record (0x16) or an alert (0x15), TLS 1.0 to 1.3.
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), probe).await,
+        Ok(Ok([0x15 | 0x16, 0x03, 0x00..=0x04]))
+    )
+}
+
+/// The start of a TLS 1.2 ClientHello (one cipher suite, no extensions):
+/// enough for a TLS server to answer with a handshake record or an alert.
+const CLIENT_HELLO: [u8; 50] = [
+    0x16, 0x03, 0x01, 0x00, 0x2d, // a handshake record of 45 bytes
+    0x01, 0x00, 0x00, 0x29, // ClientHello, 41 bytes
+    0x03, 0x03, // TLS 1.2
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, // random
+    0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,    // random
+    0x00, // no session id
+    0x00, 0x02, 0xc0, 0x2f, // TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+    0x01, 0x00, // null compression
+];
 
 /// Whether Redis (or the cluster client) refused a call whose keys span
 /// hash slots: refused before anything ran.

@@ -1,0 +1,182 @@
+//! TLS settings for `rediss://` connections (feature `tls`).
+
+use std::path::Path;
+
+use idem_core::StoreError;
+
+/// How [`RedisStore::connect_tls`](crate::RedisStore::connect_tls) and
+/// [`RedisStore::connect_cluster_tls`](crate::RedisStore::connect_cluster_tls)
+/// check the server, and who the client is.
+///
+/// By default the server's certificate must chain to one of the system's
+/// root certificates and name the host of the URL (`localhost`, or an IP
+/// address SAN for `127.0.0.1`). Give the CA of your own (a private CA, a
+/// test CA) with [`root_ca_pem`](Self::root_ca_pem) or
+/// [`root_ca_file`](Self::root_ca_file): then it is the only one trusted.
+/// A client certificate ([`client_identity_pem`](Self::client_identity_pem))
+/// is for servers run with `tls-auth-clients yes`.
+///
+/// The password (and ACL user name) go in the URL:
+/// `rediss://idem:secret@redis.internal:6380/`.
+///
+/// ```no_run
+/// use idem_redis::{RedisStore, TlsOptions};
+///
+/// # async fn run() -> Result<(), idem_core::StoreError> {
+/// let tls = TlsOptions::new().root_ca_file("/etc/idem/redis-ca.pem")?;
+/// let store = RedisStore::connect_tls("rediss://idem:secret@redis.internal:6380/", &tls).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Default)]
+pub struct TlsOptions {
+    root_ca: Option<Vec<u8>>,
+    client: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl std::fmt::Debug for TlsOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TlsOptions")
+            .field(
+                "root_ca",
+                &self.root_ca.as_ref().map(|_| "custom").unwrap_or("system"),
+            )
+            .field("client_identity", &self.client.is_some())
+            .finish()
+    }
+}
+
+impl TlsOptions {
+    /// System roots, no client certificate.
+    pub fn new() -> Self {
+        TlsOptions::default()
+    }
+
+    /// Trust only these CA certificates (PEM, one or more).
+    pub fn root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.root_ca = Some(pem.into());
+        self
+    }
+
+    /// Trust only the CA certificates of this PEM file. A file that cannot
+    /// be read is [`StoreError::InvalidArgument`].
+    pub fn root_ca_file(self, path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let path = path.as_ref();
+        let pem = std::fs::read(path).map_err(|e| StoreError::InvalidArgument {
+            detail: format!("cannot read the CA file {}: {e}", path.display()),
+        })?;
+        Ok(self.root_ca_pem(pem))
+    }
+
+    /// A client certificate chain and its private key (PEM), for servers
+    /// that ask for one (`tls-auth-clients yes`).
+    pub fn client_identity_pem(
+        mut self,
+        cert_chain: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.client = Some((cert_chain.into(), key.into()));
+        self
+    }
+
+    pub(crate) fn certificates(&self) -> redis::TlsCertificates {
+        redis::TlsCertificates {
+            client_tls: self
+                .client
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig {
+                    client_cert: cert.clone(),
+                    client_key: key.clone(),
+                }),
+            root_cert: self.root_ca.clone(),
+        }
+    }
+}
+
+/// Makes sure rustls has a process-wide crypto provider, installing ring's
+/// (the one this crate's `tls` feature brings) if the application has not
+/// installed one; an application that installed its own keeps it.
+///
+/// The `redis` crate builds its TLS configuration with that process-wide
+/// provider, and rustls cannot pick one by itself when two crates of the
+/// build enabled different ones (the AWS SDK brings aws-lc-rs, this crate
+/// ring): it panics. [`RedisStore::connect_tls`](crate::RedisStore::connect_tls),
+/// `connect_cluster_tls` and `connect` with a `rediss://` URL call this;
+/// call it yourself before making `rediss://` connections of your own with
+/// the `redis` crate (for [`RedisStore::new`](crate::RedisStore::new)).
+pub fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Err: another thread installed one meanwhile; that one is used.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+/// The rustls error inside `e`, if the failure is TLS's own (a certificate
+/// refused, an alert from the server, a peer that does not speak TLS).
+pub(crate) fn tls_error(e: &redis::RedisError) -> Option<&rustls::Error> {
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    // tokio-rustls reports a refused handshake as an `io::Error` holding
+    // the rustls error; the `redis` crate keeps that in an `Arc`, which is
+    // what its `source()` gives (and an `io::Error`'s own `source()` skips
+    // the error it holds): look inside both.
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+            return Some(tls);
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(tls) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+                return Some(tls);
+            }
+        }
+        if let Some(shared) = err.downcast_ref::<Shared>() {
+            let inner: &(dyn std::error::Error + Send + Sync + 'static) = &**shared;
+            if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
+                return Some(tls);
+            }
+            if let Some(io) = inner.downcast_ref::<std::io::Error>() {
+                if let Some(tls) = io.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()) {
+                    return Some(tls);
+                }
+            }
+        }
+        source = err.source();
+    }
+    None
+}
+
+/// What a TLS failure means, in words an operator acts on.
+pub(crate) fn describe(e: &rustls::Error) -> String {
+    match e {
+        rustls::Error::InvalidCertificate(cause) => format!(
+            "TLS: the server's certificate is not trusted ({cause:?}): give the CA that signed it (TlsOptions::root_ca_pem / root_ca_file), and a certificate naming the host of the URL"
+        ),
+        rustls::Error::NoCertificatesPresented => {
+            "TLS: the server presented no certificate".to_owned()
+        }
+        rustls::Error::AlertReceived(alert) => format!(
+            "TLS: the server refused the handshake ({alert:?}; a client certificate it wants, or one it does not trust?)"
+        ),
+        rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateMessage { .. } => format!(
+            "TLS: the server does not speak TLS on this port ({e}): use redis:// for a plaintext port"
+        ),
+        other => format!("TLS: {other}"),
+    }
+}
+
+/// Whether this TLS failure is a setting that does not match (every retry
+/// fails alike), not a network fault.
+pub(crate) fn is_setting(e: &rustls::Error) -> bool {
+    matches!(
+        e,
+        rustls::Error::InvalidCertificate(_)
+            | rustls::Error::NoCertificatesPresented
+            | rustls::Error::UnsupportedNameType
+            | rustls::Error::PeerIncompatible(_)
+            | rustls::Error::AlertReceived(_)
+            | rustls::Error::InvalidMessage(_)
+            | rustls::Error::InappropriateMessage { .. }
+            | rustls::Error::InappropriateHandshakeMessage { .. }
+            | rustls::Error::InvalidCertRevocationList(_)
+            | rustls::Error::General(_)
+    )
+}
