@@ -10,6 +10,7 @@ pub mod flaky;
 pub mod kafka;
 pub mod moto;
 pub mod pg;
+pub mod pg_replica;
 pub mod proxy;
 pub mod redis_server;
 

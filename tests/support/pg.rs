@@ -47,7 +47,7 @@ pub async fn pool(url: &str, max: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}. {HOW_TO}"))
 }
 
-fn find_bin() -> PathBuf {
+pub fn find_bin() -> PathBuf {
     if let Ok(dir) = std::env::var("IDEM_PG_BIN") {
         return PathBuf::from(dir);
     }
@@ -176,7 +176,7 @@ impl PgServer {
     }
 }
 
-fn run(command: &mut Command) {
+pub fn run(command: &mut Command) {
     let out = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}. {HOW_TO}"));
