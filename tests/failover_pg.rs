@@ -25,8 +25,8 @@ use std::time::{Duration, Instant};
 use idem::postgres::{Claim, Failover, PgStore};
 use idem::tiered::{MokaCache, RedisCache, TieredStore};
 use idem::{
-    IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed,
-    Record, RecordState, StoreError,
+    IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed, Record,
+    RecordState, StoreError,
 };
 use support::pg_replica::{PgReplicaPair, Replication};
 
@@ -74,6 +74,9 @@ enum Delivery {
     Replayed(u64),
     InProgress,
     Unavailable(String),
+    /// The handler ran, but another worker had taken the key over: its
+    /// result was not recorded (the other worker's was).
+    LeaseLost,
     Failed(String),
 }
 
@@ -120,6 +123,7 @@ async fn finish(idem: &Idempotency<dyn IdempotencyStore>, u: &idem::Unrecorded) 
             Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
+            Err(StoreError::LeaseLost) => return Delivery::LeaseLost,
             Err(e) => return Delivery::Failed(format!("unrecorded, then: {e}")),
         }
     }
@@ -155,6 +159,7 @@ impl Receiver {
                         Delivery::Unavailable(e.to_string())
                     }
                     Err(IdemError::Unrecorded(u)) => finish(idem, &u).await,
+                    Err(IdemError::LeaseLost) => Delivery::LeaseLost,
                     Err(e) => Delivery::Failed(e.to_string()),
                 }
             }
@@ -204,9 +209,8 @@ fn tx_failure(e: impl Into<TxError>) -> Delivery {
             e @ (sqlx::Error::Io(_) | sqlx::Error::PoolTimedOut | sqlx::Error::Protocol(_)),
         ) => Delivery::Unavailable(e.to_string()),
         TxError::Sqlx(sqlx::Error::Database(e))
-            if e.code().is_some_and(|c| {
-                c.starts_with("57") || c.starts_with("08") || c == "25006"
-            }) =>
+            if e.code()
+                .is_some_and(|c| c.starts_with("57") || c.starts_with("08") || c == "25006") =>
         {
             Delivery::Unavailable(e.to_string())
         }
@@ -314,6 +318,7 @@ struct Storm {
     deliveries: u64,
     unavailable: u64,
     failures: u64,
+    lease_lost: u64,
     double_effects: usize,
     never_executed: usize,
     /// Told "completed"/"replayed", and at the end the record on the new
@@ -379,7 +384,7 @@ async fn storm(
     let executed: Arc<Vec<AtomicU64>> =
         Arc::new((0..messages).map(|_| AtomicU64::new(0)).collect());
     let replays = Arc::new(Mutex::new(Vec::new()));
-    let counters = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let counters = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let first_failure = Arc::new(Mutex::new(None::<String>));
     let tasks: Vec<_> = (0..WORKERS)
         .map(|_| {
@@ -441,6 +446,9 @@ async fn storm(
                                         *first = Some(e.clone());
                                     }
                                 }
+                                Delivery::LeaseLost => {
+                                    counters[2].fetch_add(1, Ordering::Relaxed);
+                                }
                                 _ => {}
                             }
                             // Redelivered later, after a broker's short
@@ -469,6 +477,7 @@ async fn storm(
         deliveries: counters[0].load(Ordering::SeqCst),
         unavailable: progress.unavailable.load(Ordering::SeqCst),
         failures: counters[1].load(Ordering::SeqCst),
+        lease_lost: counters[2].load(Ordering::SeqCst),
         double_effects: effects.iter().filter(|&&n| n > 1).count(),
         never_executed: effects.iter().filter(|&&n| n == 0).count(),
         first_failure: first_failure
@@ -505,7 +514,10 @@ async fn storm(
             s.lost_completions += 1;
         }
     }
-    let killed = *progress.killed.get().unwrap_or_else(|| panic!("never killed"));
+    let killed = *progress
+        .killed
+        .get()
+        .unwrap_or_else(|| panic!("never killed"));
     let since_kill = |t: Instant| t.saturating_duration_since(killed).as_millis();
     let window = *progress.window.lock().unwrap_or_else(|p| p.into_inner());
     if let Some((first, last)) = window {
@@ -549,7 +561,10 @@ async fn failover_run(kind: Kind, replication: Replication) {
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
     source.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(failover.current(), format!("127.0.0.1:{}", pair.primary_port));
+    assert_eq!(
+        failover.current(),
+        format!("127.0.0.1:{}", pair.primary_port)
+    );
 
     // Executor receivers as in the fault storms of tests/faults.rs: a
     // lease long enough for a completion retried across the failover, and
@@ -584,12 +599,13 @@ async fn failover_run(kind: Kind, replication: Replication) {
     };
     println!(
         "reliability scenario=postgres-failover backend={} replication={mode} messages={MESSAGES} \
-         deliveries={} unavailable={} failed={} double_effects={} lost_completions={} \
+         deliveries={} unavailable={} lease_lost={} failed={} double_effects={} lost_completions={} \
          replay_mismatches={} not_completed={} unavailable_window_ms={} last_unavailable_ms={} \
          promoted_ms={} first_execution_ms={} switches={} duration_ms={}",
         kind.name(),
         s.deliveries,
         s.unavailable,
+        s.lease_lost,
         s.failures,
         s.double_effects,
         s.lost_completions,
@@ -616,16 +632,26 @@ async fn failover_run(kind: Kind, replication: Replication) {
     assert_eq!(s.not_completed, 0, "every message is completed at the end");
     assert_eq!(
         s.failures, 0,
-        "every failed call was Unavailable (first other failure: {:?})",
+        "every failed call was Unavailable, or LeaseLost (first other failure: {:?})",
         s.first_failure
     );
     if replication == Replication::Sync {
-        assert_eq!(s.double_effects, 0, "no double effect with synchronous replication");
+        assert_eq!(
+            s.lease_lost, 0,
+            "no lease lost with synchronous replication"
+        );
+        assert_eq!(
+            s.double_effects, 0,
+            "no double effect with synchronous replication"
+        );
         assert_eq!(
             s.lost_completions, 0,
             "no completion lost with synchronous replication"
         );
-        assert_eq!(s.replay_mismatches, 0, "every replay is the recorded result");
+        assert_eq!(
+            s.replay_mismatches, 0,
+            "every replay is the recorded result"
+        );
     }
 }
 
@@ -656,13 +682,13 @@ async fn tiered_sync_failover() {
 async fn failover_picks_the_writable_server() {
     let _one = ONE_AT_A_TIME.lock().await;
     let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Async));
-    let failover = Failover::new([&pair.standby_url, &pair.primary_url])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let pool = failover
-        .connect()
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(failover.current(), format!("127.0.0.1:{}", pair.primary_port));
+    let failover =
+        Failover::new([&pair.standby_url, &pair.primary_url]).unwrap_or_else(|e| panic!("{e}"));
+    let pool = failover.connect().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        failover.current(),
+        format!("127.0.0.1:{}", pair.primary_port)
+    );
     let in_recovery: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
         .fetch_one(&pool)
         .await
@@ -679,13 +705,18 @@ async fn failover_picks_the_writable_server() {
         Ok(idem::Acquisition::Acquired(_))
     ));
 
-    let dead = format!("postgres://postgres@127.0.0.1:{}/postgres", support::free_port());
+    let dead = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        support::free_port()
+    );
     let nowhere = Failover::new([&pair.standby_url, &dead]).unwrap_or_else(|e| panic!("{e}"));
     match nowhere.connect().await {
         Err(StoreError::Unavailable(e)) => {
             let text = e.to_string();
             assert!(
-                text.contains("in recovery") && text.contains("no writable"),
+                text.contains("read-only")
+                    && text.contains("no writable")
+                    && text.contains("refused"),
                 "the error names each server's state: {text}"
             );
         }
@@ -699,4 +730,113 @@ async fn failover_picks_the_writable_server() {
         Failover::new(["mysql://x"]),
         Err(StoreError::InvalidArgument { .. })
     ));
+}
+
+/// A primary that turns read-only under open connections
+/// (`default_transaction_read_only = on`, reloaded): the store's statements
+/// get 25006, which is `Unavailable` (never `Backend`), the connection is
+/// dropped and the store searches again (finding no writable server while
+/// it lasts); once the primary takes writes again, the next call succeeds
+/// on a fresh connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_server_is_left_and_found_again() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Async));
+    let failover = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .check_interval(Duration::from_millis(100));
+    let pool = failover.connect().await.unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool)
+        .failover(failover.clone())
+        .connections(4)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let run = run_id();
+    // Warm connections, idle in the store.
+    for i in 0..4 {
+        assert!(matches!(
+            store
+                .acquire(&key(&run, i), None, Duration::from_secs(5))
+                .await,
+            Ok(idem::Acquisition::Acquired(_))
+        ));
+    }
+
+    let set = |on: bool| {
+        tokio::task::block_in_place(|| {
+            let value = if on { "on" } else { "off" };
+            pair.psql_primary(&format!(
+                "ALTER SYSTEM SET default_transaction_read_only = {value}"
+            ));
+            pair.psql_primary("SELECT pg_reload_conf()");
+        })
+    };
+    set(true);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut refused = 0;
+    let mut msg = 100;
+    loop {
+        msg += 1;
+        match store
+            .acquire(&key(&run, msg), None, Duration::from_secs(5))
+            .await
+        {
+            Err(StoreError::Unavailable(e)) => {
+                refused += 1;
+                let text = e.to_string();
+                assert!(
+                    text.contains("read-only") || text.contains("read_only"),
+                    "the error says why: {text}"
+                );
+                break;
+            }
+            // The reload has not reached this session yet.
+            Ok(_) => {}
+            Err(e) => panic!("a read-only server is Unavailable, not {e:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the primary never refused a write"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The writes stay refused while it lasts, and no connection to the
+    // read-only server is handed out.
+    for i in 0..5 {
+        assert!(matches!(
+            store
+                .acquire(&key(&run, 200 + i), None, Duration::from_secs(5))
+                .await,
+            Err(StoreError::Unavailable(_))
+        ));
+    }
+    set(false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match store
+            .acquire(&key(&run, 300), None, Duration::from_secs(5))
+            .await
+        {
+            Ok(idem::Acquisition::Acquired(_)) => break,
+            Err(StoreError::Unavailable(_)) => {}
+            other => panic!("expected Acquired, got {other:?}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the store did not come back to the primary within 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(failover.switches(), 0);
+    assert_eq!(
+        failover.current(),
+        format!("127.0.0.1:{}", pair.primary_port)
+    );
+    println!(
+        "reliability scenario=postgres-read-only-primary backend=postgres refused_calls={} \
+         then=acquired",
+        refused + 5
+    );
 }

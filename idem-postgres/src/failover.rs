@@ -30,15 +30,16 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 /// `Failover` takes several URLs (same database, same credentials or not)
 /// and, each time it needs a server, **searches** them: the server in use
 /// first, then the others in the order given; the first that answers
-/// `SELECT pg_is_in_recovery()` with `false` within
+/// that it takes read-write transactions (`pg_is_in_recovery()` false and
+/// `transaction_read_only` off, libpq's test for `read-write`) within
 /// [`probe_timeout`](Self::probe_timeout) is the one used. Every pool it
 /// opens ([`connect_with`](Self::connect_with)), and every [`PgStore`](crate::PgStore)
 /// built with it ([`PgStoreBuilder::failover`]), then connects there:
 ///
 /// - **every new connection is checked**: the pool's and the store's own
-///   connections run `SELECT pg_is_in_recovery()` when they are opened, and
-///   one to a server in recovery (a standby, a demoted primary) is closed
-///   and never used;
+///   connections run that check when they are opened, and one to a
+///   read-only server (a standby, a demoted primary, a server with
+///   `default_transaction_read_only = on`) is closed and never used;
 /// - **a server that fails is left**: when a store call loses its
 ///   connection (the primary was killed, the network failed), or a
 ///   statement is refused as read-only (SQLSTATE 25006, a server that
@@ -106,8 +107,9 @@ impl std::fmt::Debug for Failover {
 }
 
 /// No server of a [`Failover`] accepted writes: every one refused the
-/// connection, did not answer within the probe timeout, or is in recovery
-/// (a standby not promoted yet). Comes as the source of
+/// connection, did not answer within the probe timeout, or is read-only
+/// (in recovery: a standby not promoted yet; or
+/// `default_transaction_read_only = on`). Comes as the source of
 /// [`StoreError::Unavailable`] (retryable), or of [`StoreError::Backend`]
 /// if every server refused the credentials or the database (no retry
 /// helps).
@@ -155,8 +157,7 @@ impl Failover {
             let url = url.as_ref();
             if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
                 return Err(StoreError::InvalidArgument {
-                    detail: "a PostgreSQL URL starts with postgres:// or postgresql://"
-                        .to_owned(),
+                    detail: "a PostgreSQL URL starts with postgres:// or postgresql://".to_owned(),
                 });
             }
             let options: PgConnectOptions =
@@ -189,7 +190,7 @@ impl Failover {
     }
 
     /// How long one server may take to accept a connection and answer
-    /// whether it is in recovery before the search moves on to the next
+    /// whether it takes writes before the search moves on to the next
     /// (default [`DEFAULT_PROBE_TIMEOUT`], 5 s; at least 1 ms). A server
     /// that refuses connections is passed at once.
     pub fn probe_timeout(self, timeout: Duration) -> Self {
@@ -201,7 +202,7 @@ impl Failover {
 
     /// How often the watcher checks that the server in use still accepts
     /// writes (default [`DEFAULT_CHECK_INTERVAL`], 1 s; at least 10 ms), one
-    /// `SELECT pg_is_in_recovery()` on a connection of its own. It also
+    /// check on a connection of its own. It also
     /// wakes at once when a connection saw the server fail, and then
     /// searches every 50 ms until a writable server is found. It starts with
     /// the first pool opened by [`connect_with`](Self::connect_with).
@@ -336,20 +337,14 @@ impl Shared {
             .iter()
             .any(|p| Arc::ptr_eq(&p.connect_options(), &pool.connect_options()))
         {
-            pool.set_connect_options(
-                self.servers[self.current.load(Ordering::SeqCst)].clone(),
-            );
+            pool.set_connect_options(self.servers[self.current.load(Ordering::SeqCst)].clone());
             pools.push(pool.clone());
         }
     }
 
     /// A connection to server `index` that accepts writes.
     /// Fails with what happened and whether a retry may resolve it.
-    async fn probe(
-        &self,
-        index: usize,
-        timeout: Duration,
-    ) -> Result<PgConnection, (String, bool)> {
+    async fn probe(&self, index: usize, timeout: Duration) -> Result<PgConnection, (String, bool)> {
         let attempt = async {
             let mut conn = self.servers[index]
                 .connect()
@@ -357,7 +352,11 @@ impl Shared {
                 .map_err(|e| (e.to_string(), crate::map_error_kind(&e) || transient(&e)))?;
             match in_recovery(&mut conn).await {
                 Ok(false) => Ok(conn),
-                Ok(true) => Err(("in recovery (a standby)".to_owned(), true)),
+                Ok(true) => Err((
+                    "read-only (in recovery: a standby; or default_transaction_read_only)"
+                        .to_owned(),
+                    true,
+                )),
                 Err(e) => Err((e.to_string(), true)),
             }
         };
@@ -513,26 +512,27 @@ pub async fn connect_any<S: AsRef<str>>(urls: &[S]) -> Result<PgStoreBuilder, St
     Ok(crate::PgStore::builder(pool).failover(failover))
 }
 
-/// Whether the session's server is in recovery (a standby).
+/// Whether the session is read-only: its server is in recovery (a
+/// standby), or its transactions are read-only by default.
 async fn in_recovery(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar("SELECT pg_is_in_recovery()")
-        .fetch_one(conn)
-        .await
+    sqlx::query_scalar(
+        "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool",
+    )
+    .fetch_one(conn)
+    .await
 }
 
 fn read_only_error() -> sqlx::Error {
     sqlx::Error::Io(std::io::Error::new(
         std::io::ErrorKind::NotConnected,
-        "the server is in recovery (read-only); searching for the writable one",
+        "the server is read-only (in recovery, or default_transaction_read_only); searching for the writable one",
     ))
 }
 
 /// A server error at connect time that a retry may resolve.
 fn transient(e: &sqlx::Error) -> bool {
     match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| crate::retryable_code(&c)),
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| crate::retryable_code(&c)),
         _ => false,
     }
 }

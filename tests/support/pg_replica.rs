@@ -144,6 +144,12 @@ impl PgReplicaPair {
         }
     }
 
+    /// Runs one statement on the primary with psql; its output.
+    pub fn psql_primary(&self, sql: &str) -> String {
+        self.psql(self.primary_port, sql)
+            .unwrap_or_else(|| panic!("psql on the primary failed: {sql}"))
+    }
+
     fn psql(&self, port: u16, sql: &str) -> Option<String> {
         let out = self
             .command("psql")
