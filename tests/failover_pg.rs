@@ -7,10 +7,25 @@
 //! Runs: PgStore on synchronous and on asynchronous replication, the
 //! in-transaction mode and the tiered store (moka + Redis over the failing
 //! over PgStore) on synchronous replication. Each prints one
-//! `reliability scenario=postgres-failover ...` line: double effects, lost
-//! completions (a delivery told "completed" or "replayed" whose record, read
-//! on the new primary at the end, is missing, not completed or carries
-//! another result), Unavailable count and the unavailable window.
+//! `reliability scenario=postgres-failover ...` line:
+//! - `double_effects`: messages whose effect ran more than once;
+//! - `lost_completions`: messages told "executed" or "replayed" whose
+//!   record, read on the new primary at the end (the PgStore itself, never
+//!   through a cache), is missing, not completed or carries another result
+//!   than the one first told;
+//! - `lease_lost`: handlers that ran and then found their key taken over
+//!   (their reservation was lost with the primary), `unavailable`: calls
+//!   that failed `Unavailable` (redelivered);
+//! - times after the kill: `last_unavailable_ms` (the last `Unavailable`),
+//!   `unavailable_window_ms` (first to last `Unavailable`), `promoted_ms`
+//!   (`pg_ctl promote -w` and a check returned: the test promotes as soon
+//!   as a delivery saw the primary gone), `first_execution_ms` (the first
+//!   delivery begun after the kill that ran its handler and recorded it).
+//!
+//! Synchronous replication asserts 0 double effects, 0 lost completions, 0
+//! leases lost; asynchronous asserts only what it guarantees (every effect
+//! ran at least once, every message completed at the end) and prints what
+//! it lost.
 //!
 //! `cargo test --all-features --test failover_pg -- --nocapture`
 
