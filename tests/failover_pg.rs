@@ -375,10 +375,12 @@ async fn storm(
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             // A failover manager promotes once it saw the primary gone:
-            // here, once a delivery saw it (`Unavailable`).
-            progress
-                .until(|p| p.unavailable.load(Ordering::SeqCst) > seen)
-                .await;
+            // here, once a delivery saw it (`Unavailable`), 10 s at most.
+            let _ = tokio::time::timeout(
+                Duration::from_secs(10),
+                progress.until(|p| p.unavailable.load(Ordering::SeqCst) > seen),
+            )
+            .await;
             let p = pair.clone();
             tokio::task::spawn_blocking(move || p.promote_standby())
                 .await
@@ -606,7 +608,12 @@ async fn failover_run(kind: Kind, replication: Replication) {
         )),
     };
 
-    let s = storm(pair.clone(), receiver, source.clone(), MESSAGES).await;
+    let s = tokio::time::timeout(
+        Duration::from_secs(150),
+        storm(pair.clone(), receiver, source.clone(), MESSAGES),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("the storm did not end within 150 s"));
 
     let mode = match replication {
         Replication::Sync => "sync",

@@ -709,7 +709,15 @@ impl PgStore {
 
     fn fail(&self, f: Failure) -> StoreError {
         match f {
-            Failure::Sql(e) => self.error(e),
+            Failure::Sql(e) => {
+                // The in-transaction mode's statements run on your
+                // transaction: a read-only server there sends a
+                // `Failover` searching too.
+                if read_only(&e) || session_gone(&e) {
+                    self.inner.conns.suspect_server();
+                }
+                self.error(e)
+            }
             Failure::Store(e) => e,
         }
     }
