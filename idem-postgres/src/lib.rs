@@ -119,6 +119,15 @@
 //! handed out by `acquire` carries its fence and the time it has left,
 //! computed by the server (`expires_at - clock_timestamp()`).
 //!
+//! **Failover.** Give [`connect`] one failover address (a DNS name or
+//! virtual IP your failover manager moves, or a proxy in front of the
+//! primary), or give [`connect_any`] / [`Failover`] the URLs of the primary
+//! and its standbys: every new connection goes to the server that answers
+//! `pg_is_in_recovery() = false` (`target_session_attrs=read-write`
+//! semantics), and a connection lost or refused as read-only (25006) sends
+//! the store looking for the new primary; meanwhile calls fail with the
+//! retryable [`StoreError::Unavailable`].
+//!
 //! Requires PostgreSQL 13 or later (`client_connection_check_interval` is
 //! used from 14 on).
 //!
@@ -132,6 +141,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod admin;
+mod failover;
 mod in_tx;
 
 use std::collections::HashMap;
@@ -152,6 +162,9 @@ use sqlx::{AssertSqlSafe, PgConnection, Row};
 use tokio::time::Instant;
 
 pub use admin::{ListedRecord, ScopeCounts, StuckRows};
+pub use failover::{
+    connect_any, Failover, NoWritableServer, DEFAULT_CHECK_INTERVAL, DEFAULT_PROBE_TIMEOUT,
+};
 pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
 /// The sqlx this crate is built on: a `PgPool` given to [`PgStore`] must come
@@ -265,6 +278,7 @@ pub struct PgStoreBuilder {
     max_response_bytes: usize,
     connections: Option<usize>,
     batch_statement: usize,
+    failover: Option<Failover>,
 }
 
 impl PgStoreBuilder {
@@ -383,6 +397,7 @@ impl PgStoreBuilder {
                     connections,
                     timeouts,
                     format!("{}.{}", self.schema, self.table),
+                    self.failover.as_ref().map(Failover::shared),
                 )),
                 pool: self.pool,
                 schema: self.schema,
@@ -520,6 +535,7 @@ impl PgStore {
             max_response_bytes: 64 << 20,
             connections: None,
             batch_statement: DEFAULT_BATCH_STATEMENT,
+            failover: None,
         }
     }
 
@@ -693,7 +709,15 @@ impl PgStore {
 
     fn fail(&self, f: Failure) -> StoreError {
         match f {
-            Failure::Sql(e) => self.error(e),
+            Failure::Sql(e) => {
+                // The in-transaction mode's statements run on your
+                // transaction: a read-only server there sends a
+                // `Failover` searching too.
+                if read_only(&e) || session_gone(&e) {
+                    self.inner.conns.suspect_server();
+                }
+                self.error(e)
+            }
             Failure::Store(e) => e,
         }
     }
@@ -749,8 +773,10 @@ impl PgStore {
                         return Err(e);
                     }
                     Err(Failure::Sql(e)) => {
-                        if session_gone(&e) {
-                            if lent.reused() {
+                        let read_only = read_only(&e);
+                        if read_only || session_gone(&e) {
+                            self.inner.conns.suspect_server();
+                            if lent.reused() || read_only {
                                 // Every connection idle as long is suspect:
                                 // after a restart they are all dead.
                                 self.inner.conns.close_idle();
@@ -1198,6 +1224,14 @@ fn session_gone(e: &sqlx::Error) -> bool {
     }
 }
 
+/// Whether the server refused the statement as read-only (25006): a
+/// standby, or a primary demoted since the connection was opened. Nothing
+/// was written; the connection is dropped (it stays on that server) and
+/// the call may be sent again on a fresh one.
+fn read_only(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.code().as_deref() == Some("25006"))
+}
+
 /// Whether `e` is an ERROR the server raised for the statement (it rolled
 /// the statement back and the session goes on): the connection is kept.
 fn statement_failed(e: &sqlx::Error) -> bool {
@@ -1521,6 +1555,8 @@ struct ConnectionSet {
     timeouts: Timeouts,
     table: String,
     reaper: AtomicBool,
+    /// Set by [`PgStoreBuilder::failover`]: where new connections go.
+    failover: Option<Arc<failover::Shared>>,
 }
 
 struct IdleConnection {
@@ -1542,7 +1578,13 @@ struct Lent<'a> {
 }
 
 impl ConnectionSet {
-    fn new(pool: PgPool, max: usize, timeouts: Timeouts, table: String) -> Self {
+    fn new(
+        pool: PgPool,
+        max: usize,
+        timeouts: Timeouts,
+        table: String,
+        failover: Option<Arc<failover::Shared>>,
+    ) -> Self {
         let options = pool.options();
         ConnectionSet {
             idle_timeout: options.get_idle_timeout(),
@@ -1557,6 +1599,7 @@ impl ConnectionSet {
             timeouts,
             table,
             reaper: AtomicBool::new(false),
+            failover,
         }
     }
 
@@ -1590,6 +1633,14 @@ impl ConnectionSet {
     fn stale(&self, born: Instant, since: Option<Instant>) -> bool {
         self.max_lifetime.is_some_and(|max| born.elapsed() > max)
             || matches!((self.idle_timeout, since), (Some(max), Some(since)) if since.elapsed() > max)
+    }
+
+    /// The server failed a connection or refused a write as read-only:
+    /// with a [`Failover`], the next connection is opened after a search.
+    fn suspect_server(&self) {
+        if let Some(failover) = &self.failover {
+            failover.suspect();
+        }
     }
 
     /// Closes every idle connection.
@@ -1686,8 +1737,14 @@ impl ConnectionSet {
         }
         // The pool's current connect options (a rotated password, say).
         let factory = self.factory();
-        factory.set_connect_options(self.pool.connect_options().as_ref().clone());
-        let mut conn = factory.acquire().await?.detach();
+        let mut conn = match &self.failover {
+            // On the writable server, after a search if the one in use failed.
+            Some(failover) => failover.open(factory, &self.pool).await?,
+            None => {
+                factory.set_connect_options(self.pool.connect_options().as_ref().clone());
+                factory.acquire().await?.detach()
+            }
+        };
         let born = Instant::now();
         self.opened.fetch_add(1, Ordering::SeqCst);
         // Counted as open only once its session is set up: a connection
@@ -1937,12 +1994,22 @@ fn map_error_kind(e: &sqlx::Error) -> bool {
 /// 08 connection exceptions; 57P01-03 server shutting down or starting;
 /// 57P05 idle session timeout; 57014 statement timeout or cancelled; 55P03
 /// lock timeout; 53300 too many connections; 40001/40P01 a serialization
-/// failure or deadlock.
+/// failure or deadlock; 25006 a write refused by a read-only server (a
+/// standby: after a failover, the next connection goes to the primary).
 fn retryable_code(code: &str) -> bool {
     code.starts_with("08")
         || matches!(
             code,
-            "57P01" | "57P02" | "57P03" | "57P05" | "57014" | "55P03" | "53300" | "40001" | "40P01"
+            "57P01"
+                | "57P02"
+                | "57P03"
+                | "57P05"
+                | "57014"
+                | "55P03"
+                | "53300"
+                | "40001"
+                | "40P01"
+                | "25006"
         )
 }
 

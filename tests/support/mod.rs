@@ -11,6 +11,7 @@ pub mod kafka;
 pub mod moto;
 pub mod netns;
 pub mod pg;
+pub mod pg_replica;
 pub mod proxy;
 pub mod redis_server;
 

@@ -176,7 +176,7 @@ impl PgServer {
     }
 }
 
-fn run(command: &mut Command) {
+pub fn run(command: &mut Command) {
     let out = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}. {HOW_TO}"));
