@@ -23,8 +23,9 @@
 //!   delivery begun after the kill that ran its handler and recorded it).
 //!
 //! Synchronous replication asserts 0 double effects, 0 lost completions, 0
-//! leases lost; asynchronous asserts only what it guarantees (every effect
-//! ran at least once, every message completed at the end) and prints what
+//! leases lost, every message completed at the end; asynchronous asserts
+//! only what it guarantees (every effect ran at least once; a message not
+//! completed at the end is one whose completion was lost) and prints what
 //! it lost.
 //!
 //! `cargo test --all-features --test failover_pg -- --nocapture`
@@ -642,7 +643,7 @@ async fn failover_run(kind: Kind, replication: Replication) {
     );
 
     // What holds whatever the replication: the store found the promoted
-    // standby, every message's effect ran, every record is completed.
+    // standby and every message's effect ran.
     assert_eq!(
         failover.current(),
         format!("127.0.0.1:{}", pair.standby_port),
@@ -651,13 +652,22 @@ async fn failover_run(kind: Kind, replication: Replication) {
     assert_eq!(failover.switches(), 1, "one switch, to the standby");
     assert!(s.unavailable > 0, "the storm crossed the failover");
     assert_eq!(s.never_executed, 0, "every message's effect ran");
-    assert_eq!(s.not_completed, 0, "every message is completed at the end");
+    // Under asynchronous replication a completion may be lost with the
+    // old primary; if that was the message's last delivery, its record is
+    // gone for good: a lost completion, counted as such.
+    assert!(
+        s.not_completed <= s.lost_completions,
+        "a message not completed at the end ({}) whose completion was not lost ({})",
+        s.not_completed,
+        s.lost_completions
+    );
     assert_eq!(
         s.failures, 0,
         "every failed call was Unavailable, or LeaseLost (first other failure: {:?})",
         s.first_failure
     );
     if replication == Replication::Sync {
+        assert_eq!(s.not_completed, 0, "every message is completed at the end");
         assert_eq!(
             s.lease_lost, 0,
             "no lease lost with synchronous replication"
