@@ -1,0 +1,285 @@
+//! Adversarial review of issue 18 (failover, TLS, access): each test here
+//! states a property the documentation promises and checks it on real
+//! servers. A failing test is a finding.
+//!
+//! `scripts/with-servers cargo test --features postgres,redis-tls --test review18 -- --nocapture`
+
+#[path = "support/mod.rs"]
+mod support;
+
+use std::time::{Duration, Instant};
+
+use idem::postgres::{Failover, PgStore};
+use idem::redis::{RedisStore, TlsOptions};
+use idem::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::Connection;
+use support::pg::PgServer;
+use support::pg_replica::{PgReplicaPair, Replication};
+
+fn report(scenario: &str, backend: &str, fields: &[(&str, String)], started: Instant) {
+    let figures: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    println!(
+        "reliability scenario={scenario} backend={backend} {} duration_ms={}",
+        figures.join(" "),
+        started.elapsed().as_millis()
+    );
+}
+
+fn key(run: &str, n: u64) -> IdempotencyKey {
+    IdempotencyKey::new("review18", format!("{run}-{n}")).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Retries `acquire` through `Unavailable` until it answers, within 30 s.
+async fn acquire_until_answered(store: &PgStore, k: &IdempotencyKey) -> Acquisition {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match store.acquire(k, None, Duration::from_secs(60)).await {
+            Ok(a) => return a,
+            Err(StoreError::Unavailable(e)) => {
+                assert!(
+                    Instant::now() < deadline,
+                    "no answer within 30 s, last error: {e}"
+                );
+            }
+            Err(e) => panic!("acquire failed with a non-retryable error: {e:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Finding: after a failover, the old primary comes back (a host reboot
+/// with PostgreSQL enabled at boot starts it from its old data directory:
+/// a writable primary on the old timeline). Later the new primary is
+/// restarted (a routine restart: a minor upgrade, a setting that needs
+/// it). The store's search tries the server in use, finds it down, then
+/// the others in order, finds the old primary writable and moves there,
+/// and stays there after the new primary is back. A key completed on the
+/// new primary is then acquired afresh on the old one: the handler runs a
+/// second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_moves_back_to_an_old_primary_that_came_back() {
+    let started = Instant::now();
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Async));
+    let failover = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .probe_timeout(Duration::from_secs(1))
+        .check_interval(Duration::from_millis(100));
+    let pool = failover
+        .connect_with(
+            PgPoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool)
+        .failover(failover.clone())
+        .connections(4)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    // The table is on the standby before the crash.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::task::block_in_place(|| {
+        pair.psql_standby("SELECT to_regclass('public.idem_records') IS NOT NULL")
+    }) != "t"
+    {
+        assert!(Instant::now() < deadline, "the migration never reached the standby");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // 1. The primary crashes; the standby is promoted; the store follows.
+    tokio::task::block_in_place(|| {
+        pair.kill_primary();
+        pair.promote_standby();
+    });
+    let run = format!("{:016x}", fastrand::u64(..));
+    let paid = key(&run, 1);
+    let first = match acquire_until_answered(&store, &paid).await {
+        Acquisition::Acquired(lease) => lease,
+        other => panic!("expected Acquired on the new primary, got {other:?}"),
+    };
+    // The handler's side effect runs here (a payment), then it is recorded.
+    let mut executions = 1;
+    store
+        .complete(&first, b"charged", Duration::from_secs(3600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let new_primary = format!("127.0.0.1:{}", pair.standby_port);
+    assert_eq!(failover.current(), new_primary);
+
+    // 2. The old primary's host reboots: PostgreSQL starts from its data
+    //    directory, writable (nobody turned it into a standby).
+    tokio::task::block_in_place(|| pair.start_old_primary_again());
+
+    // 3. A routine restart of the new primary.
+    tokio::task::block_in_place(|| pair.stop_standby());
+    let probe = key(&run, 2);
+    let during = acquire_until_answered(&store, &probe).await;
+    tokio::task::block_in_place(|| pair.start_standby_again());
+
+    // 4. The message is delivered again (a client retry): it must replay.
+    let again = acquire_until_answered(&store, &paid).await;
+    let mut second_fence = String::from("-");
+    if let Acquisition::Acquired(lease) = &again {
+        executions += 1;
+        second_fence = lease.fence.to_string();
+    }
+    report(
+        "postgres-old-primary-returns",
+        "postgres",
+        &[
+            (
+                "during_restart",
+                match during {
+                    Acquisition::Acquired(_) => "acquired",
+                    _ => "other",
+                }
+                .to_owned(),
+            ),
+            ("old_primary", format!("127.0.0.1:{}", pair.primary_port)),
+            ("current", failover.current()),
+            ("first_fence", first.fence.to_string()),
+            ("second_fence", second_fence),
+            ("switches", failover.switches().to_string()),
+            ("executions", executions.to_string()),
+        ],
+        started,
+    );
+    assert!(
+        matches!(again, Acquisition::Completed(_)),
+        "the key completed on the new primary must replay, got {again:?}: the store now uses {} \
+         (the old primary, on the old timeline) after {} switches; the handler ran {executions} times",
+        failover.current(),
+        failover.switches()
+    );
+}
+
+/// Finding: "The watcher ends when every `Failover` clone and every store
+/// built with it is dropped." It ends only at its next tick: with a long
+/// `check_interval`, its task and its connection to the server outlive
+/// every `Failover` and pool by up to that interval.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_watcher_and_its_connection_outlive_the_failover() {
+    let started = Instant::now();
+    let server = tokio::task::block_in_place(PgServer::start);
+    let mut admin = sqlx::PgConnection::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let others = "SELECT count(*) FROM pg_stat_activity \
+                  WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
+    let failover = Failover::new([&server.url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .check_interval(Duration::from_millis(20));
+    let pool = failover.connect().await.unwrap_or_else(|e| panic!("{e}"));
+    pool.close().await;
+    drop(pool);
+    // The watcher's own connection (it checks the server every 20 ms).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(others)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if n == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the watcher never connected ({n} backends)");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A long check interval, set through a clone (clones share it).
+    let _ = failover.clone().check_interval(Duration::from_secs(3600));
+    // Wait until the watcher has taken the new interval: its last check
+    // stops moving.
+    let last_check = "SELECT coalesce(max(query_start)::text, '') FROM pg_stat_activity \
+                      WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()";
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last: String = String::new();
+    let mut same_since = Instant::now();
+    loop {
+        let now: String = sqlx::query_scalar(last_check)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if now != last {
+            last = now;
+            same_since = Instant::now();
+        } else if same_since.elapsed() > Duration::from_millis(500) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the watcher kept checking every 20 ms");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Every Failover (and every pool) is gone.
+    drop(failover);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut left = 0;
+    while Instant::now() < deadline {
+        left = sqlx::query_scalar::<_, i64>(others)
+            .fetch_one(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    report(
+        "postgres-failover-watcher-drop",
+        "postgres",
+        &[("connections_left_5s_after_drop", left.to_string())],
+        started,
+    );
+    assert_eq!(
+        left, 0,
+        "5 s after the last Failover was dropped, its watcher's connection to the server is still open"
+    );
+}
+
+/// Finding: a CA (or client identity) PEM that does not parse is a
+/// setting no retry cures, but `connect_tls` reports it as the retryable
+/// `Unavailable`: a consumer retries it forever instead of failing at
+/// start. No server is needed: the PEM is parsed before connecting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_pem_is_not_retryable() {
+    let started = Instant::now();
+    let url = format!("rediss://127.0.0.1:{}/", support::free_port());
+    let bad = b"-----BEGIN CERTIFICATE-----\n!!! not base64 !!!\n-----END CERTIFICATE-----\n";
+    let cases = [
+        ("root_ca_pem", TlsOptions::new().root_ca_pem(bad.to_vec())),
+        (
+            "client_identity_pem",
+            TlsOptions::new().client_identity_pem(bad.to_vec(), b"not a key".to_vec()),
+        ),
+    ];
+    let mut seen = Vec::new();
+    for (what, tls) in cases {
+        let result = RedisStore::connect_tls(&url, &tls).await;
+        let verdict = match &result {
+            Ok(_) => "connected".to_owned(),
+            Err(e) => format!("retryable={} ({e})", e.is_retryable()),
+        };
+        seen.push((what, verdict, result.err()));
+    }
+    report(
+        "redis-tls-malformed-pem",
+        "redis",
+        &seen
+            .iter()
+            .map(|(w, v, _)| (*w, format!("{:?}", v)))
+            .collect::<Vec<_>>(),
+        started,
+    );
+    for (what, verdict, err) in seen {
+        assert!(
+            matches!(
+                err,
+                Some(StoreError::InvalidArgument { .. }) | Some(StoreError::Backend(_))
+            ),
+            "a malformed {what} must fail as a setting (InvalidArgument or Backend), got {verdict}"
+        );
+    }
+}
