@@ -453,3 +453,53 @@ async fn one_way_latency(upstream: std::net::SocketAddr, delay: Duration) -> std
     });
     addr
 }
+
+/// Finding: a TLS setting that no retry cures (`sslmode=require` to a
+/// server without TLS, an `sslrootcert` file that does not exist) is
+/// `Backend` from `idem_postgres::connect`, but `Failover::connect` /
+/// `connect_any` report it as the retryable `Unavailable` (the probe's
+/// classification counts every `Io`/`Tls` error as "may pass"), so an
+/// application that retries `Unavailable` at start retries forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_tls_misconfiguration_is_not_retryable() {
+    let started = Instant::now();
+    let url = support::pg::shared_url().to_owned();
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let cases = [
+        ("require-to-plaintext-server", format!("{url}{sep}sslmode=require")),
+        (
+            "missing-rootcert",
+            format!("{url}{sep}sslmode=verify-full&sslrootcert=/nonexistent/ca.pem"),
+        ),
+    ];
+    let mut rows = Vec::new();
+    for (what, bad) in &cases {
+        let single = idem::postgres::connect(bad).await.map(|_| ());
+        let any = idem::postgres::connect_any(&[bad.as_str()]).await.map(|_| ());
+        rows.push((*what, single, any));
+    }
+    let fields: Vec<(&str, String)> = rows
+        .iter()
+        .flat_map(|(what, single, any)| {
+            let r = |x: &Result<(), StoreError>| match x {
+                Ok(()) => "ok".to_owned(),
+                Err(e) => format!("retryable={}", e.is_retryable()),
+            };
+            [(*what, format!("connect:{},connect_any:{}", r(single), r(any)))]
+        })
+        .collect();
+    report("postgres-failover-tls-setting", "postgres", &fields, started);
+    for (what, single, any) in rows {
+        if let Err(e) = &single {
+            assert!(!e.is_retryable(), "{what}: connect says retryable: {e}");
+        }
+        match any {
+            Err(e) => assert!(
+                !e.is_retryable(),
+                "{what}: connect says {:?} but connect_any says retryable: {e}",
+                single.as_ref().err().map(|e| e.to_string())
+            ),
+            Ok(()) => panic!("{what}: connect_any connected"),
+        }
+    }
+}
