@@ -503,3 +503,48 @@ async fn failover_tls_misconfiguration_is_not_retryable() {
         }
     }
 }
+
+/// Holds (checked): extreme durations given to `Failover` do not panic,
+/// and a store built on it still serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_extreme_durations_do_not_panic() {
+    let started = Instant::now();
+    let url = support::pg::shared_url().to_owned();
+    let mut served = 0;
+    for (probe, check) in [
+        (Duration::MAX, Duration::MAX),
+        (Duration::ZERO, Duration::ZERO),
+        (Duration::from_secs(5), Duration::ZERO),
+        (Duration::MAX, Duration::from_nanos(1)),
+    ] {
+        let failover = Failover::new([url.as_str(), url.as_str()])
+            .unwrap_or_else(|e| panic!("{e}"))
+            .probe_timeout(probe)
+            .check_interval(check);
+        // A 1 ms probe may be too short on a busy machine: then a typed
+        // error, never a panic.
+        let pool = match failover.connect().await {
+            Ok(pool) => pool,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e}");
+                continue;
+            }
+        };
+        let store = PgStore::builder(pool)
+            .failover(failover)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let run = format!("{:016x}", fastrand::u64(..));
+        match store.acquire(&key(&run, 1), None, Duration::from_secs(5)).await {
+            Ok(_) => served += 1,
+            Err(e) => assert!(e.is_retryable(), "{e}"),
+        }
+    }
+    report(
+        "postgres-failover-extreme-durations",
+        "postgres",
+        &[("served", served.to_string())],
+        started,
+    );
+}
