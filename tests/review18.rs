@@ -548,3 +548,38 @@ async fn failover_extreme_durations_do_not_panic() {
         started,
     );
 }
+
+/// Holds (checked): `RedisStore::connect`'s first, unretried connection
+/// (the probe) is closed: after connecting, the server sees one client of
+/// the store, not two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_connect_probe_connection_is_closed() {
+    let started = Instant::now();
+    let server = tokio::task::block_in_place(|| support::redis_server::RedisServer::start(&[]));
+    let store = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let run = format!("{:016x}", fastrand::u64(..));
+    assert!(store
+        .acquire(&key(&run, 1), None, Duration::from_secs(30))
+        .await
+        .is_ok());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let clients = loop {
+        // `command` opens a connection of its own: one line is the admin.
+        let list = tokio::task::block_in_place(|| server.command("CLIENT LIST"));
+        let n = list.lines().filter(|l| l.contains("id=")).count() - 1;
+        if n <= 1 || Instant::now() > deadline {
+            break n;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    report(
+        "redis-connect-probe",
+        "redis",
+        &[("store_clients", clients.to_string())],
+        started,
+    );
+    assert_eq!(clients, 1, "the store keeps one connection");
+    drop(store);
+}
