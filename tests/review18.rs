@@ -583,3 +583,93 @@ async fn redis_connect_probe_connection_is_closed() {
     assert_eq!(clients, 1, "the store keeps one connection");
     drop(store);
 }
+
+/// Synchronous replication, the standby goes away (stopped), then the
+/// primary crashes and the standby is started and promoted. A completion
+/// the store reported as done must be on the promoted standby.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_replication_reported_completion_survives_standby_outage_then_failover() {
+    let started = Instant::now();
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Sync));
+    let failover = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .probe_timeout(Duration::from_secs(1))
+        .check_interval(Duration::from_millis(100));
+    let pool = failover
+        .connect_with(
+            PgPoolOptions::new()
+                .max_connections(4)
+                .acquire_timeout(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool)
+        .failover(failover.clone())
+        .connections(4)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let run = format!("{:016x}", fastrand::u64(..));
+    let k = key(&run, 1);
+    let lease = match store.acquire(&k, None, Duration::from_secs(60)).await {
+        Ok(Acquisition::Acquired(lease)) => lease,
+        other => panic!("{other:?}"),
+    };
+    tokio::task::block_in_place(|| pair.stop_standby());
+    let t = Instant::now();
+    let completed = store
+        .complete(&lease, b"charged", Duration::from_secs(3600))
+        .await;
+    let complete_ms = t.elapsed().as_millis();
+    // A redelivery while the standby is away.
+    let t = Instant::now();
+    let redelivered = store.acquire(&k, None, Duration::from_secs(60)).await;
+    let redelivered_ms = t.elapsed().as_millis();
+    let on_primary = tokio::task::block_in_place(|| {
+        pair.psql_primary(&format!(
+            "SELECT status FROM idem_records WHERE key = '{}'",
+            k.id()
+        ))
+    });
+    tokio::task::block_in_place(|| {
+        pair.kill_primary();
+        pair.start_standby_again();
+        pair.promote_standby();
+    });
+    let after = acquire_until_answered(&store, &k).await;
+    let told_done = completed.is_ok() || matches!(redelivered, Ok(Acquisition::Completed(_)));
+    report(
+        "postgres-sync-standby-outage-then-failover",
+        "postgres",
+        &[
+            ("complete", format!("{:?}", completed.as_ref().map_err(|e| e.to_string()))),
+            ("complete_ms", complete_ms.to_string()),
+            (
+                "redelivered",
+                match &redelivered {
+                    Ok(Acquisition::Completed(_)) => "replayed".to_owned(),
+                    Ok(a) => format!("{a:?}").chars().take(40).collect(),
+                    Err(e) => format!("err:{e}").chars().take(120).collect(),
+                },
+            ),
+            ("redelivered_ms", redelivered_ms.to_string()),
+            ("status_on_old_primary", on_primary),
+            (
+                "after_failover",
+                match &after {
+                    Acquisition::Completed(_) => "replayed".to_owned(),
+                    a => format!("{a:?}").chars().take(40).collect(),
+                },
+            ),
+        ],
+        started,
+    );
+    if told_done {
+        assert!(
+            matches!(after, Acquisition::Completed(_)),
+            "the store said the key was done (complete: {completed:?}, redelivery: {redelivered:?}) but \
+             after the failover it is {after:?}: a lost completion on synchronous replication"
+        );
+    }
+}
