@@ -757,3 +757,130 @@ async fn redis_replica_refusals_are_retryable() {
         }
     }
 }
+
+/// A server of its own where the role `idem` logs in over TCP with a
+/// password (scram-sha-256) and owns the database `idem`; returns it and
+/// an admin connection (as `postgres`, trusted).
+async fn pg_with_password() -> (PgServer, sqlx::PgConnection) {
+    let server = tokio::task::block_in_place(PgServer::start);
+    let mut admin = sqlx::PgConnection::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    for sql in [
+        "SET password_encryption = 'scram-sha-256'",
+        "CREATE ROLE idem LOGIN PASSWORD 'first'",
+        "CREATE DATABASE idem OWNER idem",
+    ] {
+        sqlx::raw_sql(sql)
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let hba = server.dir().join("data").join("pg_hba.conf");
+    let rules = "local all all trust\nhost all postgres 127.0.0.1/32 trust\n\
+                 host all idem 127.0.0.1/32 scram-sha-256\n";
+    std::fs::write(&hba, rules).unwrap_or_else(|e| panic!("{e}"));
+    sqlx::raw_sql("SELECT pg_reload_conf()")
+        .execute(&mut admin)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    (server, admin)
+}
+
+/// Finding: the role's password is changed while the store runs (a
+/// rotation done on the server before the app's configuration). Without
+/// `Failover`, the store's next connection fails `Backend` ("authentication
+/// failed", as documented: no retry helps). With `Failover`, the failed
+/// connection sends the store searching, the search's verdict (every server
+/// refused the credentials: not retryable) is dropped, and the call is the
+/// retryable `Unavailable`: retried forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_wrong_password_at_runtime_is_not_retryable() {
+    let started = Instant::now();
+    let (server, mut admin) = pg_with_password().await;
+    let url = format!("postgres://idem:first@127.0.0.1:{}/idem", server.port);
+    let plain = PgStore::builder(
+        PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .connections(1)
+    .call_timeout(Duration::from_secs(2))
+    .build()
+    .unwrap_or_else(|e| panic!("{e}"));
+    plain.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let failover = Failover::new([&url]).unwrap_or_else(|e| panic!("{e}"));
+    let with_failover = PgStore::builder(
+        failover
+            .connect_with(PgPoolOptions::new().max_connections(2))
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    )
+    .failover(failover)
+    .connections(1)
+    .call_timeout(Duration::from_secs(2))
+    .build()
+    .unwrap_or_else(|e| panic!("{e}"));
+    let run = format!("{:016x}", fastrand::u64(..));
+    for store in [&plain, &with_failover] {
+        assert!(store
+            .acquire(&key(&run, fastrand::u64(..)), None, Duration::from_secs(30))
+            .await
+            .is_ok());
+    }
+    // The password changes on the server; the store's connections are
+    // closed (a restart, an idle timeout, a network blip).
+    for sql in [
+        "ALTER ROLE idem PASSWORD 'second'",
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'idem'",
+    ] {
+        sqlx::raw_sql(sql)
+            .execute(&mut admin)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
+    }
+    let mut verdicts = Vec::new();
+    for (name, store) in [("plain", &plain), ("failover", &with_failover)] {
+        // The first call may fail on its dead connection: the verdict is
+        // the one once only new connections are tried.
+        let mut last = None;
+        for i in 0..3 {
+            last = Some(
+                store
+                    .acquire(&key(&run, 100 + i), None, Duration::from_secs(30))
+                    .await
+                    .map(|_| ()),
+            );
+        }
+        verdicts.push((name, last.unwrap_or(Ok(()))));
+    }
+    report(
+        "postgres-password-rotated-at-runtime",
+        "postgres",
+        &verdicts
+            .iter()
+            .map(|(n, r)| {
+                (
+                    *n,
+                    match r {
+                        Ok(()) => "ok".to_owned(),
+                        Err(e) if e.is_retryable() => "Unavailable".to_owned(),
+                        Err(_) => "Backend".to_owned(),
+                    },
+                )
+            })
+            .collect::<Vec<_>>(),
+        started,
+    );
+    for (name, r) in verdicts {
+        match r {
+            Err(e) => assert!(
+                !e.is_retryable(),
+                "{name}: a refused password at runtime must be Backend (as documented), got {e}"
+            ),
+            Ok(()) => panic!("{name}: connected with the old password"),
+        }
+    }
+}
