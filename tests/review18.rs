@@ -9,7 +9,7 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Failover, PgStore};
+use idem::postgres::{Claim, Failover, PgStore};
 use idem::redis::{RedisStore, TlsOptions};
 use idem::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
 use sqlx::postgres::PgPoolOptions;
@@ -883,4 +883,114 @@ async fn failover_wrong_password_at_runtime_is_not_retryable() {
             Ok(()) => panic!("{name}: connected with the old password"),
         }
     }
+}
+
+/// The documentation of `Failover`: "a pool opened by `connect_with` ...
+/// is pointed at the server each search finds ... so a transaction begun
+/// on the pool after a failover reaches the new primary even if no store
+/// call noticed it." A controlled switchover: the old primary is fenced
+/// read-only (`default_transaction_read_only = on`, reloaded) and stays
+/// up, the standby is promoted, the watcher moves the Failover to it.
+/// Transactions then begun on the pool (the in-transaction mode's) must
+/// run on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
+    let started = Instant::now();
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Async));
+    let failover = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .probe_timeout(Duration::from_secs(1))
+        .check_interval(Duration::from_millis(100));
+    let pool = failover
+        .connect_with(
+            PgPoolOptions::new()
+                .max_connections(4)
+                .min_connections(4)
+                .acquire_timeout(Duration::from_secs(2)),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool.clone())
+        .failover(failover.clone())
+        .connections(2)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while tokio::task::block_in_place(|| {
+        pair.psql_standby("SELECT to_regclass('public.idem_records') IS NOT NULL")
+    }) != "t"
+    {
+        assert!(Instant::now() < deadline, "the migration never reached the standby");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The pool's connections are open (min_connections), on the primary.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pool.size() < 4 {
+        assert!(Instant::now() < deadline, "the pool never opened its connections");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // Switchover: fence the old primary read-only, promote the standby.
+    tokio::task::block_in_place(|| {
+        pair.psql_primary("ALTER SYSTEM SET default_transaction_read_only = on");
+        pair.psql_primary("SELECT pg_reload_conf()");
+        pair.promote_standby();
+    });
+    let new_primary = format!("127.0.0.1:{}", pair.standby_port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while failover.current() != new_primary {
+        assert!(Instant::now() < deadline, "the watcher never moved to the new primary");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let run = format!("{:016x}", fastrand::u64(..));
+    let mut ports = Vec::new();
+    let mut claims = Vec::new();
+    for i in 0..6u64 {
+        let mut tx = match pool.begin().await {
+            Ok(tx) => tx,
+            Err(e) => {
+                claims.push(format!("begin: {e}"));
+                continue;
+            }
+        };
+        let port: i32 = sqlx::query_scalar("SELECT inet_server_port()")
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        ports.push(port);
+        let claimed = store
+            .in_transaction()
+            .claim::<_, u64>(&mut tx, &key(&run, i), &i)
+            .await;
+        claims.push(match claimed {
+            Ok(Claim::Acquired(lease)) => {
+                lease.complete(&mut tx, &i).await.unwrap_or_else(|e| panic!("{e}"));
+                tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+                "acquired".to_owned()
+            }
+            Ok(_) => "other".to_owned(),
+            Err(e) => format!("err: {e}").chars().take(100).collect(),
+        });
+    }
+    let on_old = ports.iter().filter(|p| **p as u16 == pair.primary_port).count();
+    report(
+        "postgres-switchover-pool-transactions",
+        "postgres",
+        &[
+            ("transactions", ports.len().to_string()),
+            ("on_old_primary", on_old.to_string()),
+            ("failed_claims", claims.iter().filter(|c| *c != "acquired").count().to_string()),
+        ],
+        started,
+    );
+    assert_eq!(
+        on_old, 0,
+        "transactions begun on the pool after the switch ran on the old primary ({} of {}); \
+         claims: {claims:?}",
+        on_old,
+        ports.len()
+    );
 }
