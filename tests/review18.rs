@@ -86,7 +86,10 @@ async fn failover_moves_back_to_an_old_primary_that_came_back() {
         pair.psql_standby("SELECT to_regclass('public.idem_records') IS NOT NULL")
     }) != "t"
     {
-        assert!(Instant::now() < deadline, "the migration never reached the standby");
+        assert!(
+            Instant::now() < deadline,
+            "the migration never reached the standby"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
@@ -186,7 +189,10 @@ async fn failover_watcher_and_its_connection_outlive_the_failover() {
         if n == 1 {
             break;
         }
-        assert!(Instant::now() < deadline, "the watcher never connected ({n} backends)");
+        assert!(
+            Instant::now() < deadline,
+            "the watcher never connected ({n} backends)"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // A long check interval, set through a clone (clones share it).
@@ -209,7 +215,10 @@ async fn failover_watcher_and_its_connection_outlive_the_failover() {
         } else if same_since.elapsed() > Duration::from_millis(500) {
             break;
         }
-        assert!(Instant::now() < deadline, "the watcher kept checking every 20 ms");
+        assert!(
+            Instant::now() < deadline,
+            "the watcher kept checking every 20 ms"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -328,11 +337,13 @@ async fn redis_max_clients_is_not_a_wrong_password() {
         .unwrap_or_else(|e| panic!("{e}"));
     let run = format!("{:016x}", fastrand::u64(..));
     assert!(matches!(
-        store.acquire(&key(&run, 1), None, Duration::from_secs(30)).await,
+        store
+            .acquire(&key(&run, 1), None, Duration::from_secs(30))
+            .await,
         Ok(Acquisition::Acquired(_))
     ));
-    let mut admin = std::net::TcpStream::connect(("127.0.0.1", server.port))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut admin =
+        std::net::TcpStream::connect(("127.0.0.1", server.port)).unwrap_or_else(|e| panic!("{e}"));
     let _ = admin.set_read_timeout(Some(Duration::from_secs(5)));
     // A burst of clients: the server is full (only the admin connection
     // left), and the store's connection is dropped (a server-side
@@ -369,7 +380,14 @@ async fn redis_max_clients_is_not_a_wrong_password() {
     };
     let show = |r: &Result<_, StoreError>| match r {
         Ok(_) => "ok".to_owned(),
-        Err(e) => format!("{}:{e}", if e.is_retryable() { "retryable" } else { "NOT-retryable" }),
+        Err(e) => format!(
+            "{}:{e}",
+            if e.is_retryable() {
+                "retryable"
+            } else {
+                "NOT-retryable"
+            }
+        ),
     };
     let during_s = show(&during.as_ref().map(|_| ()).map_err(clone_kind));
     let again_s = show(&during_again.as_ref().map(|_| ()).map_err(clone_kind));
@@ -386,7 +404,10 @@ async fn redis_max_clients_is_not_a_wrong_password() {
         ],
         started,
     );
-    assert!(after.is_ok(), "the store works again once the burst is over: {after:?}");
+    assert!(
+        after.is_ok(),
+        "the store works again once the burst is over: {after:?}"
+    );
     for (what, r) in [("a call", &during), ("a second call", &during_again)] {
         if let Err(e) = r {
             assert!(
@@ -466,7 +487,10 @@ async fn failover_tls_misconfiguration_is_not_retryable() {
     let url = support::pg::shared_url().to_owned();
     let sep = if url.contains('?') { '&' } else { '?' };
     let cases = [
-        ("require-to-plaintext-server", format!("{url}{sep}sslmode=require")),
+        (
+            "require-to-plaintext-server",
+            format!("{url}{sep}sslmode=require"),
+        ),
         (
             "missing-rootcert",
             format!("{url}{sep}sslmode=verify-full&sslrootcert=/nonexistent/ca.pem"),
@@ -475,7 +499,9 @@ async fn failover_tls_misconfiguration_is_not_retryable() {
     let mut rows = Vec::new();
     for (what, bad) in &cases {
         let single = idem::postgres::connect(bad).await.map(|_| ());
-        let any = idem::postgres::connect_any(&[bad.as_str()]).await.map(|_| ());
+        let any = idem::postgres::connect_any(&[bad.as_str()])
+            .await
+            .map(|_| ());
         rows.push((*what, single, any));
     }
     let fields: Vec<(&str, String)> = rows
@@ -485,10 +511,18 @@ async fn failover_tls_misconfiguration_is_not_retryable() {
                 Ok(()) => "ok".to_owned(),
                 Err(e) => format!("retryable={}", e.is_retryable()),
             };
-            [(*what, format!("connect:{},connect_any:{}", r(single), r(any)))]
+            [(
+                *what,
+                format!("connect:{},connect_any:{}", r(single), r(any)),
+            )]
         })
         .collect();
-    report("postgres-failover-tls-setting", "postgres", &fields, started);
+    report(
+        "postgres-failover-tls-setting",
+        "postgres",
+        &fields,
+        started,
+    );
     for (what, single, any) in rows {
         if let Err(e) = &single {
             assert!(!e.is_retryable(), "{what}: connect says retryable: {e}");
@@ -536,7 +570,10 @@ async fn failover_extreme_durations_do_not_panic() {
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
         let run = format!("{:016x}", fastrand::u64(..));
-        match store.acquire(&key(&run, 1), None, Duration::from_secs(5)).await {
+        match store
+            .acquire(&key(&run, 1), None, Duration::from_secs(5))
+            .await
+        {
             Ok(_) => served += 1,
             Err(e) => assert!(e.is_retryable(), "{e}"),
         }
@@ -643,7 +680,10 @@ async fn sync_replication_reported_completion_survives_standby_outage_then_failo
         "postgres-sync-standby-outage-then-failover",
         "postgres",
         &[
-            ("complete", format!("{:?}", completed.as_ref().map_err(|e| e.to_string()))),
+            (
+                "complete",
+                format!("{:?}", completed.as_ref().map_err(|e| e.to_string())),
+            ),
             ("complete_ms", complete_ms.to_string()),
             (
                 "redelivered",
@@ -704,7 +744,9 @@ async fn redis_replica_refusals_are_retryable() {
     let said = replica.command(&format!("REPLICAOF 127.0.0.1 {}", master.port));
     assert!(said.starts_with("+OK"), "{said}");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !(replica.command("INFO replication").contains("master_link_status:up")
+    while !(replica
+        .command("INFO replication")
+        .contains("master_link_status:up")
         && replica.command("DBSIZE").trim() == ":1")
     {
         assert!(Instant::now() < deadline, "the replica never synced");
@@ -721,8 +763,14 @@ async fn redis_replica_refusals_are_retryable() {
         .starts_with("+OK"));
     master.kill();
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !replica.command("INFO replication").contains("master_link_status:down") {
-        assert!(Instant::now() < deadline, "the replica never saw its master go");
+    while !replica
+        .command("INFO replication")
+        .contains("master_link_status:down")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the replica never saw its master go"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let stale_acquire = store
@@ -731,7 +779,10 @@ async fn redis_replica_refusals_are_retryable() {
         .map(|_| ());
     let stale_complete = store.complete(&lease, b"x", Duration::from_secs(60)).await;
     let stale_release = store.release(&lease).await;
-    let stale_extend = store.extend(&lease, Duration::from_secs(30)).await.map(|_| ());
+    let stale_extend = store
+        .extend(&lease, Duration::from_secs(30))
+        .await
+        .map(|_| ());
     let cases = [
         ("readonly_acquire", readonly_acquire),
         ("readonly_complete", readonly_complete),
@@ -742,7 +793,8 @@ async fn redis_replica_refusals_are_retryable() {
     ];
     let show = |r: &Result<(), StoreError>| match r {
         Ok(()) => "ok".to_owned(),
-        Err(e) => format!("{}", if e.is_retryable() { "Unavailable" } else { "NOT-retryable" }),
+        Err(e) if e.is_retryable() => "Unavailable".to_owned(),
+        Err(_) => "NOT-retryable".to_owned(),
     };
     report(
         "redis-replica-refusals",
@@ -922,13 +974,19 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
         pair.psql_standby("SELECT to_regclass('public.idem_records') IS NOT NULL")
     }) != "t"
     {
-        assert!(Instant::now() < deadline, "the migration never reached the standby");
+        assert!(
+            Instant::now() < deadline,
+            "the migration never reached the standby"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // The pool's connections are open (min_connections), on the primary.
     let deadline = Instant::now() + Duration::from_secs(10);
     while pool.size() < 4 {
-        assert!(Instant::now() < deadline, "the pool never opened its connections");
+        assert!(
+            Instant::now() < deadline,
+            "the pool never opened its connections"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -941,7 +999,10 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
     let new_primary = format!("127.0.0.1:{}", pair.standby_port);
     let deadline = Instant::now() + Duration::from_secs(10);
     while failover.current() != new_primary {
-        assert!(Instant::now() < deadline, "the watcher never moved to the new primary");
+        assert!(
+            Instant::now() < deadline,
+            "the watcher never moved to the new primary"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
@@ -967,7 +1028,10 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
             .await;
         claims.push(match claimed {
             Ok(Claim::Acquired(lease)) => {
-                lease.complete(&mut tx, &i).await.unwrap_or_else(|e| panic!("{e}"));
+                lease
+                    .complete(&mut tx, &i)
+                    .await
+                    .unwrap_or_else(|e| panic!("{e}"));
                 tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
                 "acquired".to_owned()
             }
@@ -975,19 +1039,30 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
             Err(e) => format!("err: {e}").chars().take(100).collect(),
         });
     }
-    let on_old = ports.iter().filter(|p| **p as u16 == pair.primary_port).count();
+    let on_old = ports
+        .iter()
+        .filter(|p| **p as u16 == pair.primary_port)
+        .count();
     report(
         "postgres-switchover-pool-transactions",
         "postgres",
         &[
             ("transactions", ports.len().to_string()),
             ("on_old_primary", on_old.to_string()),
-            ("failed_claims", claims.iter().filter(|c| *c != "acquired").count().to_string()),
+            (
+                "failed_claims",
+                claims
+                    .iter()
+                    .filter(|c| *c != "acquired")
+                    .count()
+                    .to_string(),
+            ),
         ],
         started,
     );
     assert_eq!(
-        on_old, 0,
+        on_old,
+        0,
         "transactions begun on the pool after the switch ran on the old primary ({} of {}); \
          claims: {claims:?}",
         on_old,

@@ -32,10 +32,7 @@ async fn redis_cache_with_a_rediss_url_does_not_panic() {
             .map(|r| r.map(|_| ()).map_err(|e| e.to_string()))
     })
     .await;
-    let panicked = match &outcome {
-        Err(e) if e.is_panic() => true,
-        _ => false,
-    };
+    let panicked = matches!(&outcome, Err(e) if e.is_panic());
     println!(
         "reliability scenario=tiered-redis-cache-rediss-provider backend=tiered panicked={panicked} duration_ms={}",
         started.elapsed().as_millis()
@@ -59,10 +56,8 @@ async fn panics<F>(connect: F) -> Option<String>
 where
     F: std::future::Future<Output = String> + Send + 'static,
 {
-    match tokio::spawn(async move {
-        tokio::time::timeout(Duration::from_secs(20), connect).await
-    })
-    .await
+    match tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(20), connect).await })
+        .await
     {
         Err(e) if e.is_panic() => Some(
             e.into_panic()
