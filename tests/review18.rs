@@ -1069,3 +1069,75 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
         ports.len()
     );
 }
+
+/// Finding: `acl_rules(prefix, ..)` is documented as the ACL to give the
+/// store's user ("ACL SETUSER idem on >secret <rules>"), and the store
+/// accepts any prefix, but a prefix with a space (or another character
+/// that splits a command line) yields rules that are not the key pattern
+/// of that prefix: pasted as documented (one rule per argument, as
+/// redis-cli and tests/access.rs split them), the ACL is refused or the
+/// store runs into "permission denied".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acl_rules_work_for_every_prefix_the_store_accepts() {
+    let started = Instant::now();
+    let server = tokio::task::block_in_place(|| support::redis_server::RedisServer::start(&[]));
+    let client =
+        idem::redis::redis::Client::open(server.url.as_str()).unwrap_or_else(|e| panic!("{e}"));
+    let mut admin = client
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut rows = Vec::new();
+    for (n, prefix) in ["idem:", "billing app:", "tab\tprefix:"].iter().enumerate() {
+        let rules = idem::redis::acl_rules(prefix, false);
+        let user = format!("u{n}");
+        let mut cmd = idem::redis::redis::cmd("ACL");
+        cmd.arg("SETUSER")
+            .arg(&user)
+            .arg("reset")
+            .arg("on")
+            .arg(">pw");
+        for rule in rules.split_whitespace() {
+            cmd.arg(rule);
+        }
+        let set: Result<(), _> = cmd.query_async(&mut admin).await;
+        let outcome = match set {
+            Err(e) => format!("ACL SETUSER refused: {e}"),
+            Ok(()) => {
+                let url = format!("redis://{user}:pw@127.0.0.1:{}/", server.port);
+                match RedisStore::connect(&url).await {
+                    Err(e) => format!("connect: {e}"),
+                    Ok(store) => {
+                        let store = store.prefix(*prefix);
+                        let run = format!("{:016x}", fastrand::u64(..));
+                        match store
+                            .acquire(&key(&run, 1), None, Duration::from_secs(30))
+                            .await
+                        {
+                            Ok(_) => "ok".to_owned(),
+                            Err(e) => format!("acquire: {e}"),
+                        }
+                    }
+                }
+            }
+        };
+        rows.push((format!("{prefix:?}"), rules, outcome));
+    }
+    report(
+        "redis-acl-rules-prefix",
+        "redis",
+        &rows
+            .iter()
+            .map(|(p, _, o)| {
+                (
+                    "prefix",
+                    format!("{p}->{:?}", o.chars().take(80).collect::<String>()),
+                )
+            })
+            .collect::<Vec<_>>(),
+        started,
+    );
+    for (prefix, rules, outcome) in rows {
+        assert_eq!(outcome, "ok", "prefix {prefix}: rules {rules:?}");
+    }
+}
