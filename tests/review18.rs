@@ -1141,3 +1141,83 @@ async fn acl_rules_work_for_every_prefix_the_store_accepts() {
         assert_eq!(outcome, "ok", "prefix {prefix}: rules {rules:?}");
     }
 }
+
+/// Holds (checked): the same switchover as above, seen by store calls
+/// (not the pool): the store's idle connections to the fenced old primary
+/// get 25006, are dropped, and the call is resent on the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_store_calls_reach_the_new_primary_after_a_switchover() {
+    let started = Instant::now();
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Sync));
+    let failover = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"))
+        .probe_timeout(Duration::from_secs(1))
+        .check_interval(Duration::from_millis(100));
+    let pool = failover
+        .connect_with(PgPoolOptions::new().max_connections(4))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = PgStore::builder(pool)
+        .failover(failover.clone())
+        .connections(4)
+        .call_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let run = format!("{:016x}", fastrand::u64(..));
+    // Warm idle connections on the primary, and a lease taken there.
+    let mut leases = Vec::new();
+    for i in 0..4 {
+        match store
+            .acquire(&key(&run, i), None, Duration::from_secs(60))
+            .await
+        {
+            Ok(Acquisition::Acquired(lease)) => leases.push(lease),
+            other => panic!("{other:?}"),
+        }
+    }
+    tokio::task::block_in_place(|| {
+        pair.psql_primary("ALTER SYSTEM SET default_transaction_read_only = on");
+        pair.psql_primary("SELECT pg_reload_conf()");
+        pair.promote_standby();
+    });
+    let new_primary = format!("127.0.0.1:{}", pair.standby_port);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while failover.current() != new_primary {
+        assert!(Instant::now() < deadline, "the watcher never moved");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut failed = Vec::new();
+    for lease in &leases {
+        if let Err(e) = store
+            .complete(lease, b"done", Duration::from_secs(3600))
+            .await
+        {
+            failed.push(format!("complete: {e}"));
+        }
+    }
+    for i in 10..14 {
+        if let Err(e) = store
+            .acquire(&key(&run, i), None, Duration::from_secs(60))
+            .await
+        {
+            failed.push(format!("acquire: {e}"));
+        }
+    }
+    for i in 0..4 {
+        match store
+            .acquire(&key(&run, i), None, Duration::from_secs(60))
+            .await
+        {
+            Ok(Acquisition::Completed(_)) => {}
+            other => failed.push(format!("replay: {other:?}")),
+        }
+    }
+    report(
+        "postgres-switchover-store-calls",
+        "postgres",
+        &[("failed_calls", failed.len().to_string())],
+        started,
+    );
+    assert!(failed.is_empty(), "{failed:?}");
+}
