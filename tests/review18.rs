@@ -1221,3 +1221,105 @@ async fn failover_store_calls_reach_the_new_primary_after_a_switchover() {
     );
     assert!(failed.is_empty(), "{failed:?}");
 }
+
+/// Finding: every pool `Failover::connect_with` opens is kept in the
+/// Failover's list (to be pointed at the next server) and never let go: a
+/// pool the application drops is not dropped, and its connections stay
+/// open on the server as long as the `Failover` lives (an application that
+/// rebuilds its pool or store, keeping the Failover, leaks them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_does_not_keep_dropped_pools_alive() {
+    let started = Instant::now();
+    let server = tokio::task::block_in_place(PgServer::start);
+    let mut admin = sqlx::PgConnection::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let others = "SELECT count(*) FROM pg_stat_activity \
+                  WHERE backend_type = 'client backend' AND pid <> pg_backend_pid() \
+                  AND application_name = 'review18-pool'";
+    let url = format!("{}?application_name=review18-pool", server.url);
+    // Control: plain sqlx pools, dropped, close their connections.
+    for _ in 0..3 {
+        let pool = PgPoolOptions::new()
+            .min_connections(2)
+            .max_connections(2)
+            .connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.size() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the pool never opened its connections"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        drop(pool);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let n = count_clients(&mut admin, others)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if n == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "control: dropped plain pools left {n} connections open"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    let failover = Failover::new([&url]).unwrap_or_else(|e| panic!("{e}"));
+    for _ in 0..3 {
+        let pool = failover
+            .connect_with(PgPoolOptions::new().min_connections(2).max_connections(2))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while pool.size() < 2 {
+            assert!(
+                Instant::now() < deadline,
+                "the pool never opened its connections"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The application is done with this pool.
+        drop(pool);
+    }
+    // Once dropped (no handle left), a sqlx pool closes its connections.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut left = 0;
+    while Instant::now() < deadline {
+        left = count_clients(&mut admin, others)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if left <= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The watcher's own connection (same URL) may be one of them.
+    report(
+        "postgres-failover-dropped-pools",
+        "postgres",
+        &[
+            ("control_plain_pools_left", "0".to_owned()),
+            ("connections_left_incl_watcher", left.to_string()),
+        ],
+        started,
+    );
+    assert!(
+        left <= 1,
+        "3 pools (2 connections each) were dropped, {left} connections are still open \
+         (at most 1 is the watcher's): the Failover keeps the pools alive"
+    );
+    drop(failover);
+}
+
+async fn count_clients(admin: &mut sqlx::PgConnection, sql: &str) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql.to_owned()))
+        .fetch_one(admin)
+        .await
+}
