@@ -34,6 +34,8 @@ pub struct PgReplicaPair {
     bin: PathBuf,
     dir: PathBuf,
     as_postgres: bool,
+    primary_options: std::sync::OnceLock<String>,
+    standby_options: std::sync::OnceLock<String>,
 }
 
 impl PgReplicaPair {
@@ -58,6 +60,8 @@ impl PgReplicaPair {
             bin,
             dir,
             as_postgres,
+            primary_options: std::sync::OnceLock::new(),
+            standby_options: std::sync::OnceLock::new(),
         };
         // Stop both servers and remove their files once this process is gone.
         super::spawn_watchdog(&format!(
@@ -102,6 +106,7 @@ impl PgReplicaPair {
             options.push_str(" -c synchronous_standby_names='*'");
         }
         pair.pg_ctl_start(&primary, "primary.log", &options);
+        let _ = pair.primary_options.set(options.clone());
         run(pair
             .command("pg_basebackup")
             .args(["-h", "127.0.0.1", "-p", &primary_port.to_string()])
@@ -117,6 +122,7 @@ impl PgReplicaPair {
             pair.dir.display()
         );
         pair.pg_ctl_start(&pair.standby_data(), "standby.log", &standby_options);
+        let _ = pair.standby_options.set(standby_options.clone());
         pair.until_streaming();
         pair
     }
@@ -236,5 +242,59 @@ impl PgReplicaPair {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+}
+
+impl PgReplicaPair {
+    /// Starts the old primary's data directory again, as it was (after
+    /// `kill_primary`: crash recovery, then a writable primary again: what
+    /// a host reboot with the server enabled in systemd does).
+    pub fn start_old_primary_again(&self) {
+        let options = self.primary_options.get().expect("started").clone();
+        // The killed server's processes may hold its shared memory or port
+        // a little while: try again until it starts (30 s at most).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = self
+                .command("pg_ctl")
+                .arg("-D")
+                .arg(self.primary_data())
+                .arg("-l")
+                .arg(self.dir.join("primary2.log"))
+                .args(["-w", "-t", "60", "-o", &options, "start"])
+                .output()
+                .unwrap_or_else(|e| panic!("cannot run pg_ctl: {e}"));
+            if out.status.success() {
+                return;
+            }
+            let log = std::fs::read_to_string(self.dir.join("primary2.log")).unwrap_or_default();
+            assert!(
+                Instant::now() < deadline,
+                "the old primary did not start again within 30 s: {}",
+                log.lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// Stops the standby (fast shutdown).
+    pub fn stop_standby(&self) {
+        run(self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(self.standby_data())
+            .args(["-w", "-t", "60", "-m", "fast", "stop"]));
+    }
+
+    /// Starts the (stopped) standby again with its own settings.
+    pub fn start_standby_again(&self) {
+        let options = self.standby_options.get().expect("started").clone();
+        self.pg_ctl_start(&self.standby_data(), "standby2.log", &options);
+    }
+
+    /// Runs one statement on the standby (or the promoted standby).
+    pub fn psql_standby(&self, sql: &str) -> String {
+        self.psql(self.standby_port, sql)
+            .unwrap_or_else(|| panic!("psql on the standby failed: {sql}"))
     }
 }

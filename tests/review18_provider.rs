@@ -1,0 +1,100 @@
+//! Adversarial review of issue 18, in a process of its own: no test here
+//! may install a rustls crypto provider before the one under test runs.
+//!
+//! A build with the `redis-tls` feature (ring) and an AWS backend
+//! (`dynamodb`/`sqs`, whose SDK brings aws-lc-rs) has two rustls crypto
+//! providers, so rustls cannot pick one by itself: whoever builds a TLS
+//! configuration before one is installed panics. `RedisStore` installs
+//! ring's (`install_crypto_provider`), but the tiered store's Redis tiers
+//! (`RedisCache::connect`, `Invalidation::connect`) take a `rediss://` URL
+//! too and do not, nor does the Redis Streams consumer's `connect`: a
+//! user's URL makes them panic instead of connecting or returning an error.
+//!
+//! `cargo test --all-features --test review18_provider -- --nocapture`
+
+use std::time::{Duration, Instant};
+
+use idem::tiered::RedisCache;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cache_with_a_rediss_url_does_not_panic() {
+    let started = Instant::now();
+    // Nothing listens there: the TLS configuration is built before the
+    // TCP connection, so the outcome is the same with a real TLS server.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("rediss://127.0.0.1:{port}/");
+    let outcome = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(20), RedisCache::connect(&url))
+            .await
+            .map(|r| r.map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .await;
+    let panicked = matches!(&outcome, Err(e) if e.is_panic());
+    println!(
+        "reliability scenario=tiered-redis-cache-rediss-provider backend=tiered panicked={panicked} duration_ms={}",
+        started.elapsed().as_millis()
+    );
+    match outcome {
+        Err(e) if e.is_panic() => {
+            let text = e
+                .into_panic()
+                .downcast::<String>()
+                .map(|s| *s)
+                .or_else(|p| p.downcast::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            panic!("RedisCache::connect with a rediss:// URL panicked: {text}");
+        }
+        other => eprintln!("outcome: {other:?}"),
+    }
+}
+
+/// Runs `connect` on a task of its own; the panic message if it panicked.
+async fn panics<F>(connect: F) -> Option<String>
+where
+    F: std::future::Future<Output = String> + Send + 'static,
+{
+    match tokio::spawn(async move { tokio::time::timeout(Duration::from_secs(20), connect).await })
+        .await
+    {
+        Err(e) if e.is_panic() => Some(
+            e.into_panic()
+                .downcast::<String>()
+                .map(|s| *s)
+                .or_else(|p| p.downcast::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default(),
+        ),
+        other => {
+            eprintln!("outcome: {other:?}");
+            None
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_consumer_with_a_rediss_url_does_not_panic() {
+    let started = Instant::now();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = format!("rediss://127.0.0.1:{port}/");
+    let panicked = panics(async move {
+        let idem = idem::Idempotency::new(idem::MemoryStore::new());
+        match idem::redis::streams::StreamConsumer::connect(&url, "s", "g", "c", idem).await {
+            Ok(_) => "connected".to_owned(),
+            Err(e) => e.to_string(),
+        }
+    })
+    .await;
+    println!(
+        "reliability scenario=redis-stream-consumer-rediss-provider backend=redis panicked={} duration_ms={}",
+        panicked.is_some(),
+        started.elapsed().as_millis()
+    );
+    if let Some(text) = panicked {
+        panic!("StreamConsumer::connect with a rediss:// URL panicked: {text}");
+    }
+}
