@@ -1106,6 +1106,10 @@ fn millis(d: Duration) -> u64 {
 /// The code of the scripts' error reply for an argument they refuse.
 const INVALID_CODE: &str = "IDEM_INVALID";
 
+/// The code of Redis's refusal of a write for want of good replicas
+/// (`min-replicas-to-write`).
+const NO_REPLICAS_CODE: &str = "NOREPLICAS";
+
 fn map_error(e: RedisError) -> StoreError {
     use redis::RetryMethod;
     if e.code() == Some(INVALID_CODE) {
@@ -1114,7 +1118,11 @@ fn map_error(e: RedisError) -> StoreError {
             detail: e.detail().unwrap_or("refused by the script").to_owned(),
         };
     }
-    let transient = e.is_io_error()
+    // A master under `min-replicas-to-write` without enough good
+    // replicas (one just promoted, a replica away) refuses writes until
+    // one is back: a passing condition, like `WAIT` falling short.
+    let transient = e.code() == Some(NO_REPLICAS_CODE)
+        || e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()

@@ -11,6 +11,7 @@ pub mod kafka;
 pub mod moto;
 pub mod pg;
 pub mod proxy;
+pub mod redis_replicas;
 pub mod redis_server;
 
 use std::net::TcpListener;
