@@ -33,8 +33,8 @@ use std::time::{Duration, Instant};
 
 use idem::redis::RedisStore;
 use idem::{
-    IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed,
-    Record, RecordState, StoreError,
+    IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed, Record,
+    RecordState, StoreError,
 };
 use support::redis_replicas::ReplicatedCluster;
 
@@ -42,9 +42,12 @@ const MESSAGES: u64 = 10_000;
 const WORKERS: usize = 64;
 const NODE_TIMEOUT: Duration = Duration::from_millis(1000);
 /// Longer than the outage (failover in 2-3 s, plus 2 s without a replica
-/// with `WAIT`), so a completion retried through it lands before anyone
-/// may take the key over.
-const LEASE: Duration = Duration::from_secs(10);
+/// with `WAIT`, plus a stalled client's 8 s, see `stall_watch`), so a
+/// completion retried through it lands before anyone may take the key over.
+const LEASE: Duration = Duration::from_secs(15);
+/// The executor retries a completion this long, then the delivery finishes
+/// it with the current client (a stalled one may have been replaced).
+const COMPLETE_RETRY: Duration = Duration::from_secs(4);
 const CALL_TIMEOUT: Duration = Duration::from_millis(500);
 const WAIT_TIMEOUT: Duration = Duration::from_millis(250);
 /// How long the promoted master runs without a replica (with `WAIT`)
@@ -105,6 +108,13 @@ struct Shared {
     restored_at: AtomicU64,
     /// First delivery of a killed-shard key served after the kill.
     served_after_kill: AtomicU64,
+    /// First execution of a killed-shard key after the kill.
+    executed_after_kill: AtomicU64,
+    /// Deliveries of killed-shard keys executed or replayed after the
+    /// promotion, before a replica was back (the whole rest of the run
+    /// without `WAIT`).
+    executed_without_replica: AtomicU64,
+    replayed_without_replica: AtomicU64,
     /// First and last `Unavailable` answer.
     first_unavailable: AtomicU64,
     last_unavailable: AtomicU64,
@@ -121,6 +131,12 @@ struct Shared {
     /// execution's value at the end.
     replays: Mutex<Vec<(u64, u64)>>,
     last_error: Mutex<String>,
+    /// When a delivery last got an answer from the servers (executed,
+    /// replayed, in progress).
+    last_success: AtomicU64,
+    /// Stalls of the whole cluster client (see `stall_watch`).
+    stalls: AtomicU64,
+    stalled_us: AtomicU64,
 }
 
 impl Shared {
@@ -140,6 +156,9 @@ impl Shared {
             promoted_at: AtomicU64::new(0),
             restored_at: AtomicU64::new(0),
             served_after_kill: AtomicU64::new(0),
+            executed_after_kill: AtomicU64::new(0),
+            executed_without_replica: AtomicU64::new(0),
+            replayed_without_replica: AtomicU64::new(0),
             first_unavailable: AtomicU64::new(u64::MAX),
             last_unavailable: AtomicU64::new(0),
             unavailable: AtomicU64::new(0),
@@ -151,6 +170,9 @@ impl Shared {
             failed: AtomicU64::new(0),
             replays: Mutex::new(Vec::new()),
             last_error: Mutex::new(String::new()),
+            last_success: AtomicU64::new(0),
+            stalls: AtomicU64::new(0),
+            stalled_us: AtomicU64::new(0),
         }
     }
 
@@ -200,11 +222,30 @@ impl Shared {
                 .push((msg, v));
         }
         let _ = self.done_at[i].compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
+        self.last_success.fetch_max(now, Ordering::SeqCst);
         let kill = self.kill_at.load(Ordering::SeqCst);
         if kill != 0 && now > kill && self.killed(msg) {
-            let _ = self
-                .served_after_kill
-                .compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
+            let _ =
+                self.served_after_kill
+                    .compare_exchange(0, now, Ordering::SeqCst, Ordering::SeqCst);
+            if executed {
+                let _ = self.executed_after_kill.compare_exchange(
+                    0,
+                    now,
+                    Ordering::SeqCst,
+                    Ordering::SeqCst,
+                );
+            }
+            let promoted = self.promoted_at.load(Ordering::SeqCst);
+            let restored = self.restored_at.load(Ordering::SeqCst);
+            if promoted != 0 && now > promoted && (restored == 0 || now < restored) {
+                let counter = if executed {
+                    &self.executed_without_replica
+                } else {
+                    &self.replayed_without_replica
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
         }
     }
 
@@ -217,7 +258,8 @@ impl Shared {
         self.first_unavailable.fetch_min(now, Ordering::SeqCst);
         self.last_unavailable.fetch_max(now, Ordering::SeqCst);
         if self.killed(msg) {
-            self.unavailable_killed_shard.fetch_add(1, Ordering::Relaxed);
+            self.unavailable_killed_shard
+                .fetch_add(1, Ordering::Relaxed);
             let promoted = self.promoted_at.load(Ordering::SeqCst);
             let restored = self.restored_at.load(Ordering::SeqCst);
             if promoted != 0 && now > promoted && (restored == 0 || now < restored) {
@@ -230,7 +272,12 @@ impl Shared {
 
 /// Delivers `msg` once; `true` when the delivery is over (executed or
 /// replayed), `false` when the broker must redeliver it.
-async fn deliver(idem: &Idempotency<dyn IdempotencyStore>, shared: &Arc<Shared>, msg: u64) -> bool {
+async fn deliver(
+    idem: &Idempotency<dyn IdempotencyStore>,
+    current: &Mutex<Idempotency<dyn IdempotencyStore>>,
+    shared: &Arc<Shared>,
+    msg: u64,
+) -> bool {
     let key = shared.key(msg);
     let ledger = &shared.ledger;
     let out = idem
@@ -250,6 +297,9 @@ async fn deliver(idem: &Idempotency<dyn IdempotencyStore>, shared: &Arc<Shared>,
         }
         Err(IdemError::InProgress { .. }) => {
             shared.in_progress.fetch_add(1, Ordering::Relaxed);
+            shared
+                .last_success
+                .fetch_max(shared.now(), Ordering::SeqCst);
             false
         }
         Err(IdemError::Store(StoreError::Unavailable(e))) => {
@@ -262,12 +312,14 @@ async fn deliver(idem: &Idempotency<dyn IdempotencyStore>, shared: &Arc<Shared>,
             shared.lease_lost.fetch_add(1, Ordering::Relaxed);
             false
         }
-        // The handler ran; the completion did not land within the lease:
-        // finished with the same lease, as a consumer does.
+        // The handler ran; the completion did not land within the retry
+        // budget: finished with the same lease (through the current
+        // client), as a consumer does.
         Err(IdemError::Unrecorded(u)) => {
             shared.unrecorded.fetch_add(1, Ordering::Relaxed);
             let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
             loop {
+                let idem = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
                 match idem.finish(&u).await {
                     Ok(()) => {
                         let v = serde_json::from_slice::<u64>(u.response())
@@ -313,7 +365,10 @@ async fn failover(
 ) -> Vec<u64> {
     let deadline = Instant::now() + STORM_DEADLINE;
     while (shared.attempted.load(Ordering::SeqCst) as f64) < planned as f64 * KILL_AT {
-        assert!(Instant::now() < deadline, "the storm never reached the kill point");
+        assert!(
+            Instant::now() < deadline,
+            "the storm never reached the kill point"
+        );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let c = cluster.clone();
@@ -350,9 +405,10 @@ async fn failover(
         (kill_at - 1) / 1000
     );
     let c = cluster.clone();
-    let waited = tokio::task::spawn_blocking(move || c.wait_promoted(replica, Duration::from_secs(30)))
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
+    let waited =
+        tokio::task::spawn_blocking(move || c.wait_promoted(replica, Duration::from_secs(30)))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
     shared.promoted_at.store(shared.now(), Ordering::SeqCst);
     eprintln!(
         "replica on port {} promoted {} ms after the kill",
@@ -364,10 +420,15 @@ async fn failover(
     // own (the storm's connection to that node may be blocked behind
     // WAITs, see the notes).
     let store: Arc<dyn IdempotencyStore> = Arc::new(
-        RedisStore::connect_cluster(cluster.urls().into_iter().filter(|u| *u != cluster.servers[master].url))
-            .await
-            .unwrap_or_else(|e| panic!("connect_cluster after the promotion: {e}"))
-            .call_timeout(CALL_TIMEOUT),
+        RedisStore::connect_cluster(
+            cluster
+                .urls()
+                .into_iter()
+                .filter(|u| *u != cluster.servers[master].url),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("connect_cluster after the promotion: {e}"))
+        .call_timeout(CALL_TIMEOUT),
     );
     let mut lost = Vec::new();
     let mut checked = 0;
@@ -422,6 +483,87 @@ async fn failover(
     lost
 }
 
+/// The storm's receiver: the store on the cluster (`wait`: its
+/// `wait_for_replicas`), a 10 s lease, in-progress deliveries rejected.
+async fn receiver(
+    urls: &[String],
+    wait: Option<(u32, Duration)>,
+    shared: &Shared,
+) -> Idempotency<dyn IdempotencyStore> {
+    let mut store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
+        .await
+        .unwrap_or_else(|e| panic!("connect_cluster: {e}"))
+        .call_timeout(CALL_TIMEOUT);
+    if let Some((replicas, timeout)) = wait {
+        store = store.wait_for_replicas(replicas, timeout);
+    }
+    assert_eq!(store.redis_key(&shared.key(7)), shared.redis_key(7));
+    let store: Arc<dyn IdempotencyStore> = Arc::new(store);
+    Idempotency::from_arc(store)
+        .lease(LEASE)
+        .complete_retry(COMPLETE_RETRY)
+        .on_in_progress(InProgressPolicy::Reject)
+}
+
+/// How long no delivery at all may get an answer (executed, replayed, in
+/// progress) before the client counts as stalled. (Other shards keep serving through a failover: a whole
+/// client with no answer for this long is not the failover.)
+const STALL: Duration = Duration::from_secs(8);
+
+/// Watches for a stalled cluster client: every call of every shard timing
+/// out for `STALL` while the servers answer. Seen in some runs with `WAIT`
+/// (see the notes): the `redis` crate's cluster connection stops
+/// answering at the kill and does not recover by itself. The storm then
+/// does what an application would have to: it makes a new client. Counted
+/// and reported (`client_stalls`, `client_stalled_ms`), never hidden.
+async fn stall_watch(
+    urls: Vec<String>,
+    wait: Option<(u32, Duration)>,
+    shared: Arc<Shared>,
+    current: Arc<Mutex<Idempotency<dyn IdempotencyStore>>>,
+) {
+    // The `Unavailable` count when the last answer came: a stall is no
+    // answer for `STALL` while calls keep failing (not the storm's tail,
+    // where a few deliveries wait out their completion retries).
+    let mut seen = (0, 0);
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let last = shared.last_success.load(Ordering::SeqCst);
+        let unavailable = shared.unavailable.load(Ordering::SeqCst);
+        if last != seen.0 {
+            seen = (last, unavailable);
+        }
+        let now = shared.now();
+        if now.saturating_sub(last) < STALL.as_micros() as u64
+            || unavailable < seen.1 + WORKERS as u64
+        {
+            continue;
+        }
+        eprintln!(
+            "CLIENT STALL: no delivery succeeded for {} ms (every call timed out); making a new cluster client",
+            (now - last) / 1000
+        );
+        let live: Vec<String> = urls.clone();
+        let idem = loop {
+            // A seed may be the killed node: try them all.
+            match RedisStore::connect_cluster(live.iter().map(String::as_str)).await {
+                Ok(_) => break receiver(&live, wait, &shared).await,
+                Err(e) => {
+                    eprintln!("connect_cluster while stalled: {e}");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        *current.lock().unwrap_or_else(|p| p.into_inner()) = idem;
+        let after = shared.now();
+        shared.stalls.fetch_add(1, Ordering::SeqCst);
+        shared
+            .stalled_us
+            .fetch_add(after.saturating_sub(last), Ordering::SeqCst);
+        shared.last_success.fetch_max(after, Ordering::SeqCst);
+    }
+}
+
 /// The figures of one run.
 struct Outcome {
     double_effects: usize,
@@ -458,20 +600,11 @@ async fn failover_storm(
         .await
         .unwrap_or_else(|e| panic!("{e}")),
     );
-    let mut store = RedisStore::connect_cluster(cluster.urls())
-        .await
-        .unwrap_or_else(|e| panic!("connect_cluster: {e}"))
-        .call_timeout(CALL_TIMEOUT);
-    if let Some((replicas, timeout)) = wait {
-        store = store.wait_for_replicas(replicas, timeout);
-    }
     let shared = Arc::new(Shared::new(format!("{:016x}", fastrand::u64(..))));
-    assert_eq!(store.redis_key(&shared.key(7)), shared.redis_key(7));
-    let store: Arc<dyn IdempotencyStore> = Arc::new(store);
-    let idem = Idempotency::from_arc(store.clone())
-        .lease(LEASE)
-        .complete_retry(Duration::from_secs(20))
-        .on_in_progress(InProgressPolicy::Reject);
+    let idem = receiver(&cluster.urls(), wait, &shared).await;
+    // The workers take the receiver from here for every delivery, so a
+    // stalled client can be replaced (see `stall_watch`).
+    let current = Arc::new(Mutex::new(idem));
 
     let mut deliveries: Vec<u64> = (0..MESSAGES)
         .flat_map(|m| std::iter::repeat_n(m, fastrand::usize(1..=8)))
@@ -487,13 +620,14 @@ async fn failover_storm(
     ));
     let workers: Vec<_> = (0..WORKERS)
         .map(|_| {
-            let (idem, shared, queue) = (idem.clone(), shared.clone(), queue.clone());
+            let (current, shared, queue) = (current.clone(), shared.clone(), queue.clone());
             tokio::spawn(async move {
                 loop {
                     let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
                     let Some(msg) = next else { break };
                     shared.attempted.fetch_add(1, Ordering::SeqCst);
-                    if !deliver(&idem, &shared, msg).await {
+                    let idem = current.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    if !deliver(&idem, &current, &shared, msg).await {
                         // Redelivered later, after a broker's short delay.
                         tokio::time::sleep(Duration::from_millis(2)).await;
                         queue
@@ -507,10 +641,59 @@ async fn failover_storm(
         .collect();
     let progress = {
         let shared = shared.clone();
+        let cluster = cluster.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(5)).await;
-                let done = shared.done_at.iter().filter(|d| d.load(Ordering::Relaxed) != 0).count();
+                let c = cluster.clone();
+                let clients = tokio::task::spawn_blocking(move || {
+                    (0..c.servers.len())
+                        .filter(|&i| c.is_alive(i))
+                        .map(|i| {
+                            let list =
+                                support::redis_replicas::query(c.servers[i].port, "CLIENT LIST");
+                            let info = support::redis_replicas::query(
+                                c.servers[i].port,
+                                "INFO replication",
+                            );
+                            let role = info
+                                .lines()
+                                .find(|l| l.starts_with("role:"))
+                                .unwrap_or("")
+                                .trim()
+                                .to_owned();
+                            let slaves = info
+                                .lines()
+                                .find(|l| l.starts_with("connected_slaves:"))
+                                .unwrap_or("")
+                                .trim()
+                                .to_owned();
+                            let blocked: Vec<String> = list
+                                .lines()
+                                .filter(|l| l.contains("flags=b") || l.contains("cmd=wait"))
+                                .map(|l| {
+                                    l.split_whitespace()
+                                        .filter(|f| {
+                                            f.starts_with("cmd=")
+                                                || f.starts_with("qbuf=")
+                                                || f.starts_with("flags=")
+                                                || f.starts_with("multi-mem")
+                                        })
+                                        .collect::<Vec<_>>()
+                                        .join(",")
+                                })
+                                .collect();
+                            format!("{}:{role}:{slaves}:{blocked:?}", c.servers[i].port)
+                        })
+                        .collect::<Vec<_>>()
+                })
+                .await;
+                eprintln!("clients: {clients:?}");
+                let done = shared
+                    .done_at
+                    .iter()
+                    .filter(|d| d.load(Ordering::Relaxed) != 0)
+                    .count();
                 eprintln!(
                     "progress at {} ms: attempted={} done={} unavailable={} in_progress={} lease_lost={} last_error={:?}",
                     shared.t0.elapsed().as_millis(),
@@ -524,6 +707,12 @@ async fn failover_storm(
             }
         })
     };
+    let watch = tokio::spawn(stall_watch(
+        cluster.urls(),
+        wait,
+        shared.clone(),
+        current.clone(),
+    ));
     // Joined together, so a failure of the fault task surfaces at once.
     let all = async {
         let storm = async {
@@ -549,6 +738,12 @@ async fn failover_storm(
             )
         });
     progress.abort();
+    watch.abort();
+    let store = current
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .store()
+        .clone();
     let storm_ms = started.elapsed().as_millis();
 
     // Every record, as the cluster has it at the end.
@@ -627,7 +822,10 @@ async fn failover_storm(
         ("killed_shard_messages", killed_shard.to_string()),
         ("deliveries", n(&shared.attempted)),
         ("unavailable", n(&shared.unavailable)),
-        ("unavailable_killed_shard", n(&shared.unavailable_killed_shard)),
+        (
+            "unavailable_killed_shard",
+            n(&shared.unavailable_killed_shard),
+        ),
         (
             "unavailable_after_promotion",
             n(&shared.unavailable_after_promotion),
@@ -635,6 +833,15 @@ async fn failover_storm(
         ("unavailable_window_ms", window_ms),
         ("promoted_after_ms", since_kill(&shared.promoted_at)),
         ("served_after_ms", since_kill(&shared.served_after_kill)),
+        ("executed_after_ms", since_kill(&shared.executed_after_kill)),
+        (
+            "executed_after_promotion",
+            n(&shared.executed_without_replica),
+        ),
+        (
+            "replayed_after_promotion",
+            n(&shared.replayed_without_replica),
+        ),
         ("replica_back_after_ms", since_kill(&shared.restored_at)),
         ("in_progress", n(&shared.in_progress)),
         ("lease_lost", n(&shared.lease_lost)),
@@ -648,6 +855,11 @@ async fn failover_storm(
         ),
         ("reexecuted_after_done", reexecuted.len().to_string()),
         ("replay_differs", replay_differs.to_string()),
+        ("client_stalls", n(&shared.stalls)),
+        (
+            "client_stalled_ms",
+            (shared.stalled_us.load(Ordering::SeqCst) / 1000).to_string(),
+        ),
         ("storm_ms", storm_ms.to_string()),
     ];
     let mut line = "reliability scenario=cluster-master-killed backend=redis-cluster".to_owned();
@@ -690,8 +902,14 @@ async fn failover_storm(
 async fn master_killed_without_wait() {
     let o = failover_storm("no-wait", None, false).await;
     assert_eq!(o.never_executed, 0, "no-wait: messages never executed");
-    assert_eq!(o.not_completed_at_end, 0, "no-wait: records not completed at the end");
-    assert_eq!(o.lost_completions, 0, "no-wait: completions missing at the end");
+    assert_eq!(
+        o.not_completed_at_end, 0,
+        "no-wait: records not completed at the end"
+    );
+    assert_eq!(
+        o.lost_completions, 0,
+        "no-wait: completions missing at the end"
+    );
 }
 
 /// `wait_for_replicas(1, 250 ms)`: nothing acknowledged is lost by the
@@ -739,13 +957,25 @@ async fn noreplicas_is_unavailable() {
 
 fn assert_wait_outcome(o: Outcome) {
     assert_eq!(o.never_executed, 0, "wait-1: messages never executed");
-    assert_eq!(o.not_completed_at_end, 0, "wait-1: records not completed at the end");
-    assert_eq!(o.lost_completions, 0, "wait-1: completions missing at the end");
+    assert_eq!(
+        o.not_completed_at_end, 0,
+        "wait-1: records not completed at the end"
+    );
+    assert_eq!(
+        o.lost_completions, 0,
+        "wait-1: completions missing at the end"
+    );
     assert_eq!(
         o.completions_lost_at_failover, 0,
         "wait-1: completions acknowledged before the kill and lost by the failover"
     );
-    assert_eq!(o.reexecuted_after_done, 0, "wait-1: messages executed after being told done");
+    assert_eq!(
+        o.reexecuted_after_done, 0,
+        "wait-1: messages executed after being told done"
+    );
     assert_eq!(o.double_effects, 0, "wait-1: messages with a double effect");
-    assert_eq!(o.replay_differs, 0, "wait-1: replays that differ from the recorded result");
+    assert_eq!(
+        o.replay_differs, 0,
+        "wait-1: replays that differ from the recorded result"
+    );
 }

@@ -36,7 +36,11 @@
 //!   narrows that window (`WAIT n ms` after each acquire and completion, one
 //!   more round trip each; an acquisition whose `WAIT` fails, or outlasts
 //!   its lease, is released, so its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
-//!   as its source of truth, closes it.
+//!   as its source of truth, closes it. With `WAIT`, set
+//!   `min-replicas-to-write` on the servers too: a master without enough
+//!   replicas (a replica just promoted) then refuses writes at once
+//!   (`NOREPLICAS`, answered [`StoreError::Unavailable`]) instead of each
+//!   write waiting out its `WAIT` on the shared connection.
 //! - **Timeouts**: every call is bounded by the store's settings
 //!   ([`RedisStore::call_timeout`], and for `WAIT` its timeout on top), not by
 //!   a response timeout fixed when the connection was made; `connect` and
@@ -398,6 +402,23 @@ where
     /// done and waits again. `timeout` is saturated to
     /// [`MAX_DURATION`](idem_core::MAX_DURATION), and a zero one is taken
     /// as 1 ms (Redis reads `WAIT n 0` as "wait forever").
+    ///
+    /// **While a master has fewer replicas than `replicas`** (one just
+    /// promoted by a failover has none), every write to its slots fails
+    /// with `Unavailable` until a replica is back: with one replica per
+    /// master, a failover makes `wait_for_replicas(1, ..)` refuse that
+    /// shard's writes until the old master (or a new node) rejoins as its
+    /// replica. Give each master two replicas to stay writable through
+    /// one failover. And `WAIT` blocks the connection it is sent on until
+    /// it returns: on the multiplexed connection, every call to that node
+    /// (replays and reads too) queues behind `WAIT`s that each last their
+    /// full timeout, and an acquisition that ran on the server after its
+    /// caller gave up holds its key until its lease ends. Set
+    /// `min-replicas-to-write` to the same `replicas` on the servers: a
+    /// master without enough replicas then refuses writes at once
+    /// (`NOREPLICAS`, answered [`StoreError::Unavailable`]), and replays
+    /// and reads keep working (figures in the repository's RELIABILITY.md,
+    /// `tests/failover_redis.rs`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));
         self

@@ -75,7 +75,9 @@ impl ReplicatedCluster {
             .args(["--cluster-replicas", "1", "--cluster-yes"])
             .output()
             .unwrap_or_else(|e| {
-                panic!("cannot run redis-cli: {e}. Install it with `apt-get install -y redis-server`")
+                panic!(
+                    "cannot run redis-cli: {e}. Install it with `apt-get install -y redis-server`"
+                )
             });
         if !out.status.success() {
             panic!(
@@ -121,7 +123,10 @@ impl ReplicatedCluster {
 
     /// The hash slot of `key` (`CLUSTER KEYSLOT`).
     pub fn slot_of(&self, key: &str) -> u16 {
-        let reply = query(self.servers[self.first_alive()].port, &format!("CLUSTER KEYSLOT {key}"));
+        let reply = query(
+            self.servers[self.first_alive()].port,
+            &format!("CLUSTER KEYSLOT {key}"),
+        );
         reply
             .trim()
             .parse()
@@ -180,7 +185,9 @@ impl ReplicatedCluster {
         let started = Instant::now();
         let port = self.servers[replica].port;
         loop {
-            let live: Vec<usize> = (0..self.servers.len()).filter(|&i| self.is_alive(i)).collect();
+            let live: Vec<usize> = (0..self.servers.len())
+                .filter(|&i| self.is_alive(i))
+                .collect();
             let promoted = live.iter().all(|&via| {
                 self.nodes(via)
                     .iter()
@@ -218,10 +225,15 @@ impl ReplicatedCluster {
 
     /// Why the cluster is not healthy yet, or `None`.
     fn unhealthy(&self) -> Option<String> {
-        let live: Vec<usize> = (0..self.servers.len()).filter(|&i| self.is_alive(i)).collect();
+        let live: Vec<usize> = (0..self.servers.len())
+            .filter(|&i| self.is_alive(i))
+            .collect();
         for &i in &live {
             if !query(self.servers[i].port, "CLUSTER INFO").contains("cluster_state:ok") {
-                return Some(format!("node {} is not cluster_state:ok", self.servers[i].port));
+                return Some(format!(
+                    "node {} is not cluster_state:ok",
+                    self.servers[i].port
+                ));
             }
         }
         let view = self.nodes(live[0]);
@@ -237,7 +249,10 @@ impl ReplicatedCluster {
                 return Some(format!("master {} is not a live node", m.port));
             };
             let info = query(self.servers[i].port, "INFO replication");
-            if !info.lines().any(|l| l.starts_with("slave") && l.contains("state=online")) {
+            if !info
+                .lines()
+                .any(|l| l.starts_with("slave") && l.contains("state=online"))
+            {
                 return Some(format!("master {} has no online replica", m.port));
             }
         }
