@@ -36,7 +36,11 @@
 //!   narrows that window (`WAIT n ms` after each acquire and completion, one
 //!   more round trip each; an acquisition whose `WAIT` fails, or outlasts
 //!   its lease, is released, so its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
-//!   as its source of truth, closes it.
+//!   as its source of truth, closes it. With `WAIT`, set
+//!   `min-replicas-to-write` on the servers too: a master without enough
+//!   replicas (a replica just promoted) then refuses writes at once
+//!   (`NOREPLICAS`, answered [`StoreError::Unavailable`]) instead of each
+//!   write waiting out its `WAIT` on the shared connection.
 //! - **Timeouts**: every call is bounded by the store's settings
 //!   ([`RedisStore::call_timeout`], and for `WAIT` its timeout on top), not by
 //!   a response timeout fixed when the connection was made; `connect` and
@@ -561,6 +565,23 @@ where
     /// done and waits again. `timeout` is saturated to
     /// [`MAX_DURATION`](idem_core::MAX_DURATION), and a zero one is taken
     /// as 1 ms (Redis reads `WAIT n 0` as "wait forever").
+    ///
+    /// **While a master has fewer replicas than `replicas`** (one just
+    /// promoted by a failover has none), every write to its slots fails
+    /// with `Unavailable` until a replica is back: with one replica per
+    /// master, a failover makes `wait_for_replicas(1, ..)` refuse that
+    /// shard's writes until the old master (or a new node) rejoins as its
+    /// replica. Give each master two replicas to stay writable through
+    /// one failover. And `WAIT` blocks the connection it is sent on until
+    /// it returns: on the multiplexed connection, every call to that node
+    /// (replays and reads too) queues behind `WAIT`s that each last their
+    /// full timeout, and an acquisition that ran on the server after its
+    /// caller gave up holds its key until its lease ends. Set
+    /// `min-replicas-to-write` to the same `replicas` on the servers: a
+    /// master without enough replicas then refuses writes at once
+    /// (`NOREPLICAS`, answered [`StoreError::Unavailable`]), and replays
+    /// and reads keep working (figures in the repository's RELIABILITY.md,
+    /// `tests/failover_redis.rs`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));
         self
@@ -1274,6 +1295,10 @@ fn millis(d: Duration) -> u64 {
 /// The code of the scripts' error reply for an argument they refuse.
 const INVALID_CODE: &str = "IDEM_INVALID";
 
+/// The code of Redis's refusal of a write for want of good replicas
+/// (`min-replicas-to-write`).
+const NO_REPLICAS_CODE: &str = "NOREPLICAS";
+
 fn map_error(e: RedisError) -> StoreError {
     if e.code() == Some(INVALID_CODE) {
         // A script refused an argument before writing anything.
@@ -1294,10 +1319,14 @@ fn map_error(e: RedisError) -> StoreError {
 }
 
 /// Whether trying again later can succeed: a connection refused, dropped
-/// or timed out, a cluster redirection or reconfiguration.
+/// or timed out, a cluster redirection or reconfiguration, or a master
+/// under `min-replicas-to-write` without enough good replicas (one just
+/// promoted, a replica away), which refuses writes until one is back: a
+/// passing condition, like `WAIT` falling short.
 fn is_transient(e: &RedisError) -> bool {
     use redis::RetryMethod;
-    e.is_io_error()
+    e.code() == Some(NO_REPLICAS_CODE)
+        || e.is_io_error()
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()

@@ -13,6 +13,7 @@ pub mod netns;
 pub mod pg;
 pub mod pg_replica;
 pub mod proxy;
+pub mod redis_replicas;
 pub mod redis_server;
 
 use std::net::TcpListener;

@@ -52,7 +52,8 @@ impl RedisServer {
         Self::start_on(super::free_port(), extra)
     }
 
-    fn start_on(port: u16, extra: &[&str]) -> RedisServer {
+    /// Starts redis-server on `port` with `extra` arguments.
+    pub fn start_on(port: u16, extra: &[&str]) -> RedisServer {
         let dir = super::temp_dir("redis");
         let mut args: Vec<String> = vec![
             "--port".into(),
@@ -172,7 +173,7 @@ fn wait_until_ready(port: u16) {
 }
 
 /// A port whose cluster bus port (port + 10000) is free too.
-fn cluster_port() -> u16 {
+pub fn cluster_port() -> u16 {
     for _ in 0..1000 {
         let port = super::free_port();
         if port < 55_000 && std::net::TcpListener::bind(("127.0.0.1", port + 10_000)).is_ok() {
