@@ -128,9 +128,7 @@ async fn failover_moves_back_to_an_old_primary_that_came_back() {
     while during.is_none() && Instant::now() < deadline {
         match store.acquire(&probe, None, Duration::from_secs(60)).await {
             Ok(a) => during = Some(a),
-            Err(StoreError::Unavailable(_)) => {
-                tokio::time::sleep(Duration::from_millis(50)).await
-            }
+            Err(StoreError::Unavailable(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
             Err(e) => panic!("acquire failed with a non-retryable error: {e:?}"),
         }
     }
@@ -172,6 +170,17 @@ async fn failover_moves_back_to_an_old_primary_that_came_back() {
         failover.current(),
         failover.switches()
     );
+    // A fresh process given both servers (the old primary first) while
+    // both are up takes the promoted one: the highest timeline.
+    let fresh = Failover::new([&pair.primary_url, &pair.standby_url])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let fresh_pool = fresh.connect().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        fresh.current(),
+        new_primary,
+        "a fresh search took the old primary: {fresh:?}"
+    );
+    fresh_pool.close().await;
 }
 
 /// Finding: "The watcher ends when every `Failover` clone and every store

@@ -609,10 +609,7 @@ impl Shared {
             if self.suspect.load(Ordering::SeqCst) {
                 if let Err((e, retryable)) = self.find().await {
                     return Err(if retryable {
-                        sqlx::Error::Io(std::io::Error::new(
-                            std::io::ErrorKind::NotConnected,
-                            e,
-                        ))
+                        sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::NotConnected, e))
                     } else {
                         sqlx::Error::Configuration(Box::new(e))
                     });
@@ -697,7 +694,10 @@ async fn probe(
     timeout: Duration,
 ) -> Result<(PgConnection, Role), (String, bool)> {
     let attempt = async {
-        let mut conn = options.connect().await.map_err(|e| crate::connect_failure(&e))?;
+        let mut conn = options
+            .connect()
+            .await
+            .map_err(|e| crate::connect_failure(&e))?;
         match role(&mut conn).await {
             Ok(role) => Ok((conn, role)),
             Err(e) => Err((e.to_string(), true)),
