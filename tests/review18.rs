@@ -172,8 +172,8 @@ async fn failover_moves_back_to_an_old_primary_that_came_back() {
     );
     // A fresh process given both servers (the old primary first) while
     // both are up takes the promoted one: the highest timeline.
-    let fresh = Failover::new([&pair.primary_url, &pair.standby_url])
-        .unwrap_or_else(|e| panic!("{e}"));
+    let fresh =
+        Failover::new([&pair.primary_url, &pair.standby_url]).unwrap_or_else(|e| panic!("{e}"));
     let fresh_pool = fresh.connect().await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(
         fresh.current(),
