@@ -28,18 +28,22 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 /// PostgreSQL's own clients do this with several hosts and
 /// `target_session_attrs=read-write`; sqlx 0.9 takes one host. A
 /// `Failover` takes several URLs (same database, same credentials or not)
-/// and, each time it needs a server, **searches** them: the server in use
-/// first, then the others in the order given; the first that answers
-/// that it takes read-write transactions (`pg_is_in_recovery()` false and
-/// `transaction_read_only` off, libpq's test for `read-write`) within
-/// [`probe_timeout`](Self::probe_timeout) is the one used. Every pool it
-/// opens ([`connect_with`](Self::connect_with)), and every [`PgStore`](crate::PgStore)
-/// built with it ([`PgStoreBuilder::failover`]), then connects there:
+/// and, each time it needs a server, **searches** them: it probes every
+/// server at once, each within [`probe_timeout`](Self::probe_timeout)
+/// (so a search takes as long as the slowest answer, at most that
+/// timeout), and uses, among those that answer that they take read-write
+/// transactions (`pg_is_in_recovery()` false and `transaction_read_only`
+/// off, libpq's test for `read-write`), the one on the **highest
+/// timeline**; on a tie, the one in use, then the first in the order
+/// given. Every pool it opens ([`connect_with`](Self::connect_with)), and
+/// every [`PgStore`](crate::PgStore) built with it
+/// ([`PgStoreBuilder::failover`]), then connects there:
 ///
 /// - **every new connection is checked**: the pool's and the store's own
 ///   connections run that check when they are opened, and one to a
 ///   read-only server (a standby, a demoted primary, a server with
-///   `default_transaction_read_only = on`) is closed and never used;
+///   `default_transaction_read_only = on`) or to a former primary (below)
+///   is closed and never used;
 /// - **a server that fails is left**: when a store call loses its
 ///   connection (the primary was killed, the network failed), or a
 ///   statement is refused as read-only (SQLSTATE 25006, a server that
@@ -55,7 +59,35 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 ///   search finds, and a watcher task checks the server in use every
 ///   [`check_interval`](Self::check_interval) (and at once when a
 ///   connection saw it fail), so a transaction begun on the pool after a
-///   failover reaches the new primary even if no store call noticed it.
+///   failover reaches the new primary even if no store call noticed it;
+///   after a move, a connection the pool (or the store) opened before it
+///   is closed instead of being handed out again, since it may be on the
+///   server left.
+///
+/// **Never back to a former primary.** A promotion starts a new timeline
+/// (the standby's history forks from the old primary's). The `Failover`
+/// reads the timeline of every writable server it checks (the one of its
+/// WAL insert position: `pg_walfile_name(pg_current_wal_lsn())`, exact at
+/// once after a promotion) and keeps the highest it has seen; a writable
+/// server on a lower timeline is refused ([`NoWritableServer`] says "a
+/// former primary on timeline X < Y"). This is the old primary that comes
+/// back writable after a failover (a host reboot that starts it from its
+/// old data directory): a record completed on the new primary is not
+/// there, so using it would run a handler twice. Calls fail with
+/// `Unavailable` rather than go there, until a server on the highest
+/// timeline answers again. Because a search probes every server, a new
+/// process given both (in any order) picks the promoted one when both
+/// answer. What this cannot tell: a process (a fresh start, or a new
+/// `Failover`) that reaches **only** the old primary takes it (it has
+/// seen no higher timeline); a standby promoted while the primary in use
+/// stays writable and reachable (no fencing: a split brain) is not noticed
+/// until that primary fails or is refused; two servers on the same
+/// timeline number with different histories (two standbys both promoted)
+/// are not told apart; and a cluster restored from a backup or rebuilt
+/// onto a lower timeline is refused by a running `Failover` (make a new
+/// one, or restart the process). Fence the old primary (stop it, or make
+/// it a standby of the new one: `pg_rewind`) as your failover manager
+/// should.
 ///
 /// The promotion itself is not the store's job: it is your failover
 /// manager's (Patroni, pg_auto_failover, a cloud service, `pg_ctl
@@ -87,10 +119,20 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 /// ```
 ///
 /// `connect_with` replaces the pool options' `after_connect` callback with
-/// the check above: put per-connection settings in the URLs instead
+/// the check above, and their `before_acquire` callback with the one that
+/// closes connections opened before a move (sqlx offers no way to call
+/// yours from ours): put per-connection settings in the URLs instead
 /// (`?options=-c%20search_path%3Dapp`). Cloning a `Failover` shares it.
-/// The watcher ends when every `Failover` clone and every store built with
-/// it is dropped.
+///
+/// **Lifetimes.** The watcher ends as soon as every `Failover` clone and
+/// every store built with it is dropped, and closes its connection. A
+/// pool opened by `connect_with` (or given to
+/// [`PgStoreBuilder::failover`]) is held by the `Failover`, which points
+/// it at each new server, **until the pool is closed**: sqlx has no weak
+/// pool handle, so a `Failover` cannot tell that you dropped your last
+/// handle of a pool. Close a pool you are done with (`pool.close().await`)
+/// while the `Failover` lives on; dropped without closing, it stays open,
+/// with its connections, as long as the `Failover` does.
 #[derive(Clone)]
 pub struct Failover {
     shared: Arc<Shared>,
@@ -102,17 +144,20 @@ impl std::fmt::Debug for Failover {
             .field("servers", &self.shared.names)
             .field("current", &self.current())
             .field("switches", &self.switches())
+            .field("timeline", &self.timeline())
+            .field("pools", &self.shared.pool_count())
             .finish()
     }
 }
 
 /// No server of a [`Failover`] accepted writes: every one refused the
-/// connection, did not answer within the probe timeout, or is read-only
+/// connection, did not answer within the probe timeout, is read-only
 /// (in recovery: a standby not promoted yet; or
-/// `default_transaction_read_only = on`). Comes as the source of
+/// `default_transaction_read_only = on`), or is a former primary (on a
+/// timeline lower than the highest seen). Comes as the source of
 /// [`StoreError::Unavailable`] (retryable), or of [`StoreError::Backend`]
-/// if every server refused the credentials or the database (no retry
-/// helps).
+/// if every server refused the credentials, the database or the TLS
+/// settings (no retry helps).
 #[derive(Debug, thiserror::Error)]
 #[error("no writable PostgreSQL server among {}", .tried.join("; "))]
 pub struct NoWritableServer {
@@ -129,18 +174,39 @@ pub(crate) struct Shared {
     /// connection is opened after a search.
     suspect: AtomicBool,
     search: tokio::sync::Mutex<SearchState>,
+    /// The pools to point at the server in use; closed ones are let go.
     pools: Mutex<Vec<PgPool>>,
     probe_timeout_us: AtomicU64,
     check_interval_us: AtomicU64,
     switches: AtomicU64,
+    /// When the last move to another server was made (the pools' idle
+    /// connections opened before it are not handed out).
+    switched_at: Mutex<Option<std::time::Instant>>,
+    /// The highest timeline seen on a writable server (0: none yet).
+    timeline: AtomicU64,
     wake: Arc<tokio::sync::Notify>,
     watcher: AtomicBool,
+}
+
+impl Drop for Shared {
+    /// The last handle is gone: the watcher ends now, not at its next tick.
+    fn drop(&mut self) {
+        self.wake.notify_one();
+    }
 }
 
 #[derive(Default)]
 struct SearchState {
     /// When the last search found no writable server, and what it saw.
     failed: Option<(Instant, Vec<String>, bool)>,
+}
+
+/// What a server said about itself.
+struct Role {
+    /// In recovery, or read-only transactions by default.
+    read_only: bool,
+    /// The timeline of its WAL insert position (a writable server only).
+    timeline: Option<u64>,
 }
 
 impl Failover {
@@ -183,6 +249,8 @@ impl Failover {
                 probe_timeout_us: AtomicU64::new(micros(DEFAULT_PROBE_TIMEOUT)),
                 check_interval_us: AtomicU64::new(micros(DEFAULT_CHECK_INTERVAL)),
                 switches: AtomicU64::new(0),
+                switched_at: Mutex::new(None),
+                timeline: AtomicU64::new(0),
                 wake: Arc::new(tokio::sync::Notify::new()),
                 watcher: AtomicBool::new(false),
             }),
@@ -190,7 +258,7 @@ impl Failover {
     }
 
     /// How long one server may take to accept a connection and answer
-    /// whether it takes writes before the search moves on to the next
+    /// whether it takes writes before the search gives up on it
     /// (default [`DEFAULT_PROBE_TIMEOUT`], 5 s; at least 1 ms). A server
     /// that refuses connections is passed at once.
     pub fn probe_timeout(self, timeout: Duration) -> Self {
@@ -222,26 +290,40 @@ impl Failover {
     /// Searches the servers for the writable one and opens a pool there
     /// that checks every new connection and follows the writable server
     /// (see the type's documentation). The pool options' `after_connect`
-    /// is replaced by the check. Fails fast, as [`connect`](crate::connect)
-    /// does, if no server accepts writes: [`StoreError::Unavailable`] with
-    /// [`NoWritableServer`], or [`StoreError::Backend`] if every server
-    /// refused the credentials or the database.
+    /// and `before_acquire` are replaced. Fails fast, as
+    /// [`connect`](crate::connect) does, if no server accepts writes:
+    /// [`StoreError::Unavailable`] with [`NoWritableServer`], or
+    /// [`StoreError::Backend`] if every server refused the credentials,
+    /// the database or the TLS settings.
     pub async fn connect_with(&self, options: PgPoolOptions) -> Result<PgPool, StoreError> {
         self.shared.suspect.store(true, Ordering::SeqCst);
         let index = self.shared.search().await?;
         let weak = Arc::downgrade(&self.shared);
-        let options = options.after_connect(move |conn, _meta| {
-            let weak = weak.clone();
-            Box::pin(async move {
-                if in_recovery(conn).await? {
-                    if let Some(shared) = weak.upgrade() {
-                        shared.suspect();
+        let on_acquire = weak.clone();
+        let options = options
+            .after_connect(move |conn, _meta| {
+                let weak = weak.clone();
+                Box::pin(async move {
+                    let role = role(conn).await?;
+                    match weak.upgrade() {
+                        Some(shared) => {
+                            if let Err(why) = shared.accept(&role) {
+                                shared.suspect();
+                                return Err(refused_error(why));
+                            }
+                        }
+                        None if role.read_only => return Err(refused_error(READ_ONLY.to_owned())),
+                        None => {}
                     }
-                    return Err(read_only_error());
-                }
-                Ok(())
+                    Ok(())
+                })
             })
-        });
+            .before_acquire(move |_conn, meta| {
+                let keep = on_acquire
+                    .upgrade()
+                    .is_none_or(|shared| !shared.opened_before_switch(meta.age));
+                Box::pin(async move { Ok(keep) })
+            });
         let pool = options
             .connect_with(self.shared.servers[index].clone())
             .await
@@ -258,7 +340,14 @@ impl Failover {
 
     /// How many times a search moved to another server.
     pub fn switches(&self) -> u64 {
-        self.shared.switches.load(Ordering::SeqCst)
+        self.shared.switch_count()
+    }
+
+    /// The highest timeline seen on a writable server (0 before the first
+    /// search): a writable server on a lower one is a former primary and
+    /// is never used.
+    pub fn timeline(&self) -> u64 {
+        self.shared.timeline.load(Ordering::SeqCst)
     }
 
     pub(crate) fn shared(&self) -> Arc<Shared> {
@@ -279,10 +368,10 @@ impl Failover {
                     Some(shared) => {
                         Duration::from_micros(shared.check_interval_us.load(Ordering::SeqCst))
                     }
-                    None => return,
+                    None => break,
                 };
                 let _ = tokio::time::timeout(wait, wake.notified()).await;
-                let Some(shared) = weak.upgrade() else { return };
+                let Some(shared) = weak.upgrade() else { break };
                 if shared.suspect.load(Ordering::SeqCst) {
                     conn = None;
                     let _ = shared.search().await;
@@ -295,21 +384,26 @@ impl Failover {
                 let timeout = shared.probe_timeout();
                 let ok = match conn.as_mut() {
                     Some((_, c)) => matches!(
-                        tokio::time::timeout(timeout, in_recovery(c)).await,
-                        Ok(Ok(false))
+                        tokio::time::timeout(timeout, role(c)).await,
+                        Ok(Ok(r)) if shared.accept(&r).is_ok()
                     ),
-                    None => match shared.probe(current, timeout).await {
-                        Ok(c) => {
+                    None => match probe(shared.servers[current].clone(), timeout).await {
+                        Ok((c, r)) if shared.accept(&r).is_ok() => {
                             conn = Some((current, c));
                             true
                         }
-                        Err(_) => false,
+                        _ => false,
                     },
                 };
                 if !ok {
                     conn = None;
                     shared.suspect();
                 }
+            }
+            // Every Failover and store is gone: so is the watcher's
+            // connection (a clean goodbye if the server answers at once).
+            if let Some((_, c)) = conn {
+                let _ = tokio::time::timeout(Duration::from_secs(1), c.close()).await;
             }
         });
     }
@@ -318,6 +412,45 @@ impl Failover {
 impl Shared {
     fn probe_timeout(&self) -> Duration {
         Duration::from_micros(self.probe_timeout_us.load(Ordering::SeqCst))
+    }
+
+    pub(crate) fn switch_count(&self) -> u64 {
+        self.switches.load(Ordering::SeqCst)
+    }
+
+    fn pool_list(&self) -> std::sync::MutexGuard<'_, Vec<PgPool>> {
+        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        // A closed pool opens no connection again: let it go.
+        pools.retain(|p| !p.is_closed());
+        pools
+    }
+
+    fn pool_count(&self) -> usize {
+        self.pool_list().len()
+    }
+
+    /// Whether a pool connection `age` old was opened before the last
+    /// move to another server (so it may be on the server left).
+    fn opened_before_switch(&self, age: Duration) -> bool {
+        self.switched_at
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some_and(|at| age > at.elapsed())
+    }
+
+    /// Whether a server that said `role` may be used: writable, and not
+    /// on a timeline lower than the highest seen (a former primary). The
+    /// highest timeline is raised to its own.
+    fn accept(&self, role: &Role) -> Result<(), String> {
+        if role.read_only {
+            return Err(READ_ONLY.to_owned());
+        }
+        let timeline = role.timeline.unwrap_or(0);
+        let highest = self.timeline.fetch_max(timeline, Ordering::SeqCst);
+        if timeline < highest {
+            return Err(former_primary(timeline, highest));
+        }
+        Ok(())
     }
 
     /// The server in use may have failed: search before the next
@@ -332,7 +465,7 @@ impl Shared {
 
     /// Points `pool` (and later searches) at the server in use.
     pub(crate) fn register(&self, pool: &PgPool) {
-        let mut pools = self.pools.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pools = self.pool_list();
         if !pools
             .iter()
             .any(|p| Arc::ptr_eq(&p.connect_options(), &pool.connect_options()))
@@ -342,34 +475,10 @@ impl Shared {
         }
     }
 
-    /// A connection to server `index` that accepts writes.
-    /// Fails with what happened and whether a retry may resolve it.
-    async fn probe(&self, index: usize, timeout: Duration) -> Result<PgConnection, (String, bool)> {
-        let attempt = async {
-            let mut conn = self.servers[index]
-                .connect()
-                .await
-                .map_err(|e| (e.to_string(), crate::map_error_kind(&e) || transient(&e)))?;
-            match in_recovery(&mut conn).await {
-                Ok(false) => Ok(conn),
-                Ok(true) => Err((
-                    "read-only (in recovery: a standby; or default_transaction_read_only)"
-                        .to_owned(),
-                    true,
-                )),
-                Err(e) => Err((e.to_string(), true)),
-            }
-        };
-        match tokio::time::timeout(timeout, attempt).await {
-            Ok(result) => result,
-            Err(_) => Err((format!("no answer within {timeout:?}"), true)),
-        }
-    }
-
     /// If a connection saw the server in use fail, searches the servers
-    /// (the one in use first, then the others in order) for one that
-    /// accepts writes and points every pool there. One search at a time;
-    /// callers that waited for another's search take its result.
+    /// (every one at once) for the writable one on the highest timeline
+    /// and points every pool there. One search at a time; callers that
+    /// waited for another's search take its result.
     pub(crate) async fn search(&self) -> Result<usize, StoreError> {
         self.find().await.map_err(|(e, retryable)| {
             if retryable {
@@ -397,40 +506,99 @@ impl Shared {
         }
         let timeout = self.probe_timeout();
         let start = self.current.load(Ordering::SeqCst);
-        let order = std::iter::once(start).chain((0..self.servers.len()).filter(|&i| i != start));
-        let mut tried = Vec::new();
-        let mut retryable = false;
-        for index in order {
-            match self.probe(index, timeout).await {
-                Ok(conn) => {
-                    let _ = conn.close().await;
-                    if index != start {
-                        self.switches.fetch_add(1, Ordering::SeqCst);
-                        tracing::warn!(from = %self.names[start], to = %self.names[index],
-                            "PostgreSQL failover: the store now uses another server");
-                    }
-                    self.current.store(index, Ordering::SeqCst);
-                    for pool in self.pools.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-                        pool.set_connect_options(self.servers[index].clone());
-                    }
-                    self.suspect.store(false, Ordering::SeqCst);
-                    state.failed = None;
-                    return Ok(index);
-                }
-                Err((cause, may_pass)) => {
-                    retryable |= may_pass;
-                    tried.push(format!("{}: {cause}", self.names[index]));
-                }
+        // Every server at once, so a search takes the slowest answer (at
+        // most the probe timeout), not their sum.
+        let mut probes = tokio::task::JoinSet::new();
+        for (index, options) in self.servers.iter().enumerate() {
+            let options = options.clone();
+            probes.spawn(async move { (index, probe(options, timeout).await) });
+        }
+        let mut answers: Vec<Option<_>> = (0..self.servers.len()).map(|_| None).collect();
+        while let Some(joined) = probes.join_next().await {
+            if let Ok((index, answer)) = joined {
+                answers[index] = Some(answer);
             }
         }
-        state.failed = Some((Instant::now(), tried.clone(), retryable));
-        Err((NoWritableServer { tried }, retryable))
+        let highest = self.timeline.load(Ordering::SeqCst);
+        let mut tried = Vec::new();
+        let mut retryable = false;
+        let mut writable: Vec<(usize, u64)> = Vec::new();
+        let mut conns = Vec::new();
+        for (index, answer) in answers.into_iter().enumerate() {
+            let cause = match answer {
+                None => {
+                    retryable = true;
+                    "the probe did not finish".to_owned()
+                }
+                Some(Err((cause, may_pass))) => {
+                    retryable |= may_pass;
+                    cause
+                }
+                Some(Ok((conn, role))) => {
+                    conns.push(conn);
+                    retryable = true;
+                    let timeline = role.timeline.unwrap_or(0);
+                    if role.read_only {
+                        READ_ONLY.to_owned()
+                    } else if timeline < highest {
+                        former_primary(timeline, highest)
+                    } else {
+                        writable.push((index, timeline));
+                        continue;
+                    }
+                }
+            };
+            tried.push(format!("{}: {cause}", self.names[index]));
+        }
+        // The probes' connections are not needed: close them aside.
+        tokio::spawn(async move {
+            for conn in conns {
+                let _ = tokio::time::timeout(timeout, conn.close()).await;
+            }
+        });
+        // The highest timeline; on a tie the one in use, then the first.
+        let best = writable
+            .iter()
+            .copied()
+            .max_by_key(|&(index, timeline)| (timeline, index == start, std::cmp::Reverse(index)));
+        let Some((index, timeline)) = best else {
+            for line in &tried {
+                tracing::debug!(server = %line, "PostgreSQL failover search: not writable");
+            }
+            state.failed = Some((Instant::now(), tried.clone(), retryable));
+            return Err((NoWritableServer { tried }, retryable));
+        };
+        for &(other, other_timeline) in writable.iter().filter(|(i, _)| *i != index) {
+            tracing::warn!(server = %self.names[other], timeline = other_timeline,
+                used = %self.names[index], used_timeline = timeline,
+                "another PostgreSQL server accepts writes too (a former primary not fenced?); not used");
+        }
+        self.timeline.fetch_max(timeline, Ordering::SeqCst);
+        for pool in self.pool_list().iter() {
+            pool.set_connect_options(self.servers[index].clone());
+        }
+        if index != start {
+            // After the pools were pointed away: a connection opened
+            // since is on the new server.
+            *self.switched_at.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(std::time::Instant::now());
+            self.switches.fetch_add(1, Ordering::SeqCst);
+            tracing::warn!(from = %self.names[start], to = %self.names[index], timeline,
+                "PostgreSQL failover: the store now uses another server");
+        }
+        self.current.store(index, Ordering::SeqCst);
+        self.suspect.store(false, Ordering::SeqCst);
+        state.failed = None;
+        Ok(index)
     }
 
     /// Opens one of the store's own connections through `factory` (the
     /// pool options, so `after_connect` runs) on the writable server:
     /// searches first if the server in use is suspect, and checks the new
-    /// connection.
+    /// connection. A search that says no retry helps (every server
+    /// refused the credentials, the database or the TLS settings) is
+    /// passed on as such (a `Configuration` error, which the store maps to
+    /// [`StoreError::Backend`]).
     pub(crate) async fn open(
         &self,
         factory: &PgPool,
@@ -439,11 +607,12 @@ impl Shared {
         let mut last = None;
         for _ in 0..2 {
             if self.suspect.load(Ordering::SeqCst) {
-                if let Err((e, _)) = self.find().await {
-                    return Err(sqlx::Error::Io(std::io::Error::new(
-                        std::io::ErrorKind::NotConnected,
-                        e,
-                    )));
+                if let Err((e, retryable)) = self.find().await {
+                    return Err(if retryable {
+                        sqlx::Error::Io(std::io::Error::new(std::io::ErrorKind::NotConnected, e))
+                    } else {
+                        sqlx::Error::Configuration(Box::new(e))
+                    });
                 }
             }
             factory.set_connect_options(pool.connect_options().as_ref().clone());
@@ -461,12 +630,14 @@ impl Shared {
                     continue;
                 }
             };
-            match in_recovery(&mut conn).await {
-                Ok(false) => return Ok(conn),
-                Ok(true) => {
-                    self.suspect();
-                    last = Some(read_only_error());
-                }
+            match role(&mut conn).await {
+                Ok(role) => match self.accept(&role) {
+                    Ok(()) => return Ok(conn),
+                    Err(why) => {
+                        self.suspect();
+                        last = Some(refused_error(why));
+                    }
+                },
                 Err(e) => {
                     self.suspect();
                     last = Some(e);
@@ -481,8 +652,10 @@ impl PgStoreBuilder {
     /// Follows the writable server of `failover` (see [`Failover`]): the
     /// store's own connections are opened on the server a search found
     /// writable and checked, a connection that fails or is refused as
-    /// read-only sends the store searching again, and the builder's pool
-    /// is pointed at the server found too. Build the pool with
+    /// read-only sends the store searching again, a connection opened
+    /// before a move to another server is not used again, and the
+    /// builder's pool is pointed at the server found too (and held by the
+    /// `Failover` until it is closed). Build the pool with
     /// [`Failover::connect_with`], so its own new connections are checked.
     pub fn failover(mut self, failover: Failover) -> Self {
         failover.shared.register(&self.pool);
@@ -512,29 +685,63 @@ pub async fn connect_any<S: AsRef<str>>(urls: &[S]) -> Result<PgStoreBuilder, St
     Ok(crate::PgStore::builder(pool).failover(failover))
 }
 
-/// Whether the session is read-only: its server is in recovery (a
-/// standby), or its transactions are read-only by default.
-async fn in_recovery(conn: &mut PgConnection) -> Result<bool, sqlx::Error> {
-    sqlx::query_scalar(
-        "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool",
+/// A connection to the server of `options` and what it says it is, within
+/// `timeout`. Fails with what happened and whether a retry may resolve
+/// it (classified as [`connect`](crate::connect) does: a TLS setting, a
+/// password or a database refused is not retryable).
+async fn probe(
+    options: PgConnectOptions,
+    timeout: Duration,
+) -> Result<(PgConnection, Role), (String, bool)> {
+    let attempt = async {
+        let mut conn = options
+            .connect()
+            .await
+            .map_err(|e| crate::connect_failure(&e))?;
+        match role(&mut conn).await {
+            Ok(role) => Ok((conn, role)),
+            Err(e) => Err((e.to_string(), true)),
+        }
+    };
+    match tokio::time::timeout(timeout, attempt).await {
+        Ok(result) => result,
+        Err(_) => Err((format!("no answer within {timeout:?}"), true)),
+    }
+}
+
+const READ_ONLY: &str = "read-only (in recovery: a standby; or default_transaction_read_only)";
+
+fn former_primary(timeline: u64, highest: u64) -> String {
+    format!(
+        "a former primary on timeline {timeline} < {highest} (the highest seen): never used, \
+         it lacks the writes made since the promotion"
+    )
+}
+
+/// Whether the session is read-only (its server is in recovery: a
+/// standby; or its transactions are read-only by default), and the
+/// timeline of a writable server's WAL insert position (the first 8 hex
+/// digits of a WAL file name; exact at once after a promotion, unlike
+/// `pg_control_checkpoint()`, which waits for the next checkpoint).
+async fn role(conn: &mut PgConnection) -> Result<Role, sqlx::Error> {
+    let (read_only, timeline): (bool, Option<i64>) = sqlx::query_as(
+        "SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::bool, \
+         CASE WHEN pg_is_in_recovery() THEN NULL \
+         ELSE ('x' || substr(pg_walfile_name(pg_current_wal_lsn()), 1, 8))::bit(32)::int8 END",
     )
     .fetch_one(conn)
-    .await
+    .await?;
+    Ok(Role {
+        read_only,
+        timeline: timeline.and_then(|t| u64::try_from(t).ok()),
+    })
 }
 
-fn read_only_error() -> sqlx::Error {
+fn refused_error(why: String) -> sqlx::Error {
     sqlx::Error::Io(std::io::Error::new(
         std::io::ErrorKind::NotConnected,
-        "the server is read-only (in recovery, or default_transaction_read_only); searching for the writable one",
+        format!("{why}; searching for the writable server"),
     ))
-}
-
-/// A server error at connect time that a retry may resolve.
-fn transient(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| crate::retryable_code(&c)),
-        _ => false,
-    }
 }
 
 fn micros(d: Duration) -> u64 {

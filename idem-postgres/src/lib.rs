@@ -1563,6 +1563,8 @@ struct IdleConnection {
     conn: PgConnection,
     born: Instant,
     since: Instant,
+    /// [`ConnectionSet::switches`] when it was opened.
+    switches: u64,
 }
 
 /// A connection lent for one call (counted as open; its session set up);
@@ -1572,6 +1574,8 @@ struct Lent<'a> {
     /// Present until dropped.
     conn: Option<PgConnection>,
     born: Instant,
+    /// [`ConnectionSet::switches`] when it was opened.
+    switches: u64,
     reused: bool,
     keep: bool,
     _slot: tokio::sync::SemaphorePermit<'a>,
@@ -1641,6 +1645,13 @@ impl ConnectionSet {
         if let Some(failover) = &self.failover {
             failover.suspect();
         }
+    }
+
+    /// How many times the [`Failover`] moved to another server (0
+    /// without one): a connection opened before the last move is never
+    /// reused, it may be on the server left.
+    fn switches(&self) -> u64 {
+        self.failover.as_ref().map_or(0, |f| f.switch_count())
     }
 
     /// Closes every idle connection.
@@ -1721,7 +1732,7 @@ impl ConnectionSet {
                 let Some(idle) = self.idle_list().pop() else {
                     break;
                 };
-                if self.stale(idle.born, Some(idle.since)) {
+                if self.stale(idle.born, Some(idle.since)) || idle.switches != self.switches() {
                     self.closed(1);
                     continue;
                 }
@@ -1729,12 +1740,15 @@ impl ConnectionSet {
                     set: self,
                     conn: Some(idle.conn),
                     born: idle.born,
+                    switches: idle.switches,
                     reused: true,
                     keep: false,
                     _slot: slot,
                 });
             }
         }
+        // Read before opening: a move during the opening makes it old.
+        let switches = self.switches();
         // The pool's current connect options (a rotated password, say).
         let factory = self.factory();
         let mut conn = match &self.failover {
@@ -1759,6 +1773,7 @@ impl ConnectionSet {
             set: self,
             conn: Some(conn),
             born,
+            switches,
             reused: false,
             keep: false,
             _slot: slot,
@@ -1824,11 +1839,12 @@ impl Drop for Lent<'_> {
         let Some(conn) = self.conn.take() else {
             return;
         };
-        if self.keep && !self.set.stale(self.born, None) {
+        if self.keep && !self.set.stale(self.born, None) && self.switches == self.set.switches() {
             self.set.idle_list().push(IdleConnection {
                 conn,
                 born: self.born,
                 since: Instant::now(),
+                switches: self.switches,
             });
         } else {
             // Dropped: its socket closes. A call cancelled mid-statement
@@ -1934,7 +1950,23 @@ impl std::error::Error for ConnectError {
 }
 
 fn connect_error(e: sqlx::Error, target: String) -> StoreError {
-    let (cause, retryable) = match &e {
+    let (cause, retryable) = connect_failure(&e);
+    let error = Box::new(ConnectError {
+        target,
+        cause,
+        source: Some(e),
+    });
+    if retryable {
+        StoreError::Unavailable(error)
+    } else {
+        StoreError::Backend(error)
+    }
+}
+
+/// Why a connection could not be opened, in words, and whether a retry may
+/// resolve it (a TLS setting, a refused password or database: no).
+fn connect_failure(e: &sqlx::Error) -> (String, bool) {
+    match e {
         e2 if tls_refusal(e2).is_some() => (tls_refusal(e2).unwrap_or_default(), false),
         sqlx::Error::Io(io) => (
             match io.kind() {
@@ -1963,16 +1995,6 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
         // certificate refused): every retry fails alike.
         sqlx::Error::Tls(e) => (format!("TLS: {e}"), false),
         other => (other.to_string(), map_error_kind(other)),
-    };
-    let error = Box::new(ConnectError {
-        target,
-        cause,
-        source: Some(e),
-    });
-    if retryable {
-        StoreError::Unavailable(error)
-    } else {
-        StoreError::Backend(error)
     }
 }
 
