@@ -1752,6 +1752,36 @@ mod tests {
     use super::*;
 
     #[test]
+    fn prefixes_with_whitespace_or_control_characters_are_refused() {
+        for good in [
+            "idem:",
+            "",
+            "{tag}app:",
+            "glob*?[x]\\:",
+            "quote\"d'app:",
+            "é:",
+        ] {
+            assert!(check_prefix(good).is_ok(), "{good:?}");
+            // Every rule is one whitespace-free argument.
+            let rules = acl_rules(good, true);
+            assert!(rules.split(' ').all(|r| !r.is_empty()), "{rules:?}");
+        }
+        for bad in [
+            "billing app:",
+            "tab\tx:",
+            "nl\n",
+            "nul\0",
+            "nbsp\u{a0}x",
+            "\u{1}",
+        ] {
+            assert!(
+                matches!(check_prefix(bad), Err(StoreError::InvalidArgument { .. })),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
     fn scripts_know_max_duration() {
         let max_ms = idem_core::MAX_DURATION.as_millis().to_string();
         for (name, script) in [

@@ -248,3 +248,72 @@ pub(crate) fn is_setting(e: &rustls::Error) -> bool {
             | rustls::Error::General(_)
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(r: Result<impl std::fmt::Debug, StoreError>, names: &str) {
+        match r {
+            Err(StoreError::InvalidArgument { detail }) => {
+                assert!(detail.contains(names), "{detail:?} does not name {names:?}")
+            }
+            other => panic!("expected InvalidArgument naming {names:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_or_empty_pems_are_invalid_arguments() {
+        let bad = b"-----BEGIN CERTIFICATE-----\n!!!\n-----END CERTIFICATE-----\n".to_vec();
+        refused(
+            TlsOptions::new().root_ca_pem(bad.clone()).certificates(),
+            "root_ca_pem",
+        );
+        refused(
+            TlsOptions::new().root_ca_pem(Vec::new()).certificates(),
+            "no certificate in the CA PEM",
+        );
+        refused(
+            TlsOptions::new()
+                .root_ca_pem(b"just some text\n".to_vec())
+                .certificates(),
+            "no certificate in the CA PEM",
+        );
+        // Base64 that decodes, but not to a certificate.
+        refused(
+            TlsOptions::new()
+                .root_ca_pem(
+                    b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".to_vec(),
+                )
+                .certificates(),
+            "not a usable CA certificate",
+        );
+        refused(
+            TlsOptions::new()
+                .client_identity_pem(bad, Vec::new())
+                .certificates(),
+            "client certificate PEM",
+        );
+        refused(
+            TlsOptions::new()
+                .client_identity_pem(Vec::new(), Vec::new())
+                .certificates(),
+            "no certificate in the client certificate PEM",
+        );
+        assert!(TlsOptions::new().certificates().is_ok());
+
+        let dir = std::env::temp_dir().join(format!("idem-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let empty = dir.join("empty-ca.pem");
+        std::fs::write(&empty, b"").unwrap_or_else(|e| panic!("{e}"));
+        refused(
+            TlsOptions::new().root_ca_file(&empty),
+            "no certificate in the CA file",
+        );
+        refused(
+            TlsOptions::new().root_ca_file(dir.join("missing.pem")),
+            "cannot read the CA file",
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
