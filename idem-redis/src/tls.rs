@@ -168,7 +168,10 @@ fn check_identity(cert: &[u8], key: &[u8]) -> Result<(), StoreError> {
 /// provider, and rustls cannot pick one by itself when two crates of the
 /// build enabled different ones (the AWS SDK brings aws-lc-rs, this crate
 /// ring): it panics. [`RedisStore::connect_tls`](crate::RedisStore::connect_tls),
-/// `connect_cluster_tls` and `connect` with a `rediss://` URL call this;
+/// `connect_cluster_tls`, `connect` and
+/// [`StreamConsumer::connect`](crate::streams::StreamConsumer::connect) with a
+/// `rediss://` URL call this (and idem-tiered's Redis tiers, with its `tls`
+/// feature, do the same);
 /// call it yourself before making `rediss://` connections of your own with
 /// the `redis` crate (for [`RedisStore::new`](crate::RedisStore::new)).
 pub fn install_crypto_provider() {
