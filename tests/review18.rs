@@ -1100,6 +1100,9 @@ async fn failover_pool_transactions_reach_the_new_primary_after_a_switchover() {
 /// of that prefix: pasted as documented (one rule per argument, as
 /// redis-cli and tests/access.rs split them), the ACL is refused or the
 /// store runs into "permission denied".
+///
+/// Fixed by refusing such prefixes: Redis 7 answers "Syntax error" to any
+/// `~pattern` holding whitespace, so no rule could name them exactly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acl_rules_work_for_every_prefix_the_store_accepts() {
     let started = Instant::now();
@@ -1111,7 +1114,37 @@ async fn acl_rules_work_for_every_prefix_the_store_accepts() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let mut rows = Vec::new();
-    for (n, prefix) in ["idem:", "billing app:", "tab\tprefix:"].iter().enumerate() {
+    let prefixes = [
+        "idem:",
+        "billing app:",
+        "tab\tprefix:",
+        "{tag}app:",
+        "glob*?[x]\\:",
+        "quote\"d'app:",
+    ];
+    for (n, prefix) in prefixes.iter().enumerate() {
+        // Fix: Redis refuses an ACL key pattern with whitespace, so no rule
+        // can name such a prefix exactly: the store refuses the prefix
+        // (a typed error, never a panic) instead; the rules must work for
+        // every prefix it accepts.
+        let probe = RedisStore::connect(&server.url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        if let Err(e) = probe.clone().try_prefix(*prefix) {
+            let run = format!("{:016x}", fastrand::u64(..));
+            let call = probe
+                .prefix(*prefix)
+                .acquire(&key(&run, 1), None, Duration::from_secs(30))
+                .await;
+            let outcome = match (&e, call) {
+                (StoreError::InvalidArgument { .. }, Err(StoreError::InvalidArgument { .. })) => {
+                    "refused".to_owned()
+                }
+                (_, call) => format!("try_prefix: {e:?}, a call: {call:?}"),
+            };
+            rows.push((format!("{prefix:?}"), String::new(), outcome));
+            continue;
+        }
         let rules = idem::redis::acl_rules(prefix, false);
         let user = format!("u{n}");
         let mut cmd = idem::redis::redis::cmd("ACL");
@@ -1161,7 +1194,14 @@ async fn acl_rules_work_for_every_prefix_the_store_accepts() {
         started,
     );
     for (prefix, rules, outcome) in rows {
-        assert_eq!(outcome, "ok", "prefix {prefix}: rules {rules:?}");
+        if prefix.contains(' ') || prefix.contains("\\t") {
+            assert_eq!(
+                outcome, "refused",
+                "prefix {prefix}: the store must refuse it with InvalidArgument"
+            );
+        } else {
+            assert_eq!(outcome, "ok", "prefix {prefix}: rules {rules:?}");
+        }
     }
 }
 

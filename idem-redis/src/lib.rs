@@ -152,6 +152,13 @@ pub use redis;
 /// The operator scans (`idem` command) need `+scan` besides; Redis Streams
 /// consumers their stream commands and keys.
 ///
+/// Each rule is one argument of `ACL SETUSER` (they are joined by single
+/// spaces, none holds one): paste them into `redis-cli`, a `users.acl`
+/// file or a `user` line of `redis.conf`, or split them on whitespace to
+/// send them from code. The store refuses a prefix with whitespace or a
+/// control character ([`RedisStore::prefix`]): Redis refuses a key pattern
+/// with whitespace, so no rule could name exactly such a prefix.
+///
 /// ```
 /// assert_eq!(
 ///     idem_redis::acl_rules("idem:", false),
@@ -177,6 +184,23 @@ pub fn acl_rules(prefix: &str, wait: bool) -> String {
         rules.push_str(" +wait +exists");
     }
     rules
+}
+
+/// Whether `prefix` can be a record key prefix: no whitespace (a Redis
+/// ACL key pattern cannot hold it, so [`acl_rules`] could not express the
+/// prefix) and no control character.
+fn check_prefix(prefix: &str) -> Result<(), StoreError> {
+    match prefix
+        .char_indices()
+        .find(|(_, c)| c.is_whitespace() || c.is_control())
+    {
+        None => Ok(()),
+        Some((at, c)) => Err(StoreError::InvalidArgument {
+            detail: format!(
+                "the key prefix {prefix:?} holds {c:?} at byte {at}: a Redis ACL key pattern cannot hold whitespace, so no ACL could give a user exactly these keys; choose a prefix without whitespace or control characters"
+            ),
+        }),
+    }
 }
 
 /// A call that did not finish within the store's call timeout; the source
@@ -342,7 +366,7 @@ impl RedisStore<ConnectionManager> {
                 detail: "connect_tls takes a rediss:// URL (redis:// is plaintext)".to_owned(),
             });
         }
-        let client = redis::Client::build_with_tls(url, tls.certificates()).map_err(map_error)?;
+        let client = redis::Client::build_with_tls(url, tls.certificates()?).map_err(map_error)?;
         Self::connect_client(client).await
     }
 
@@ -414,7 +438,7 @@ impl RedisStore<ClusterConnection> {
     {
         tls::install_crypto_provider();
         Self::connect_cluster_with(
-            redis::cluster::ClusterClient::builder(nodes).certs(tls.certificates()),
+            redis::cluster::ClusterClient::builder(nodes).certs(tls.certificates()?),
         )
         .await
     }
@@ -518,9 +542,38 @@ where
 
     /// The prefix of every record key (default `idem:`). Give each
     /// application or environment sharing a Redis its own.
+    ///
+    /// A prefix with whitespace or a control character is refused: a Redis
+    /// ACL key pattern cannot hold whitespace (`ACL SETUSER` answers
+    /// "Syntax error"), so no ACL could give a user exactly those keys
+    /// ([`acl_rules`]). This method keeps its chaining signature: with such
+    /// a prefix, every call of the store fails with
+    /// [`StoreError::InvalidArgument`] naming it (a consumer stops at its
+    /// first entry, as for any setting that cannot work). Use
+    /// [`try_prefix`](Self::try_prefix) to have the error here.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = Arc::from(prefix.into());
+        let prefix = prefix.into();
+        if let Err(e) = check_prefix(&prefix) {
+            tracing::error!(error = %e, "RedisStore: key prefix refused: every call will fail");
+        }
+        self.prefix = Arc::from(prefix);
         self
+    }
+
+    /// [`prefix`](Self::prefix), with a prefix that holds whitespace or a
+    /// control character refused here, as [`StoreError::InvalidArgument`].
+    ///
+    /// ```
+    /// # use idem_redis::RedisStore;
+    /// # fn check(store: RedisStore) {
+    /// assert!(store.clone().try_prefix("orders-api:").is_ok());
+    /// assert!(store.try_prefix("orders api:").is_err());
+    /// # }
+    /// ```
+    pub fn try_prefix(self, prefix: impl Into<String>) -> Result<Self, StoreError> {
+        let prefix = prefix.into();
+        check_prefix(&prefix)?;
+        Ok(self.prefix(prefix))
     }
 
     /// The longest one call may take before it fails with
@@ -647,6 +700,9 @@ where
     where
         F: std::future::Future<Output = Result<T, RedisError>>,
     {
+        // Every call to the server comes here: a refused prefix fails them
+        // all, before anything is sent (see `prefix`).
+        check_prefix(&self.prefix)?;
         match tokio::time::timeout(limit, call).await {
             Ok(result) => result.map_err(map_error),
             Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(limit)))),
@@ -1723,6 +1779,36 @@ fn decode_record(raw: Bytes, key: &IdempotencyKey) -> Result<Record, StoreError>
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefixes_with_whitespace_or_control_characters_are_refused() {
+        for good in [
+            "idem:",
+            "",
+            "{tag}app:",
+            "glob*?[x]\\:",
+            "quote\"d'app:",
+            "é:",
+        ] {
+            assert!(check_prefix(good).is_ok(), "{good:?}");
+            // Every rule is one whitespace-free argument.
+            let rules = acl_rules(good, true);
+            assert!(rules.split(' ').all(|r| !r.is_empty()), "{rules:?}");
+        }
+        for bad in [
+            "billing app:",
+            "tab\tx:",
+            "nl\n",
+            "nul\0",
+            "nbsp\u{a0}x",
+            "\u{1}",
+        ] {
+            assert!(
+                matches!(check_prefix(bad), Err(StoreError::InvalidArgument { .. })),
+                "{bad:?}"
+            );
+        }
+    }
 
     #[test]
     fn scripts_know_max_duration() {

@@ -294,6 +294,15 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> StreamConsumer<S, C, ConnectionMana
         idem: Idempotency<S, C>,
     ) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(map_error)?;
+        // A `rediss://` URL: rustls needs a process-wide provider before
+        // the connection is made (it panics when the build has two).
+        #[cfg(feature = "tls")]
+        if matches!(
+            client.get_connection_info().addr(),
+            redis::ConnectionAddr::TcpTls { .. }
+        ) {
+            crate::tls::install_crypto_provider();
+        }
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
             .set_response_timeout(None);

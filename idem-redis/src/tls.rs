@@ -3,6 +3,8 @@
 use std::path::Path;
 
 use idem_core::StoreError;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 /// How [`RedisStore::connect_tls`](crate::RedisStore::connect_tls) and
 /// [`RedisStore::connect_cluster_tls`](crate::RedisStore::connect_cluster_tls)
@@ -51,24 +53,30 @@ impl TlsOptions {
         TlsOptions::default()
     }
 
-    /// Trust only these CA certificates (PEM, one or more).
+    /// Trust only these CA certificates (PEM, one or more). Checked when
+    /// connecting: a PEM that does not parse, or holds no certificate, is
+    /// [`StoreError::InvalidArgument`].
     pub fn root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.root_ca = Some(pem.into());
         self
     }
 
     /// Trust only the CA certificates of this PEM file. A file that cannot
-    /// be read is [`StoreError::InvalidArgument`].
+    /// be read, does not parse, or holds no certificate is
+    /// [`StoreError::InvalidArgument`].
     pub fn root_ca_file(self, path: impl AsRef<Path>) -> Result<Self, StoreError> {
         let path = path.as_ref();
         let pem = std::fs::read(path).map_err(|e| StoreError::InvalidArgument {
             detail: format!("cannot read the CA file {}: {e}", path.display()),
         })?;
+        check_roots(&pem, &format!("the CA file {}", path.display()))?;
         Ok(self.root_ca_pem(pem))
     }
 
     /// A client certificate chain and its private key (PEM), for servers
-    /// that ask for one (`tls-auth-clients yes`).
+    /// that ask for one (`tls-auth-clients yes`). Checked when connecting:
+    /// a chain or key that does not parse is
+    /// [`StoreError::InvalidArgument`].
     pub fn client_identity_pem(
         mut self,
         cert_chain: impl Into<Vec<u8>>,
@@ -78,8 +86,18 @@ impl TlsOptions {
         self
     }
 
-    pub(crate) fn certificates(&self) -> redis::TlsCertificates {
-        redis::TlsCertificates {
+    /// The certificates for the `redis` crate, each PEM checked first: one
+    /// that does not parse (which the `redis` crate reports as an I/O
+    /// error, read as retryable) is a setting no retry cures:
+    /// [`StoreError::InvalidArgument`], naming the PEM.
+    pub(crate) fn certificates(&self) -> Result<redis::TlsCertificates, StoreError> {
+        if let Some(pem) = &self.root_ca {
+            check_roots(pem, "the CA PEM (TlsOptions::root_ca_pem)")?;
+        }
+        if let Some((cert, key)) = &self.client {
+            check_identity(cert, key)?;
+        }
+        Ok(redis::TlsCertificates {
             client_tls: self
                 .client
                 .as_ref()
@@ -88,8 +106,58 @@ impl TlsOptions {
                     client_key: key.clone(),
                 }),
             root_cert: self.root_ca.clone(),
-        }
+        })
     }
+}
+
+fn invalid(detail: String) -> StoreError {
+    StoreError::InvalidArgument { detail }
+}
+
+/// Every certificate of `pem` parses and is a usable trust anchor, and
+/// there is at least one (an empty root store trusts no server: every
+/// handshake would fail).
+fn check_roots(pem: &[u8], what: &str) -> Result<(), StoreError> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_slice_iter(pem) {
+        let cert = cert.map_err(|e| invalid(format!("{what} does not parse as PEM: {e}")))?;
+        roots.add(cert).map_err(|e| {
+            invalid(format!(
+                "{what} holds a certificate that is not a usable CA certificate: {e}"
+            ))
+        })?;
+    }
+    if roots.is_empty() {
+        return Err(invalid(format!(
+            "no certificate in {what} (a PEM with -----BEGIN CERTIFICATE----- blocks is expected)"
+        )));
+    }
+    Ok(())
+}
+
+/// The client certificate chain parses and holds a certificate, and the
+/// key parses and is of a type rustls can sign with.
+fn check_identity(cert: &[u8], key: &[u8]) -> Result<(), StoreError> {
+    const WHAT: &str = "the client certificate PEM (TlsOptions::client_identity_pem)";
+    let chain = CertificateDer::pem_slice_iter(cert)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| invalid(format!("{WHAT} does not parse as PEM: {e}")))?;
+    if chain.is_empty() {
+        return Err(invalid(format!(
+            "no certificate in {WHAT} (a PEM with -----BEGIN CERTIFICATE----- blocks is expected)"
+        )));
+    }
+    let key = PrivateKeyDer::from_pem_slice(key).map_err(|e| {
+        invalid(format!(
+            "the client key PEM (TlsOptions::client_identity_pem) does not hold a private key: {e}"
+        ))
+    })?;
+    rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| {
+        invalid(format!(
+            "the client key PEM (TlsOptions::client_identity_pem) is not a usable private key: {e}"
+        ))
+    })?;
+    Ok(())
 }
 
 /// Makes sure rustls has a process-wide crypto provider, installing ring's
@@ -100,7 +168,10 @@ impl TlsOptions {
 /// provider, and rustls cannot pick one by itself when two crates of the
 /// build enabled different ones (the AWS SDK brings aws-lc-rs, this crate
 /// ring): it panics. [`RedisStore::connect_tls`](crate::RedisStore::connect_tls),
-/// `connect_cluster_tls` and `connect` with a `rediss://` URL call this;
+/// `connect_cluster_tls`, `connect` and
+/// [`StreamConsumer::connect`](crate::streams::StreamConsumer::connect) with a
+/// `rediss://` URL call this (and idem-tiered's Redis tiers, with its `tls`
+/// feature, do the same);
 /// call it yourself before making `rediss://` connections of your own with
 /// the `redis` crate (for [`RedisStore::new`](crate::RedisStore::new)).
 pub fn install_crypto_provider() {
@@ -179,4 +250,73 @@ pub(crate) fn is_setting(e: &rustls::Error) -> bool {
             | rustls::Error::InvalidCertRevocationList(_)
             | rustls::Error::General(_)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(r: Result<impl std::fmt::Debug, StoreError>, names: &str) {
+        match r {
+            Err(StoreError::InvalidArgument { detail }) => {
+                assert!(detail.contains(names), "{detail:?} does not name {names:?}")
+            }
+            other => panic!("expected InvalidArgument naming {names:?}, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn malformed_or_empty_pems_are_invalid_arguments() {
+        let bad = b"-----BEGIN CERTIFICATE-----\n!!!\n-----END CERTIFICATE-----\n".to_vec();
+        refused(
+            TlsOptions::new().root_ca_pem(bad.clone()).certificates(),
+            "root_ca_pem",
+        );
+        refused(
+            TlsOptions::new().root_ca_pem(Vec::new()).certificates(),
+            "no certificate in the CA PEM",
+        );
+        refused(
+            TlsOptions::new()
+                .root_ca_pem(b"just some text\n".to_vec())
+                .certificates(),
+            "no certificate in the CA PEM",
+        );
+        // Base64 that decodes, but not to a certificate.
+        refused(
+            TlsOptions::new()
+                .root_ca_pem(
+                    b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".to_vec(),
+                )
+                .certificates(),
+            "not a usable CA certificate",
+        );
+        refused(
+            TlsOptions::new()
+                .client_identity_pem(bad, Vec::new())
+                .certificates(),
+            "client certificate PEM",
+        );
+        refused(
+            TlsOptions::new()
+                .client_identity_pem(Vec::new(), Vec::new())
+                .certificates(),
+            "no certificate in the client certificate PEM",
+        );
+        assert!(TlsOptions::new().certificates().is_ok());
+
+        let dir = std::env::temp_dir().join(format!("idem-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let empty = dir.join("empty-ca.pem");
+        std::fs::write(&empty, b"").unwrap_or_else(|e| panic!("{e}"));
+        refused(
+            TlsOptions::new().root_ca_file(&empty),
+            "no certificate in the CA file",
+        );
+        refused(
+            TlsOptions::new().root_ca_file(dir.join("missing.pem")),
+            "cannot read the CA file",
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -51,6 +51,7 @@ impl RedisInvalidation {
     /// Connects the publisher (a reconnecting `ConnectionManager`); the
     /// subscriber connects when the channel is given to
     /// [`TieredStore::with_invalidation`](crate::TieredStore::with_invalidation).
+    /// A `rediss://` URL connects over TLS (feature `tls`).
     pub async fn connect(url: &str) -> Result<Self, CacheError> {
         let client = redis::Client::open(url).map_err(|e| CacheError::Unavailable(Box::new(e)))?;
         let publisher = crate::redis_cache::connection_manager(client.clone()).await?;

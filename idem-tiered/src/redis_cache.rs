@@ -50,6 +50,10 @@ impl<C> std::fmt::Debug for RedisCache<C> {
 
 impl RedisCache<ConnectionManager> {
     /// Connects with a reconnecting `ConnectionManager`.
+    ///
+    /// A `rediss://` URL connects over TLS (feature `tls`), trusting the
+    /// system's root certificates; for a CA of your own, make the
+    /// connection yourself and give it to [`new`](Self::new).
     pub async fn connect(url: &str) -> Result<Self, CacheError> {
         let client = redis::Client::open(url).map_err(|e| CacheError::Unavailable(Box::new(e)))?;
         Ok(RedisCache::new(connection_manager(client).await?))
@@ -85,6 +89,13 @@ where
 pub(crate) async fn connection_manager(
     client: redis::Client,
 ) -> Result<ConnectionManager, CacheError> {
+    #[cfg(feature = "tls")]
+    if matches!(
+        client.get_connection_info().addr(),
+        redis::ConnectionAddr::TcpTls { .. }
+    ) {
+        install_crypto_provider();
+    }
     let config = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
         .set_response_timeout(Some(Duration::from_secs(1)))
@@ -93,6 +104,22 @@ pub(crate) async fn connection_manager(
     ConnectionManager::new_with_config(client, config)
         .await
         .map_err(|e| CacheError::Unavailable(Box::new(e)))
+}
+
+/// Makes sure rustls has a process-wide crypto provider before a
+/// `rediss://` connection is made, installing ring's (the one the `tls`
+/// feature brings) if none is installed; an application's own provider is
+/// kept. The `redis` crate builds its TLS configuration with the
+/// process-wide provider, and rustls panics when it has to pick one itself
+/// in a build with two (the AWS SDK brings aws-lc-rs). The same as
+/// `idem_redis::install_crypto_provider`, which this crate cannot call
+/// (it does not depend on idem-redis).
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Err: another thread installed one meanwhile; that one is used.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
 }
 
 fn ms(t: SystemTime) -> u64 {
