@@ -23,8 +23,10 @@
 //!
 //! The `redis` crate's cluster client (1.8.1) sometimes stops answering
 //! every call from the moment of the kill and never recovers by itself;
-//! the storm then replaces it as an application would (`stall_watch`) and
-//! reports it (`client_stalls`).
+//! the store replaces such a connection itself (`STALL_AFTER` without an
+//! answer; `connections_replaced_by_the_store`). The test's own watch
+//! (`stall_watch`, 8 s) would replace the whole store, as an application
+//! had to before; it must not have to act (`client_stalls` = 0, asserted).
 //!
 //! Every run prints one `reliability scenario=... backend=redis-cluster
 //! setting=...` line (`cargo test --all-features --test failover_redis --
@@ -145,6 +147,9 @@ struct Shared {
     /// Stalls of the whole cluster client (see `stall_watch`).
     stalls: AtomicU64,
     stalled_us: AtomicU64,
+    /// Every store made (clones: they share their connection), to read how
+    /// many times each replaced a silent connection by itself.
+    stores: Mutex<Vec<RedisStore<idem::redis::redis::cluster_async::ClusterConnection>>>,
 }
 
 impl Shared {
@@ -181,6 +186,7 @@ impl Shared {
             last_success: AtomicU64::new(0),
             stalls: AtomicU64::new(0),
             stalled_us: AtomicU64::new(0),
+            stores: Mutex::new(Vec::new()),
         }
     }
 
@@ -506,6 +512,11 @@ async fn receiver(
         store = store.wait_for_replicas(replicas, timeout);
     }
     assert_eq!(store.redis_key(&shared.key(7)), shared.redis_key(7));
+    shared
+        .stores
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(store.clone());
     let store: Arc<dyn IdempotencyStore> = Arc::new(store);
     Idempotency::from_arc(store)
         .lease(LEASE)
@@ -780,6 +791,21 @@ async fn failover_storm(
         .count();
     let killed_shard = (0..MESSAGES).filter(|&m| shared.killed(m)).count();
     let n = |a: &AtomicU64| a.load(Ordering::SeqCst).to_string();
+    let replaced: u64 = shared
+        .stores
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|s| s.connections_replaced())
+        .sum();
+    // The store replaces a silent connection by itself (after
+    // idem_redis::STALL_AFTER); the test's own watch (`stall_watch`, 8 s)
+    // is a safety net that must not have had to act.
+    assert_eq!(
+        shared.stalls.load(Ordering::SeqCst),
+        0,
+        "the store did not recover from a stalled cluster client by itself ({replaced} replacements)"
+    );
     let fields: Vec<(&str, String)> = vec![
         ("setting", setting.to_owned()),
         ("messages", MESSAGES.to_string()),
@@ -820,6 +846,7 @@ async fn failover_storm(
         ("reexecuted_after_done", reexecuted.len().to_string()),
         ("replay_differs", replay_differs.to_string()),
         ("client_stalls", n(&shared.stalls)),
+        ("connections_replaced_by_the_store", replaced.to_string()),
         (
             "client_stalled_ms",
             (shared.stalled_us.load(Ordering::SeqCst) / 1000).to_string(),

@@ -126,7 +126,7 @@ where
     /// The server's clock (`TIME`; on a cluster, of the node the client
     /// picks). One round trip.
     pub async fn server_time(&self) -> Result<SystemTime, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let (secs, micros): (u64, u64) = self
             .timed(async { redis::cmd("TIME").query_async(&mut conn).await })
             .await?;
@@ -276,7 +276,7 @@ where
     /// the scan and a delete marker are left out.
     async fn read_records(&self, keys: &[Vec<u8>]) -> Result<Vec<ScannedRecord>, StoreError> {
         let reads = keys.iter().map(|name| async move {
-            let mut conn = self.conn.clone();
+            let mut conn = self.connection();
             let value = self
                 .timed(async {
                     redis::cmd("GET")
@@ -339,7 +339,7 @@ where
             }
             return Ok(vec![Node::Single]);
         }
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let slots: Value = self
             .timed(async {
                 redis::cmd("CLUSTER")
@@ -395,11 +395,12 @@ where
     ) -> Result<T, StoreError> {
         match node {
             Node::Single => {
-                let mut conn = self.conn.clone();
+                let mut conn = self.connection();
                 self.timed(async { cmd.query_async(&mut conn).await }).await
             }
             Node::Primary(host, port) => {
-                let Some(cluster) = (&self.conn as &dyn Any).downcast_ref::<ClusterConnection>()
+                let current = self.connection();
+                let Some(cluster) = (&current as &dyn Any).downcast_ref::<ClusterConnection>()
                 else {
                     return Err(StoreError::backend("not a cluster connection"));
                 };
@@ -449,7 +450,7 @@ where
             redis::Script::new(include_str!("../scripts/delete_if_token.lua"))
         });
         let redis_key = self.redis_key(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let mut invocation = SCRIPT.prepare_invoke();
         invocation.key(&redis_key).arg(&token.to_bytes()[..]);
         let removed: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
@@ -466,7 +467,7 @@ where
         key: &IdempotencyKey,
     ) -> Result<(Option<Record>, SystemTime), StoreError> {
         let redis_key = self.redis_key(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply: Result<(Value, (u64, u64)), StoreError> = self
             .timed(async {
                 redis::pipe()

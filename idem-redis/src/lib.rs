@@ -112,11 +112,13 @@
 
 mod admin;
 mod format;
+mod heal;
 pub mod streams;
 #[cfg(feature = "tls")]
 mod tls;
 
 pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
+pub use heal::STALL_AFTER;
 #[cfg(feature = "tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub use tls::{install_crypto_provider, TlsOptions};
@@ -299,6 +301,8 @@ pub struct RedisStore<C = ConnectionManager> {
     /// connection that once refused a batch with CROSSSLOT (shared by
     /// clones).
     cluster: Arc<AtomicBool>,
+    /// Replaces a connection that stopped answering (`connect_cluster`).
+    healer: Option<Arc<heal::Healer<C>>>,
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -415,7 +419,14 @@ impl RedisStore<ConnectionManager> {
 }
 
 impl RedisStore<ClusterConnection> {
-    /// Connects to a Redis Cluster given some of its nodes. Every script
+    /// Connects to a Redis Cluster given some of its nodes.
+    ///
+    /// The store watches its connection: when a call times out and no call
+    /// has had any answer for [`STALL_AFTER`], it makes a new connection
+    /// in the background for the calls that follow
+    /// ([`connections_replaced`](RedisStore::connections_replaced) counts
+    /// them). The `redis` crate's cluster client was seen to stop answering
+    /// for good after a master was killed and its replica promoted. Every script
     /// touches one key (`delete` also its marker, in the same slot), so
     /// every slot works and no hash tags are needed in your keys.
     pub async fn connect_cluster<I, T>(nodes: I) -> Result<Self, StoreError>
@@ -467,7 +478,15 @@ impl RedisStore<ClusterConnection> {
             .get_async_connection()
             .await
             .map_err(cluster_connect_error)?;
-        let store = RedisStore::new(conn);
+        let mut store = RedisStore::new(conn.clone());
+        // The cluster client was seen to stop answering for good after a
+        // failover (see the `heal` module): a silent connection is
+        // replaced by a new one from the same client.
+        let connect: heal::Connect<ClusterConnection> = Box::new(move || {
+            let client = client.clone();
+            Box::pin(async move { client.get_async_connection().await })
+        });
+        store.healer = Some(Arc::new(heal::Healer::new(conn, connect, DEFAULT_TIMEOUT)));
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
     }
@@ -503,7 +522,24 @@ where
             cluster: Arc::new(AtomicBool::new(
                 std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
             )),
+            healer: None,
         }
+    }
+
+    /// The connection to send a call on.
+    pub(crate) fn connection(&self) -> C {
+        match &self.healer {
+            Some(healer) => healer.current(),
+            None => self.conn.clone(),
+        }
+    }
+
+    /// How many times the store replaced a connection on which no call
+    /// had had an answer for [`STALL_AFTER`] (stores made by
+    /// [`connect_cluster`](RedisStore::connect_cluster) do: see its docs);
+    /// 0 for other stores.
+    pub fn connections_replaced(&self) -> u64 {
+        self.healer.as_ref().map_or(0, |h| h.replaced())
     }
 
     /// The largest response `complete` sends (default
@@ -523,7 +559,7 @@ where
     /// Lowers the response limit to a quarter of the server's `maxmemory`,
     /// when one is set and `CONFIG GET` is allowed.
     async fn fit_response_limit(mut self) -> Self {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply: Result<Vec<String>, _> = redis::cmd("CONFIG")
             .arg("GET")
             .arg("maxmemory")
@@ -659,7 +695,7 @@ where
     /// again. Returns the policy, or `None` if `CONFIG GET` is not allowed
     /// (managed services often forbid it).
     pub async fn check_eviction_policy(&self) -> Option<String> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply: Result<Vec<String>, _> = redis::cmd("CONFIG")
             .arg("GET")
             .arg("maxmemory-policy")
@@ -704,8 +740,18 @@ where
         // all, before anything is sent (see `prefix`).
         check_prefix(&self.prefix)?;
         match tokio::time::timeout(limit, call).await {
-            Ok(result) => result.map_err(map_error),
-            Err(_) => Err(StoreError::Unavailable(Box::new(CallTimeout(limit)))),
+            Ok(result) => {
+                if let Some(healer) = &self.healer {
+                    healer.answered();
+                }
+                result.map_err(map_error)
+            }
+            Err(_) => {
+                if let Some(healer) = &self.healer {
+                    healer.timed_out();
+                }
+                Err(StoreError::Unavailable(Box::new(CallTimeout(limit))))
+            }
         }
     }
 
@@ -752,7 +798,7 @@ where
         script: &Script,
         cmd: &Cmd,
     ) -> Result<T, StoreError> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         self.timed(async {
             match cmd.query_async(&mut conn).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
@@ -783,7 +829,7 @@ where
             Some((length, _)) => configured.min((length / 2).max(Duration::from_millis(1))),
             None => configured,
         };
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         // Routed by the key, so a cluster sends it to the primary that owns it.
         let mut cmd = redis::cmd("WAIT");
         cmd.arg(replicas).arg(millis(timeout));
@@ -947,7 +993,7 @@ where
 
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let redis_key = self.redis_key(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let reply = self
             .timed(async {
                 redis::cmd("GET")
@@ -971,7 +1017,7 @@ where
     // and `scripts/delete.lua`.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
         let redis_key = self.redis_key(key);
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         let request = LeaseToken::random().to_hex();
         let removed: i64 = match delete_marker(&self.prefix, &redis_key, &request) {
             Some(marker) => {
