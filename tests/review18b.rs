@@ -713,3 +713,85 @@ async fn postgres_failover_timeline_query_without_privilege() {
         "a permission refused on the probe's timeline query is classed {class} (retried for ever): {text}"
     );
 }
+
+/// Connections of other sessions to the server of `url`, by application
+/// name (sqlx's default: the binary's name is not set, so count every
+/// client backend but ours).
+async fn other_sessions(admin: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE backend_type = 'client backend' AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(admin)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The watcher ends, and its connection closes, when every Failover and
+/// store is dropped and the pool closed: no session is left on the server.
+/// And a store whose Failover found a server keeps working on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_failover_watcher_ends_on_drop() {
+    let started = Instant::now();
+    let server = support::pg::PgServer::start();
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let before = other_sessions(&admin).await;
+    let mut during = 0;
+    for round in 0..3 {
+        let failover = Failover::new([server.url.as_str()])
+            .unwrap_or_else(|e| panic!("{e}"))
+            .check_interval(Duration::from_millis(10));
+        let pool = failover
+            .connect_with(pool_options())
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let store = idem::postgres::PgStore::builder(pool.clone())
+            .failover(failover.clone())
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        if round == 0 {
+            store
+                .migrate()
+                .await
+                .unwrap_or_else(|e| panic!("migrate: {e}"));
+        }
+        let k = key("review18b.watcher");
+        match store.acquire(&k, None, Duration::from_secs(30)).await {
+            Ok(idem::Acquisition::Acquired(lease)) => store
+                .complete(&lease, b"ok", Duration::from_secs(60))
+                .await
+                .unwrap_or_else(|e| panic!("complete: {e}")),
+            other => panic!("acquire: {other:?}"),
+        }
+        // Let the watcher run a few checks.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        during = during.max(other_sessions(&admin).await);
+        drop(store);
+        drop(failover);
+        pool.close().await;
+    }
+    let settle = Instant::now();
+    let mut after = other_sessions(&admin).await;
+    while after > before && settle.elapsed() < Duration::from_secs(10) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = other_sessions(&admin).await;
+    }
+    report(
+        "review18b_pg_failover_watcher_drop",
+        "postgres",
+        &[
+            ("sessions_before", before.to_string()),
+            ("sessions_during", during.to_string()),
+            ("sessions_after", after.to_string()),
+        ],
+        started,
+    );
+    assert!(
+        after <= before,
+        "sessions left on the server after 3 Failovers were dropped: {before} -> {after}"
+    );
+}
