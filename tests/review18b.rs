@@ -795,3 +795,107 @@ async fn postgres_failover_watcher_ends_on_drop() {
         "sessions left on the server after 3 Failovers were dropped: {before} -> {after}"
     );
 }
+
+/// One master frozen (SIGSTOP: a host that stops answering, as behind a
+/// network partition) in a cluster with replicas: the cluster promotes its
+/// replica after `cluster-node-timeout`. Calls for the frozen shard's keys
+/// time out, calls for the other shards answer. The healer looks at the
+/// whole connection ("no call had an answer for STALL_AFTER"), so it never
+/// replaces it; does the store reach the promoted replica for that shard
+/// (within 20 s of the promotion), or does the shard stay unavailable
+/// while the master stays frozen?
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_frozen_master_shard_served_after_promotion() {
+    use support::redis_replicas::{query, ReplicatedCluster};
+    let started = Instant::now();
+    let cluster = ReplicatedCluster::start(Duration::from_secs(2));
+    cluster.wait_healthy(Duration::from_secs(30));
+    let store = RedisStore::connect_cluster(cluster.urls())
+        .await
+        .unwrap_or_else(|e| panic!("connect_cluster: {e}. {HOW_TO}"))
+        .call_timeout(Duration::from_millis(300));
+    let k_frozen = key("review18b.shard");
+    let victim = cluster.master_for_key(&store.redis_key(&k_frozen));
+    let replica = cluster.replica_of(victim);
+    let k_live = loop {
+        let k = key("review18b.shard");
+        if cluster.master_for_key(&store.redis_key(&k)) != victim {
+            break k;
+        }
+    };
+    for k in [&k_frozen, &k_live] {
+        store
+            .get(k)
+            .await
+            .unwrap_or_else(|e| panic!("warm-up get: {e}"));
+    }
+    cluster.servers[victim].signal("STOP");
+    let frozen = Instant::now();
+    // Traffic on both shards while the cluster fails over.
+    let promoted_after = loop {
+        let _ = store.get(&k_frozen).await;
+        let _ = store.get(&k_live).await;
+        if query(cluster.servers[replica].port, "ROLE").starts_with("*") {
+            let role = command(cluster.servers[replica].port, "ROLE");
+            if role.contains("master") {
+                break frozen.elapsed();
+            }
+        }
+        assert!(
+            frozen.elapsed() < Duration::from_secs(30),
+            "the replica was not promoted within 30 s"
+        );
+    };
+    let promoted = Instant::now();
+    let (mut live_ok, mut frozen_ok_at) = (0u64, None);
+    while promoted.elapsed() < Duration::from_secs(20) {
+        if store.get(&k_frozen).await.is_ok() {
+            frozen_ok_at = Some(promoted.elapsed());
+            break;
+        }
+        if store.get(&k_live).await.is_ok() {
+            live_ok += 1;
+        }
+    }
+    let replaced = store.connections_replaced();
+    // A fresh client, meanwhile, reaches the promoted replica at once.
+    let fresh_ok = match RedisStore::connect_cluster(
+        cluster
+            .urls()
+            .into_iter()
+            .enumerate()
+            .filter(|(i, _)| *i != victim)
+            .map(|(_, u)| u),
+    )
+    .await
+    {
+        Ok(fresh) => fresh
+            .call_timeout(Duration::from_millis(300))
+            .get(&k_frozen)
+            .await
+            .is_ok(),
+        Err(_) => false,
+    };
+    cluster.servers[victim].signal("CONT");
+    report(
+        "review18b_cluster_frozen_master_shard",
+        "redis-cluster-replicas",
+        &[
+            ("promoted_ms", promoted_after.as_millis().to_string()),
+            ("live_shard_answers", live_ok.to_string()),
+            ("replaced", replaced.to_string()),
+            ("fresh_client_served", fresh_ok.to_string()),
+            (
+                "frozen_shard_served_ms",
+                frozen_ok_at.map_or("never".to_owned(), |d| d.as_millis().to_string()),
+            ),
+        ],
+        started,
+    );
+    assert!(
+        frozen_ok_at.is_some(),
+        "the frozen master's shard was not served within 20 s of its replica's promotion \
+         ({live_ok} answers from the other shards kept the healer from replacing the connection; \
+         replaced={replaced})"
+    );
+}
