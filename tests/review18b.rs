@@ -816,7 +816,32 @@ async fn redis_cluster_frozen_master_shard_served_after_promotion() {
         .call_timeout(Duration::from_millis(300));
     let k_frozen = key("review18b.shard");
     let victim = cluster.master_for_key(&store.redis_key(&k_frozen));
-    let replica = cluster.replica_of(victim);
+    // The replica of `victim`, as any node sees it (a master's own view
+    // may lag behind the gossip for a moment).
+    let victim_id = cluster
+        .nodes(victim)
+        .into_iter()
+        .find(|n| n.myself)
+        .map(|n| n.id)
+        .unwrap_or_else(|| panic!("no myself in CLUSTER NODES"));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let replica = loop {
+        let found = (0..cluster.servers.len()).find_map(|via| {
+            cluster
+                .nodes(via)
+                .into_iter()
+                .find(|n| n.master_id.as_deref() == Some(victim_id.as_str()))
+                .and_then(|n| cluster.servers.iter().position(|s| s.port == n.port))
+        });
+        if let Some(i) = found {
+            break i;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "master {victim} has no replica after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     let k_live = loop {
         let k = key("review18b.shard");
         if cluster.master_for_key(&store.redis_key(&k)) != victim {
