@@ -700,6 +700,21 @@ async fn probe(
             .map_err(|e| crate::connect_failure(&e))?;
         match role(&mut conn).await {
             Ok(role) => Ok((conn, role)),
+            // A refusal of the role query itself (the timeline function's
+            // EXECUTE revoked: 42501) fails alike on every retry.
+            Err(sqlx::Error::Database(db)) => {
+                let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+                let hint = if code == "42501" {
+                    " (the store's role needs EXECUTE on pg_is_in_recovery(), \
+                     pg_current_wal_lsn() and pg_walfile_name())"
+                } else {
+                    ""
+                };
+                Err((
+                    format!("the read-write check failed: {}{hint}", db.message()),
+                    crate::retryable_code(&code),
+                ))
+            }
             Err(e) => Err((e.to_string(), true)),
         }
     };

@@ -1968,6 +1968,22 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
 fn connect_failure(e: &sqlx::Error) -> (String, bool) {
     match e {
         e2 if tls_refusal(e2).is_some() => (tls_refusal(e2).unwrap_or_default(), false),
+        // A file named in the URL (sslrootcert, sslcert, sslkey) missing
+        // or unreadable: no network error reads as that, and no retry
+        // finds the file.
+        sqlx::Error::Io(io)
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+            ) =>
+        {
+            (
+                format!(
+                    "a file named in the URL (sslrootcert, sslcert, sslkey?) cannot be read: {io}"
+                ),
+                false,
+            )
+        }
         sqlx::Error::Io(io) => (
             match io.kind() {
                 std::io::ErrorKind::ConnectionRefused => {

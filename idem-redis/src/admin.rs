@@ -328,10 +328,7 @@ where
     /// The nodes to scan: the connection, or every primary of a cluster
     /// (from `CLUSTER SLOTS`).
     async fn nodes(&self) -> Result<Vec<Node>, StoreError> {
-        if (&self.conn as &dyn Any)
-            .downcast_ref::<ClusterConnection>()
-            .is_none()
-        {
+        if std::any::TypeId::of::<C>() != std::any::TypeId::of::<ClusterConnection>() {
             if self.cluster.load(std::sync::atomic::Ordering::Relaxed) {
                 return Err(StoreError::backend(
                     "a cluster behind a connection type other than ClusterConnection cannot be scanned node by node",

@@ -291,7 +291,7 @@ impl Scripts {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore<C = ConnectionManager> {
-    conn: C,
+    conn: Conn<C>,
     prefix: Arc<str>,
     scripts: Arc<Scripts>,
     call_timeout: Duration,
@@ -301,8 +301,14 @@ pub struct RedisStore<C = ConnectionManager> {
     /// connection that once refused a batch with CROSSSLOT (shared by
     /// clones).
     cluster: Arc<AtomicBool>,
-    /// Replaces a connection that stopped answering (`connect_cluster`).
-    healer: Option<Arc<heal::Healer<C>>>,
+}
+
+/// The store's connection: one given, or one replaced when it stops
+/// answering (`connect_cluster`; see the `heal` module).
+#[derive(Clone)]
+enum Conn<C> {
+    Fixed(C),
+    Healing(Arc<heal::Healer<C>>),
 }
 
 impl<C> std::fmt::Debug for RedisStore<C> {
@@ -421,9 +427,10 @@ impl RedisStore<ConnectionManager> {
 impl RedisStore<ClusterConnection> {
     /// Connects to a Redis Cluster given some of its nodes.
     ///
-    /// The store watches its connection: when a call times out and no call
-    /// has had any answer for [`STALL_AFTER`], it makes a new connection
-    /// in the background for the calls that follow
+    /// The store watches its connection: when calls have timed out for
+    /// [`STALL_AFTER`] with no answer in between, on any key or on keys of
+    /// the same hash slot (a master frozen while its replica took over),
+    /// it makes a new connection in the background for the calls that follow
     /// ([`connections_replaced`](RedisStore::connections_replaced) counts
     /// them). The `redis` crate's cluster client was seen to stop answering
     /// for good after a master was killed and its replica promoted. Every script
@@ -479,6 +486,8 @@ impl RedisStore<ClusterConnection> {
             .await
             .map_err(cluster_connect_error)?;
         let mut store = RedisStore::new(conn.clone());
+        // The store keeps no other handle on the first connection: once
+        // replaced, it closes when its last call ends.
         // The cluster client was seen to stop answering for good after a
         // failover (see the `heal` module): a silent connection is
         // replaced by a new one from the same client.
@@ -486,7 +495,14 @@ impl RedisStore<ClusterConnection> {
             let client = client.clone();
             Box::pin(async move { client.get_async_connection().await })
         });
-        store.healer = Some(Arc::new(heal::Healer::new(conn, connect, DEFAULT_TIMEOUT)));
+        // A new connection may first wait out the connection timeout of a
+        // node that does not answer (a frozen master in the seed list):
+        // its own limit is longer.
+        store.conn = Conn::Healing(Arc::new(heal::Healer::new(
+            conn,
+            connect,
+            DEFAULT_TIMEOUT * 5,
+        )));
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
     }
@@ -510,7 +526,7 @@ where
     /// [`connect_cluster`](RedisStore::connect_cluster) do.
     pub fn new(conn: C) -> Self {
         RedisStore {
-            conn,
+            conn: Conn::Fixed(conn),
             prefix: Arc::from("idem:"),
             scripts: Arc::new(Scripts::new()),
             call_timeout: DEFAULT_TIMEOUT,
@@ -522,15 +538,14 @@ where
             cluster: Arc::new(AtomicBool::new(
                 std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
             )),
-            healer: None,
         }
     }
 
     /// The connection to send a call on.
     pub(crate) fn connection(&self) -> C {
-        match &self.healer {
-            Some(healer) => healer.current(),
-            None => self.conn.clone(),
+        match &self.conn {
+            Conn::Healing(healer) => healer.current(),
+            Conn::Fixed(conn) => conn.clone(),
         }
     }
 
@@ -539,7 +554,10 @@ where
     /// [`connect_cluster`](RedisStore::connect_cluster) do: see its docs);
     /// 0 for other stores.
     pub fn connections_replaced(&self) -> u64 {
-        self.healer.as_ref().map_or(0, |h| h.replaced())
+        match &self.conn {
+            Conn::Healing(healer) => healer.replaced(),
+            Conn::Fixed(_) => 0,
+        }
     }
 
     /// The largest response `complete` sends (default
@@ -729,10 +747,19 @@ where
     where
         F: std::future::Future<Output = Result<T, RedisError>>,
     {
-        self.timed_for(self.call_timeout, call).await
+        self.timed_for(self.call_timeout, None, call).await
     }
 
-    async fn timed_for<T, F>(&self, limit: Duration, call: F) -> Result<T, StoreError>
+    /// `call` within `limit`; `slot`: the hash slot of its key, if it
+    /// has one (a store that replaces a silent connection watches each
+    /// slot too: one master frozen while its replica takes over leaves
+    /// only its slots silent).
+    async fn timed_for<T, F>(
+        &self,
+        limit: Duration,
+        slot: Option<u16>,
+        call: F,
+    ) -> Result<T, StoreError>
     where
         F: std::future::Future<Output = Result<T, RedisError>>,
     {
@@ -741,14 +768,14 @@ where
         check_prefix(&self.prefix)?;
         match tokio::time::timeout(limit, call).await {
             Ok(result) => {
-                if let Some(healer) = &self.healer {
-                    healer.answered();
+                if let Conn::Healing(healer) = &self.conn {
+                    healer.answered(slot);
                 }
                 result.map_err(map_error)
             }
             Err(_) => {
-                if let Some(healer) = &self.healer {
-                    healer.timed_out();
+                if let Conn::Healing(healer) = &self.conn {
+                    healer.timed_out(slot);
                 }
                 Err(StoreError::Unavailable(Box::new(CallTimeout(limit))))
             }
@@ -799,7 +826,12 @@ where
         cmd: &Cmd,
     ) -> Result<T, StoreError> {
         let mut conn = self.connection();
-        self.timed(async {
+        // EVALSHA sha 1 key ...: the slot of the key.
+        let slot = match cmd.args_iter().nth(3) {
+            Some(redis::Arg::Simple(key)) => Some(slot_of(key)),
+            _ => None,
+        };
+        self.timed_for(self.call_timeout, slot, async {
             match cmd.query_async(&mut conn).await {
                 Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                     script.load_async(&mut conn).await?;
@@ -836,7 +868,7 @@ where
         // WAIT itself may take `timeout`: the client's limit is on top.
         let limit = timeout.saturating_add(self.call_timeout);
         let (acked, now): (i64, Option<Duration>) = self
-            .timed_for(limit, async {
+            .timed_for(limit, Some(slot_of(redis_key.as_bytes())), async {
                 let mut pipe = redis::pipe();
                 // An EXISTS on the key in front routes the pipeline to the
                 // key's node in a cluster; WAIT's reply is the second.
@@ -994,8 +1026,9 @@ where
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let redis_key = self.redis_key(key);
         let mut conn = self.connection();
+        let slot = Some(slot_of(redis_key.as_bytes()));
         let reply = self
-            .timed(async {
+            .timed_for(self.call_timeout, slot, async {
                 redis::cmd("GET")
                     .arg(&redis_key)
                     .query_async::<Value>(&mut conn)
@@ -1026,7 +1059,9 @@ where
                     .key(&redis_key)
                     .key(&marker)
                     .arg(millis(self.delete_marker_ttl()));
-                self.timed(invocation.invoke_async(&mut conn)).await?
+                let slot = Some(slot_of(redis_key.as_bytes()));
+                self.timed_for(self.call_timeout, slot, invocation.invoke_async(&mut conn))
+                    .await?
             }
             // Unreachable (a marker in the record's slot always exists);
             // kept so that a bug there degrades to the old plain DEL.
