@@ -888,25 +888,6 @@ struct TlsPg {
     port: u16,
 }
 
-fn pg_bin() -> PathBuf {
-    if let Ok(dir) = std::env::var("IDEM_PG_BIN") {
-        return PathBuf::from(dir);
-    }
-    let mut found: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok())
-                .map(|e| e.path().join("bin"))
-                .filter(|p| p.join("initdb").exists())
-                .collect()
-        })
-        .unwrap_or_default();
-    found.sort();
-    found
-        .pop()
-        .unwrap_or_else(|| panic!("no initdb under /usr/lib/postgresql/*/bin. {HOW_TO}"))
-}
-
 fn run(command: &mut Command) -> String {
     let out = command
         .output()
@@ -927,7 +908,7 @@ fn shared_pg() -> &'static TlsPg {
     static SERVER: OnceLock<TlsPg> = OnceLock::new();
     SERVER.get_or_init(|| {
         let certs = certs();
-        let bin = pg_bin();
+        let bin = support::pg::find_bin();
         let dir = support::temp_dir("pg-tls");
         let data = dir.join("data");
         let as_postgres = support::is_root();

@@ -301,6 +301,9 @@ pub struct RedisStore<C = ConnectionManager> {
     /// connection that once refused a batch with CROSSSLOT (shared by
     /// clones).
     cluster: Arc<AtomicBool>,
+    /// Whether the prefix holds whitespace or a control character (see
+    /// [`prefix`](Self::prefix)): checked once there, not per call.
+    bad_prefix: bool,
 }
 
 /// The store's connection: one given, or one replaced when it stops
@@ -454,7 +457,6 @@ impl RedisStore<ClusterConnection> {
         I: IntoIterator<Item = T>,
         T: redis::IntoConnectionInfo,
     {
-        tls::install_crypto_provider();
         Self::connect_cluster_with(
             redis::cluster::ClusterClient::builder(nodes).certs(tls.certificates()?),
         )
@@ -535,9 +537,19 @@ where
             // A cluster connection takes a batch's keys per hash slot; so
             // does any other connection once Redis answered CROSSSLOT to a
             // batch (a cluster behind a type of the application's own).
+            bad_prefix: false,
             cluster: Arc::new(AtomicBool::new(
                 std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
             )),
+        }
+    }
+
+    /// The hash slot of `key` for the silence watch of a store that
+    /// replaces its connection; `None` (nothing computed) for the others.
+    fn watched_slot(&self, key: &[u8]) -> Option<u16> {
+        match self.conn {
+            Conn::Healing(_) => Some(slot_of(key)),
+            Conn::Fixed(_) => None,
         }
     }
 
@@ -607,7 +619,9 @@ where
     /// [`try_prefix`](Self::try_prefix) to have the error here.
     pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
         let prefix = prefix.into();
-        if let Err(e) = check_prefix(&prefix) {
+        let refused = check_prefix(&prefix);
+        self.bad_prefix = refused.is_err();
+        if let Err(e) = refused {
             tracing::error!(error = %e, "RedisStore: key prefix refused: every call will fail");
         }
         self.prefix = Arc::from(prefix);
@@ -765,7 +779,9 @@ where
     {
         // Every call to the server comes here: a refused prefix fails them
         // all, before anything is sent (see `prefix`).
-        check_prefix(&self.prefix)?;
+        if self.bad_prefix {
+            check_prefix(&self.prefix)?;
+        }
         match tokio::time::timeout(limit, call).await {
             Ok(result) => {
                 if let Conn::Healing(healer) = &self.conn {
@@ -828,7 +844,7 @@ where
         let mut conn = self.connection();
         // EVALSHA sha 1 key ...: the slot of the key.
         let slot = match cmd.args_iter().nth(3) {
-            Some(redis::Arg::Simple(key)) => Some(slot_of(key)),
+            Some(redis::Arg::Simple(key)) => self.watched_slot(key),
             _ => None,
         };
         self.timed_for(self.call_timeout, slot, async {
@@ -868,7 +884,7 @@ where
         // WAIT itself may take `timeout`: the client's limit is on top.
         let limit = timeout.saturating_add(self.call_timeout);
         let (acked, now): (i64, Option<Duration>) = self
-            .timed_for(limit, Some(slot_of(redis_key.as_bytes())), async {
+            .timed_for(limit, self.watched_slot(redis_key.as_bytes()), async {
                 let mut pipe = redis::pipe();
                 // An EXISTS on the key in front routes the pipeline to the
                 // key's node in a cluster; WAIT's reply is the second.
@@ -1026,7 +1042,7 @@ where
     async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
         let redis_key = self.redis_key(key);
         let mut conn = self.connection();
-        let slot = Some(slot_of(redis_key.as_bytes()));
+        let slot = self.watched_slot(redis_key.as_bytes());
         let reply = self
             .timed_for(self.call_timeout, slot, async {
                 redis::cmd("GET")
@@ -1059,7 +1075,7 @@ where
                     .key(&redis_key)
                     .key(&marker)
                     .arg(millis(self.delete_marker_ttl()));
-                let slot = Some(slot_of(redis_key.as_bytes()));
+                let slot = self.watched_slot(redis_key.as_bytes());
                 self.timed_for(self.call_timeout, slot, invocation.invoke_async(&mut conn))
                     .await?
             }
