@@ -1966,8 +1966,10 @@ fn connect_error(e: sqlx::Error, target: String) -> StoreError {
 /// Why a connection could not be opened, in words, and whether a retry may
 /// resolve it (a TLS setting, a refused password or database: no).
 fn connect_failure(e: &sqlx::Error) -> (String, bool) {
+    if let Some(refusal) = tls_refusal(e) {
+        return (refusal, false);
+    }
     match e {
-        e2 if tls_refusal(e2).is_some() => (tls_refusal(e2).unwrap_or_default(), false),
         // A file named in the URL (sslrootcert, sslcert, sslkey) missing
         // or unreadable: no network error reads as that, and no retry
         // finds the file.
