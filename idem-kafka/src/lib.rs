@@ -125,17 +125,22 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod error;
+mod finishing;
 mod record;
+mod shared;
+mod stats;
 mod track;
 
+pub use error::KafkaConsumerError;
 pub use rdkafka;
 pub use record::{default_scope, KafkaRecord, KeySource, RecordError};
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -157,6 +162,10 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::task::JoinSet;
 
+use finishing::Finishing;
+use shared::{lock, Shared};
+pub use stats::ConsumerStats;
+use stats::Counters;
 use track::Track;
 
 /// Records taken from the client at once (at least).
@@ -164,138 +173,6 @@ const READ_AHEAD: usize = 64;
 
 /// The default of [`KafkaConsumer::max_deliveries`].
 pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
-
-/// Why the consumer could not be made or could not go on.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum KafkaConsumerError {
-    /// The Kafka client refused its configuration or failed.
-    #[error("kafka: {0}")]
-    Kafka(#[from] KafkaError),
-    /// The idempotency store or the executor's configuration refused
-    /// every call: nothing could succeed.
-    #[error("idempotency store: {0}")]
-    Store(#[from] StoreError),
-    /// A setting is missing or wrong (`group.id`, no topic, no tokio
-    /// runtime).
-    #[error("configuration: {0}")]
-    Config(String),
-}
-
-/// What a consumer did, counted since it was made: returned by
-/// [`KafkaConsumer::run`], and by [`KafkaConsumer::stats`] while it runs.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ConsumerStats {
-    /// Records read from the broker.
-    pub received: u64,
-    /// Records whose handler ran here and whose result was recorded.
-    pub executed: u64,
-    /// Records answered with a recorded result (duplicates, redeliveries),
-    /// or whose key completed without a replayable result.
-    pub replayed: u64,
-    /// Runs that did not settle their record and were retried (handler
-    /// failed, key in progress elsewhere, store unavailable).
-    pub retried: u64,
-    /// Records produced to the dead-letter topic (then settled).
-    pub dead_lettered: u64,
-    /// Dead letters the producer did not deliver within `call_timeout`
-    /// (a missing topic, a broker away, a copy too large: then sent again
-    /// with less of the record), each tried again: a count that keeps
-    /// rising means a partition held up behind a record that cannot leave.
-    pub dead_letter_failures: u64,
-    /// Records whose offsets were handed to a commit.
-    pub committed: u64,
-    /// The last offset the broker confirmed as committed, per topic and
-    /// partition.
-    pub committed_offsets: BTreeMap<(String, i32), i64>,
-    /// Partitions revoked from this consumer.
-    pub revoked: u64,
-    /// Records given up at a revoke or shutdown (not committed:
-    /// redelivered to the next owner).
-    pub abandoned: u64,
-    /// The consumer group's lag on this consumer's partitions when `run`
-    /// returned (high watermark minus committed offset, summed); `None`
-    /// while running, or when it could not be read.
-    pub lag: Option<i64>,
-}
-
-#[derive(Default)]
-struct Counters {
-    received: AtomicU64,
-    executed: AtomicU64,
-    replayed: AtomicU64,
-    retried: AtomicU64,
-    dead_lettered: AtomicU64,
-    dead_letter_failures: AtomicU64,
-    committed: AtomicU64,
-    revoked: AtomicU64,
-    abandoned: AtomicU64,
-}
-
-/// State shared by the run loop, the record tasks and the rebalance
-/// callback.
-struct Shared {
-    /// The last record taken of each key in flight, with its number.
-    keys: Mutex<HashMap<IdempotencyKey, (u64, tokio::sync::oneshot::Receiver<()>)>>,
-    seq: AtomicU64,
-    tracks: Mutex<HashMap<(String, i32), Arc<Track>>>,
-    counters: Counters,
-    confirmed: Mutex<BTreeMap<(String, i32), i64>>,
-    /// Wakes the run loop: a commit point moved, or a commit failed.
-    wake: tokio::sync::Notify,
-    /// A commit failed: send every commit point again.
-    recommit: AtomicBool,
-    /// The consumer stops: retries give up.
-    stopping: AtomicBool,
-    /// `run` left the group: the next one subscribes again.
-    left: AtomicBool,
-    /// A commit is under way on a blocking thread.
-    committing: AtomicBool,
-    /// Commits go one at a time (the run loop's and the revoke's).
-    commit_lock: Mutex<()>,
-    revoke_wait_ms: AtomicU64,
-    partition_concurrency: AtomicU64,
-    /// Keys of records whose handler ran and whose completion is still to
-    /// be written (`Unrecorded`): their other records wait, never run
-    /// (after the lease they would take the key over).
-    finishing: Mutex<HashSet<IdempotencyKey>>,
-}
-
-/// A key in [`Shared::finishing`] while a record's completion is to be
-/// written; out again when dropped (written, given up, or the task
-/// aborted).
-struct Finishing {
-    shared: Arc<Shared>,
-    key: IdempotencyKey,
-}
-
-impl Finishing {
-    fn new(shared: &Arc<Shared>, key: &IdempotencyKey) -> Self {
-        lock(&shared.finishing).insert(key.clone());
-        Finishing {
-            shared: shared.clone(),
-            key: key.clone(),
-        }
-    }
-}
-
-impl Drop for Finishing {
-    fn drop(&mut self) {
-        lock(&self.shared.finishing).remove(&self.key);
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-impl Shared {
-    fn track(&self, topic: &str, partition: i32) -> Option<Arc<Track>> {
-        lock(&self.tracks)
-            .get(&(topic.to_owned(), partition))
-            .cloned()
-    }
-}
 
 /// The rdkafka context: the rebalance and commit callbacks.
 #[doc(hidden)]
@@ -771,24 +648,6 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// commit or seek with it).
     pub fn client(&self) -> &StreamConsumer<IdemContext> {
         &self.consumer
-    }
-
-    /// What this consumer did so far (`lag` is `None`).
-    pub fn stats(&self) -> ConsumerStats {
-        let c = &self.shared.counters;
-        ConsumerStats {
-            received: c.received.load(Ordering::Relaxed),
-            executed: c.executed.load(Ordering::Relaxed),
-            replayed: c.replayed.load(Ordering::Relaxed),
-            retried: c.retried.load(Ordering::Relaxed),
-            dead_lettered: c.dead_lettered.load(Ordering::Relaxed),
-            dead_letter_failures: c.dead_letter_failures.load(Ordering::Relaxed),
-            committed: c.committed.load(Ordering::Relaxed),
-            committed_offsets: lock(&self.shared.confirmed).clone(),
-            revoked: c.revoked.load(Ordering::Relaxed),
-            abandoned: c.abandoned.load(Ordering::Relaxed),
-            lag: None,
-        }
     }
 
     /// The group's lag on the partitions assigned to this consumer now:
