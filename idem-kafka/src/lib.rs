@@ -125,6 +125,8 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod commit;
+mod context;
 mod error;
 mod finishing;
 mod record;
@@ -132,6 +134,8 @@ mod shared;
 mod stats;
 mod track;
 
+#[doc(hidden)]
+pub use context::IdemContext;
 pub use error::KafkaConsumerError;
 pub use rdkafka;
 pub use record::{default_scope, KafkaRecord, KeySource, RecordError};
@@ -149,15 +153,12 @@ use idem_core::{
     IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
 };
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
-};
-use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::util::Timeout;
-use rdkafka::ClientContext;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::task::JoinSet;
@@ -173,213 +174,6 @@ const READ_AHEAD: usize = 64;
 
 /// The default of [`KafkaConsumer::max_deliveries`].
 pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
-
-/// The rdkafka context: the rebalance and commit callbacks.
-#[doc(hidden)]
-pub struct IdemContext {
-    shared: Arc<Shared>,
-    /// `partition.assignment.strategy` is cooperative-sticky.
-    cooperative: bool,
-}
-
-impl ClientContext for IdemContext {
-    fn log(&self, level: rdkafka::config::RDKafkaLogLevel, fac: &str, message: &str) {
-        use rdkafka::config::RDKafkaLogLevel as L;
-        match level {
-            L::Emerg | L::Alert | L::Critical | L::Error => {
-                tracing::error!(target: "librdkafka", %fac, "{message}")
-            }
-            L::Warning => tracing::warn!(target: "librdkafka", %fac, "{message}"),
-            L::Notice | L::Info => tracing::info!(target: "librdkafka", %fac, "{message}"),
-            L::Debug => tracing::debug!(target: "librdkafka", %fac, "{message}"),
-        }
-    }
-
-    fn error(&self, error: KafkaError, reason: &str) {
-        tracing::warn!(target: "librdkafka", %error, "{reason}");
-    }
-}
-
-impl ConsumerContext for IdemContext {
-    /// rdkafka's own `rebalance` asks librdkafka for the rebalance
-    /// protocol, a call that can block forever when the consumer is
-    /// closing (librdkafka #4041, rust-rdkafka #509: a drop that never
-    /// ends); the protocol is known from the configuration instead.
-    fn rebalance(
-        &self,
-        base: &BaseConsumer<Self>,
-        err: rdkafka::types::RDKafkaRespErr,
-        tpl: &mut TopicPartitionList,
-    ) {
-        use rdkafka::types::RDKafkaRespErr as E;
-        match err {
-            E::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
-                self.pre_rebalance(base, &Rebalance::Assign(tpl));
-                let done = if self.cooperative {
-                    base.incremental_assign(tpl)
-                } else {
-                    base.assign(tpl)
-                };
-                if let Err(e) = done {
-                    tracing::warn!(error = %e, "could not take the assigned partitions");
-                }
-                self.post_rebalance(base, &Rebalance::Assign(tpl));
-            }
-            E::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
-                self.pre_rebalance(base, &Rebalance::Revoke(tpl));
-                let done = if self.cooperative {
-                    base.incremental_unassign(tpl)
-                } else {
-                    base.unassign()
-                };
-                if let Err(e) = done {
-                    tracing::warn!(error = %e, "could not let the revoked partitions go");
-                }
-                self.post_rebalance(base, &Rebalance::Revoke(tpl));
-            }
-            other => {
-                let e = KafkaError::Rebalance(other.into());
-                self.pre_rebalance(base, &Rebalance::Error(e));
-            }
-        }
-    }
-
-    fn pre_rebalance(&self, base: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        let tpl = match rebalance {
-            Rebalance::Revoke(tpl) => tpl,
-            Rebalance::Assign(tpl) => {
-                tracing::info!(partitions = ?partitions_of(tpl), "partitions assigned");
-                // A new track per assigned partition: records read from
-                // here on belong to this assignment.
-                let per_partition =
-                    self.shared.partition_concurrency.load(Ordering::Relaxed) as usize;
-                let mut map = lock(&self.shared.tracks);
-                for (topic, partition) in partitions_of(tpl) {
-                    let track = Arc::new(Track::new(&topic, partition, per_partition.max(1)));
-                    if let Some(old) = map.insert((topic, partition), track) {
-                        old.revoke();
-                    }
-                }
-                return;
-            }
-            Rebalance::Error(e) => {
-                tracing::warn!(error = %e, "rebalance error");
-                return;
-            }
-        };
-        tracing::info!(partitions = ?partitions_of(tpl), "partitions revoked");
-        let lost = base.assignment_lost();
-        let tracks: Vec<Arc<Track>> = {
-            let mut map = lock(&self.shared.tracks);
-            tpl.elements()
-                .iter()
-                .filter_map(|e| map.remove(&(e.topic().to_owned(), e.partition())))
-                .collect()
-        };
-        self.shared
-            .counters
-            .revoked
-            .fetch_add(tpl.count() as u64, Ordering::Relaxed);
-        for t in &tracks {
-            t.revoke();
-        }
-        if lost {
-            tracing::warn!(
-                partitions = tpl.count(),
-                "assignment lost (session timeout): nothing committed"
-            );
-            return;
-        }
-        let limit = Duration::from_millis(self.shared.revoke_wait_ms.load(Ordering::Relaxed));
-        let running: usize = tracks.iter().map(|t| t.running()).sum();
-        if running > 0 && !limit.is_zero() {
-            let wait = || {
-                let deadline = std::time::Instant::now() + limit;
-                tracks
-                    .iter()
-                    .map(|t| {
-                        t.wait_idle(deadline.saturating_duration_since(std::time::Instant::now()))
-                    })
-                    .sum::<usize>()
-            };
-            let multi = tokio::runtime::Handle::try_current()
-                .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-            let left = if multi {
-                tokio::task::block_in_place(wait)
-            } else {
-                tracing::debug!(
-                    "revoke on a current-thread runtime: running records are not waited for"
-                );
-                running
-            };
-            if left > 0 {
-                tracing::info!(
-                    records = left,
-                    "revoke: records still running after revoke_wait are left to the next owner"
-                );
-            }
-        }
-        let mut commit = TopicPartitionList::new();
-        let mut records = 0;
-        for t in &tracks {
-            if let Some((offset, n)) = t.take_commit(true) {
-                if commit
-                    .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
-                    .is_ok()
-                {
-                    records += n;
-                }
-            }
-        }
-        if commit.count() > 0 {
-            let _one_at_a_time = lock(&self.shared.commit_lock);
-            match base.commit(&commit, CommitMode::Sync) {
-                Ok(()) => {
-                    self.shared
-                        .counters
-                        .committed
-                        .fetch_add(records, Ordering::Relaxed);
-                    self.confirm(&commit);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "commit at revoke failed: the next owner replays those records")
-                }
-            }
-        }
-    }
-
-    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
-        match result {
-            Ok(()) => self.confirm(offsets),
-            Err(KafkaError::ConsumerCommit(rdkafka::types::RDKafkaErrorCode::NoOffset)) => {}
-            Err(e) => {
-                tracing::debug!(error = %e, "offset commit failed: it is sent again");
-                self.shared.recommit.store(true, Ordering::SeqCst);
-                self.shared.wake.notify_one();
-            }
-        }
-    }
-}
-
-impl IdemContext {
-    fn confirm(&self, offsets: &TopicPartitionList) {
-        self.shared.confirm(offsets);
-    }
-}
-
-impl Shared {
-    fn confirm(&self, offsets: &TopicPartitionList) {
-        let mut confirmed = lock(&self.confirmed);
-        for e in offsets.elements() {
-            if let (Offset::Offset(o), Ok(())) = (e.offset(), e.error()) {
-                let slot = confirmed
-                    .entry((e.topic().to_owned(), e.partition()))
-                    .or_insert(o);
-                *slot = (*slot).max(o);
-            }
-        }
-    }
-}
 
 /// An idempotent consumer-group member; see the [crate docs](crate).
 pub struct KafkaConsumer<S: ?Sized, C = JsonCodec> {
@@ -868,34 +662,6 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         out
     }
 
-    fn commit_points(&self, force: bool) -> (TopicPartitionList, u64) {
-        let tracks: Vec<Arc<Track>> = lock(&self.shared.tracks).values().cloned().collect();
-        points(&tracks, force)
-    }
-
-    /// Sends the commit points that moved (all of them after a failed
-    /// commit), unless a commit is under way: then the next wake does.
-    /// The commit is synchronous, on a blocking thread, so its answer is
-    /// known (rdkafka does not report asynchronous commits to a
-    /// `StreamConsumer` reliably) and commits never overtake each other.
-    fn commit_async(&self) {
-        if self.shared.committing.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        let force = self.shared.recommit.swap(false, Ordering::SeqCst);
-        let (tpl, records) = self.commit_points(force);
-        if tpl.count() == 0 {
-            self.shared.committing.store(false, Ordering::SeqCst);
-            return;
-        }
-        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
-        tokio::task::spawn_blocking(move || {
-            commit_now(&*consumer, &shared, &tpl, records);
-            shared.committing.store(false, Ordering::SeqCst);
-            shared.wake.notify_one();
-        });
-    }
-
     /// Leaves the group at the end of `run`: unsubscribes and serves the
     /// revoke that follows here, bounded by `revoke_wait` plus the call
     /// timeout, so that dropping the client later has no assignment to
@@ -916,77 +682,6 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             let _ = tokio::time::timeout(Duration::from_millis(20), self.consumer.recv()).await;
         }
     }
-
-    /// Commits every commit point and waits for the answer (at shutdown).
-    async fn commit_sync(&self) {
-        let (consumer, shared) = (self.consumer.clone(), self.shared.clone());
-        let done = tokio::task::spawn_blocking(move || {
-            let (tpl, records) = {
-                let tracks: Vec<Arc<Track>> = lock(&shared.tracks).values().cloned().collect();
-                points(&tracks, true)
-            };
-            if tpl.count() > 0 && !commit_now(&*consumer, &shared, &tpl, records) {
-                tracing::warn!(
-                    "final offset commit failed: the records since the last commit are replayed"
-                );
-            }
-        })
-        .await;
-        if let Err(e) = done {
-            tracing::warn!(error = %e, "final offset commit task failed");
-        }
-    }
-}
-
-/// The commit points of `tracks` that moved (all, with `force`), and the
-/// records they cover.
-fn points(tracks: &[Arc<Track>], force: bool) -> (TopicPartitionList, u64) {
-    let mut tpl = TopicPartitionList::new();
-    let mut records = 0;
-    for t in tracks {
-        if let Some((offset, n)) = t.take_commit(force) {
-            if tpl
-                .add_partition_offset(&t.topic, t.partition, Offset::Offset(offset))
-                .is_ok()
-            {
-                records += n;
-            }
-        }
-    }
-    (tpl, records)
-}
-
-/// A synchronous commit, one at a time (the revoke's too); on failure the
-/// next commit sends every point again. Whether it succeeded.
-fn commit_now<K: Consumer<IdemContext>>(
-    consumer: &K,
-    shared: &Shared,
-    tpl: &TopicPartitionList,
-    records: u64,
-) -> bool {
-    let _one_at_a_time = lock(&shared.commit_lock);
-    match consumer.commit(tpl, CommitMode::Sync) {
-        Ok(()) => {
-            shared
-                .counters
-                .committed
-                .fetch_add(records, Ordering::Relaxed);
-            shared.confirm(tpl);
-            true
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, "offset commit failed: sent again");
-            shared.recommit.store(true, Ordering::SeqCst);
-            false
-        }
-    }
-}
-
-fn partitions_of(tpl: &TopicPartitionList) -> Vec<(String, i32)> {
-    tpl.elements()
-        .iter()
-        .map(|e| (e.topic().to_owned(), e.partition()))
-        .collect()
 }
 
 /// The lag of `partitions` for the consumer's group, per partition.
