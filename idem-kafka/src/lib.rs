@@ -127,12 +127,16 @@
 
 mod commit;
 mod context;
+mod dead_letter;
 mod error;
+mod failures;
 mod finishing;
+mod outcome;
 mod record;
 mod shared;
 mod stats;
 mod track;
+mod work;
 
 #[doc(hidden)]
 pub use context::IdemContext;
@@ -140,7 +144,7 @@ pub use error::KafkaConsumerError;
 pub use rdkafka;
 pub use record::{default_scope, KafkaRecord, KeySource, RecordError};
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -148,26 +152,25 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use idem_core::{
-    saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
-};
+use idem_core::{saturate, Codec, Idempotency, IdempotencyStore, JsonCodec};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, StreamConsumer};
-use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::util::Timeout;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::task::JoinSet;
 
-use finishing::Finishing;
 use shared::{lock, Shared};
 pub use stats::ConsumerStats;
 use stats::Counters;
 use track::Track;
+use work::{Job, Work};
+
+// For the links of the crate docs.
+#[cfg(doc)]
+use idem_core::IdemError;
 
 /// Records taken from the client at once (at least).
 const READ_AHEAD: usize = 64;
@@ -768,12 +771,6 @@ pub async fn group_committed(
     .map_err(|e| KafkaConsumerError::Config(format!("the offsets task failed: {e}")))?
 }
 
-/// The key of the counter of `key`'s failed runs.
-fn failure_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
-    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
-    IdempotencyKey::new("idem.failures", id).ok()
-}
-
 /// Consecutive records of one partition, at most `max` together.
 fn chunks(reads: Vec<(Arc<Track>, RecordRead)>, max: usize) -> Vec<(Arc<Track>, Vec<RecordRead>)> {
     let mut out: Vec<(Arc<Track>, Vec<RecordRead>)> = Vec::new();
@@ -784,39 +781,6 @@ fn chunks(reads: Vec<(Arc<Track>, RecordRead)>, max: usize) -> Vec<(Arc<Track>, 
         }
     }
     out
-}
-
-/// A record ready to run: its key (or why it is dead-lettered at once),
-/// and its place in the chain of the records of the same key.
-struct Job {
-    record: KafkaRecord,
-    key: Result<IdempotencyKey, String>,
-    /// The previous record of the same key taken by this consumer: this
-    /// one runs after it ends, so records of one key run in the order
-    /// read (the first of two payloads wins, the second is the mismatch).
-    after: Option<(u64, tokio::sync::oneshot::Receiver<()>)>,
-    /// Ends this record's turn for the next one (when dropped), with its
-    /// number in the chain.
-    turn: Option<(u64, tokio::sync::oneshot::Sender<()>)>,
-}
-
-/// Ends a record's turn in its key's chain when dropped: the next record
-/// of the key may run, and the chain's entry goes if it was the last.
-struct Turn {
-    shared: Arc<Shared>,
-    key: Option<IdempotencyKey>,
-    turn: Option<(u64, tokio::sync::oneshot::Sender<()>)>,
-}
-
-impl Drop for Turn {
-    fn drop(&mut self) {
-        if let (Some(key), Some((seq, _))) = (&self.key, &self.turn) {
-            let mut keys = lock(&self.shared.keys);
-            if keys.get(key).is_some_and(|(s, _)| s == seq) {
-                keys.remove(key);
-            }
-        }
-    }
 }
 
 /// A record as read, or why it cannot be given to the handler.
@@ -839,582 +803,9 @@ impl RecordRead {
     }
 }
 
-/// The handler's error, or the run refused because the key was acquired
-/// more than `max_deliveries` times (its earlier runs were cut off).
-enum Run<E> {
-    Handler(E),
-    TooManyAttempts(u32),
-}
-
-impl<E: fmt::Display> fmt::Display for Run<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Run::Handler(e) => write!(f, "handler failed: {e}"),
-            Run::TooManyAttempts(n) => write!(
-                f,
-                "acquired {n} times: earlier runs were cut off (their consumer died)"
-            ),
-        }
-    }
-}
-
-/// Whether a handler error says the record can never succeed.
-fn is_permanent<E: 'static>(e: &E) -> bool {
-    let any = e as &dyn std::any::Any;
-    if any.is::<RecordError>() {
-        return true;
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>() {
-        return b.is::<RecordError>();
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error>>() {
-        return b.is::<RecordError>();
-    }
-    false
-}
-
-/// What to do with a record after a run.
-enum Settle {
-    /// Settled: commit it.
-    Done,
-    /// Dead-letter it with this reason.
-    Dead(String),
-    /// The handler failed: counted, then retried or dead-lettered.
-    Failed(String),
-    /// Not the record's fault: try again later.
-    Retry,
-    /// The handler ran but its completion is not written (the store was
-    /// away past the lease): write it with its own lease, never run the
-    /// record again.
-    Finish(Box<Unrecorded>),
-    /// Nothing can succeed: stop the consumer.
-    Fatal(StoreError),
-}
-
-/// What the record tasks share: the executor, the handler, the settings.
-struct Work<S: ?Sized, C, F> {
-    idem: Idempotency<S, C>,
-    handler: F,
-    key: KeySource,
-    scope: Option<String>,
-    max_deliveries: u32,
-    dead_letter: Option<String>,
-    group: String,
-    producer: FutureProducer,
-    retry_backoff: (Duration, Duration),
-    call_timeout: Duration,
-    shared: Arc<Shared>,
-    fatal: Mutex<Option<StoreError>>,
-}
-
 impl<S, C, F> Work<S, C, F>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,
 {
-    fn scope_of(&self, topic: &str) -> String {
-        self.scope.clone().unwrap_or_else(|| default_scope(topic))
-    }
-
-    /// The record's key, and its turn after the previous record of that
-    /// key (called in read order).
-    fn prepare(&self, read: RecordRead) -> Job {
-        let scope = self.scope_of(&read.record.topic);
-        let key = match read.unusable {
-            Some(e) => Err(e.to_string()),
-            None => self
-                .key
-                .key_of(&scope, &read.record)
-                .map_err(|e| format!("no usable key: {e}")),
-        };
-        let (mut after, mut turn) = (None, None);
-        if let Ok(k) = &key {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let seq = self.shared.seq.fetch_add(1, Ordering::Relaxed);
-            after = lock(&self.shared.keys).insert(k.clone(), (seq, rx));
-            turn = Some((seq, tx));
-        }
-        Job {
-            record: read.record,
-            key,
-            after,
-            turn,
-        }
-    }
-
-    /// Runs one record until it is settled or given up.
-    async fn run_record<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, job: Job)
-    where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let Job {
-            record,
-            key,
-            after,
-            turn,
-        } = job;
-        // The record's turn ends whatever way this task ends (dropped too).
-        let _turn = Turn {
-            shared: self.shared.clone(),
-            key: key.as_ref().ok().cloned(),
-            turn,
-        };
-        if let Some((_, after)) = after {
-            let _ = after.await;
-        }
-        self.drive(&track, record, key, None).await;
-    }
-
-    /// A record's run for its own key (the first one's outcome given when
-    /// it ran in a batch).
-    fn item<Fut, T, E>(
-        self: &Arc<Self>,
-        record: &KafkaRecord,
-    ) -> impl FnOnce(Context) -> futures_util::future::BoxFuture<'static, Result<T, Run<E>>>
-           + Send
-           + 'static
-    where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Send + 'static,
-        E: Send + 'static,
-    {
-        let max = self.max_deliveries;
-        let work = self.clone();
-        let mut copy = record.clone();
-        move |ctx: Context| {
-            copy.attempt = ctx.attempt;
-            copy.fence = ctx.fence;
-            let fut = (ctx.attempt <= max).then(|| (work.handler)(copy));
-            Box::pin(async move {
-                match fut {
-                    Some(fut) => fut.await.map_err(Run::Handler),
-                    None => Err(Run::TooManyAttempts(ctx.attempt)),
-                }
-            })
-        }
-    }
-
-    /// Runs a chunk of one partition's records as one batch (one
-    /// `acquire_many`, one `complete_many` when the handlers end
-    /// together); each record that did not settle goes on on its own.
-    async fn run_chunk<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, jobs: Vec<Job>)
-    where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let mut turns = Vec::with_capacity(jobs.len());
-        let mut records = Vec::with_capacity(jobs.len());
-        // Waits for earlier records of the same keys outside the chunk; a
-        // key twice in the chunk runs in order inside the batch.
-        let ours: HashSet<u64> = jobs
-            .iter()
-            .filter_map(|j| j.turn.as_ref().map(|(seq, _)| *seq))
-            .collect();
-        for job in jobs {
-            turns.push(Turn {
-                shared: self.shared.clone(),
-                key: job.key.as_ref().ok().cloned(),
-                turn: job.turn,
-            });
-            if let Some((seq, after)) = job.after {
-                if !ours.contains(&seq) {
-                    let _ = after.await;
-                }
-            }
-            records.push((job.record, job.key));
-        }
-        let items: Vec<_> = records
-            .iter()
-            .filter_map(|(record, key)| {
-                let key = key.as_ref().ok()?;
-                Some((
-                    key.clone(),
-                    record::fingerprint_of(record),
-                    self.item(record),
-                ))
-            })
-            .collect();
-        let mut results = self
-            .idem
-            .process_batch_with_detached(items)
-            .await
-            .into_iter();
-        let drives = records.into_iter().map(|(record, key)| {
-            let first = key.is_ok().then(|| results.next()).flatten();
-            self.drive(&track, record, key, first)
-        });
-        futures_util::future::join_all(drives).await;
-        drop(turns);
-    }
-
-    /// Drives a record until it is settled (recorded, replayed,
-    /// dead-lettered) or given up; `first` is its first run's outcome if it
-    /// already ran.
-    async fn drive<Fut, T, E>(
-        self: &Arc<Self>,
-        track: &Track,
-        record: KafkaRecord,
-        key: Result<IdempotencyKey, String>,
-        mut first: Option<Result<Processed<T>, IdemError<Run<E>>>>,
-    ) where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<T, E>> + Send + 'static,
-        T: Serialize + DeserializeOwned + Send + 'static,
-        E: fmt::Display + Send + 'static,
-    {
-        let (key, mut dead) = match key {
-            Ok(k) => (Some(k), None),
-            Err(reason) => (None, Some((0u32, reason))),
-        };
-        let fingerprint = record::fingerprint_of(&record);
-        let mut backoff = self.retry_backoff.0;
-        // A run whose completion is still to be written.
-        let mut unfinished: Option<(Box<Unrecorded>, Finishing)> = None;
-        // Whether a failed run of the key was counted (the counter goes
-        // when the record settles, so a later record of the key, or the
-        // record re-driven from its dead letter, counts from zero).
-        let mut counted = false;
-        // With a completion to write, when a revoke or shutdown stops
-        // waiting for it.
-        let mut finish_by: Option<tokio::time::Instant> = None;
-        loop {
-            // Another record of the key waits for its completion to be
-            // written: this one waits too (its run would take the key over
-            // once the lease is over). Not for a batch's first outcome,
-            // which already ran.
-            let held = unfinished.is_none()
-                && first.is_none()
-                && key
-                    .as_ref()
-                    .is_some_and(|k| lock(&self.shared.finishing).contains(k));
-            if let Some((u, _)) = &unfinished {
-                match self.idem.finish(u).await {
-                    Ok(()) => {
-                        self.shared
-                            .counters
-                            .executed
-                            .fetch_add(1, Ordering::Relaxed);
-                        self.settled(track, &record, key.as_ref(), counted).await;
-                        return;
-                    }
-                    // Taken over after the lease ended: the new holder
-                    // records; the record's next run gets its answer.
-                    Err(StoreError::LeaseLost) => unfinished = None,
-                    Err(e) if e.is_retryable() => {
-                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                    }
-                    // The store refuses the completion for good: the
-                    // handler ran, so the record is never run again.
-                    Err(e) => {
-                        unfinished = None;
-                        dead = Some((
-                            0,
-                            format!("the handler ran but its result could not be recorded: {e}"),
-                        ));
-                    }
-                }
-            } else if held {
-                self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-            } else if let (Some(k), None) = (&key, &dead) {
-                let result = match first.take() {
-                    Some(r) => r,
-                    None => {
-                        self.idem
-                            .process_with_detached(k, fingerprint, self.item(&record))
-                            .await
-                    }
-                };
-                match self.settle_of(&record, result) {
-                    Settle::Done => {
-                        self.settled(track, &record, key.as_ref(), counted).await;
-                        return;
-                    }
-                    Settle::Dead(reason) => dead = Some((0, reason)),
-                    Settle::Failed(reason) => {
-                        match self.failures(k).await.inspect(|_| counted = true) {
-                            Some(n) if n >= self.max_deliveries => {
-                                let reason = format!(
-                                    "{reason} (failed {n} times, max_deliveries {})",
-                                    self.max_deliveries
-                                );
-                                dead = Some((n, reason));
-                            }
-                            _ => {
-                                self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                            }
-                        }
-                    }
-                    Settle::Retry => {
-                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Settle::Finish(u) => {
-                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                        let guard = Finishing::new(&self.shared, k);
-                        unfinished = Some((u, guard));
-                    }
-                    Settle::Fatal(e) => {
-                        lock(&self.fatal).get_or_insert(e);
-                        self.shared.wake.notify_one();
-                        track.abandon(record.offset);
-                        return;
-                    }
-                }
-            }
-            if let Some((n, reason)) = &dead {
-                if self.dead_letter_one(&record, *n, reason).await {
-                    self.settled(track, &record, key.as_ref(), counted).await;
-                    return;
-                }
-            }
-            let mut give_up = track.revoked()
-                || self.shared.stopping.load(Ordering::SeqCst)
-                || lock(&self.fatal).is_some();
-            if give_up && unfinished.is_some() {
-                // Its handler ran: given up, its key would be taken over
-                // and run again by the next owner once the lease is over.
-                // Finishing goes on for as long as a running record may
-                // hold a revoke or a shutdown (`revoke_wait`).
-                let wait =
-                    Duration::from_millis(self.shared.revoke_wait_ms.load(Ordering::Relaxed));
-                let by = *finish_by.get_or_insert_with(|| tokio::time::Instant::now() + wait);
-                give_up = tokio::time::Instant::now() >= by;
-            }
-            if give_up {
-                if unfinished.is_some() {
-                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, "given up with its result not recorded (the store is away): after the lease its next owner runs it again");
-                }
-                self.shared
-                    .counters
-                    .abandoned
-                    .fetch_add(1, Ordering::Relaxed);
-                track.abandon(record.offset);
-                return;
-            }
-            // A completion to write goes in soon after the store is back
-            // (a pause of at most 200 ms): after the lease, anyone may
-            // take the key over.
-            let pause = if unfinished.is_some() {
-                backoff.min(Duration::from_millis(200))
-            } else {
-                backoff
-            };
-            tokio::time::sleep(pause).await;
-            backoff = backoff.saturating_mul(2).min(self.retry_backoff.1);
-        }
-    }
-
-    /// What a run's outcome means for its record.
-    fn settle_of<T, E: fmt::Display + 'static>(
-        &self,
-        record: &KafkaRecord,
-        result: Result<Processed<T>, IdemError<Run<E>>>,
-    ) -> Settle {
-        let c = &self.shared.counters;
-        match result {
-            Ok(Processed::Executed(_)) => {
-                c.executed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
-                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "the handler ran but its result was not recorded");
-                c.executed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Ok(Processed::Replayed(_)) => {
-                c.replayed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Err(IdemError::ResultUnavailable { reason }) => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, %reason, "duplicate of a record whose result was not recorded: settled");
-                c.replayed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            // Held elsewhere (a rebalance moved the partition while its
-            // handler ran there), or our lease was taken over: the holder
-            // records, and the retry gets its replay.
-            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. } | IdemError::LeaseLost) => {
-                Settle::Retry
-            }
-            Err(IdemError::InvalidConfig { detail }) => {
-                Settle::Fatal(StoreError::InvalidArgument { detail })
-            }
-            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Settle::Fatal(e),
-            Err(IdemError::Store(e)) if e.is_retryable() => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, error = %e, "store unavailable: the record is retried");
-                Settle::Retry
-            }
-            Err(IdemError::Unrecorded(u)) => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, error = %u.cause(), "the handler ran but its result is not recorded yet: finishing it with its lease");
-                Settle::Finish(u)
-            }
-            Err(IdemError::Handler(Run::TooManyAttempts(n))) => Settle::Dead(format!(
-                "acquired {n} times (max_deliveries {}): its earlier runs were cut off, their consumer died",
-                self.max_deliveries
-            )),
-            Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {
-                Settle::Dead(format!("handler refused the record: {e}"))
-            }
-            Err(IdemError::Handler(Run::Handler(e))) => Settle::Failed(e.to_string()),
-            Err(e @ IdemError::Panicked { .. }) => Settle::Failed(e.to_string()),
-            Err(e) => Settle::Dead(e.to_string()),
-        }
-    }
-
-    /// A record is settled: its partition's commit point may move; the
-    /// failure counter of its key goes if a failure was counted.
-    async fn settled(
-        &self,
-        track: &Track,
-        record: &KafkaRecord,
-        key: Option<&IdempotencyKey>,
-        counted: bool,
-    ) {
-        if track.settle(record.offset) {
-            self.shared.wake.notify_one();
-        }
-        if let (true, Some(key)) = (counted, key) {
-            if let Some(counter) = failure_counter(key) {
-                if let Err(e) = self.idem.store().delete(&counter).await {
-                    tracing::warn!(error = %e, "could not reset a failure counter (it counts on for this key)");
-                }
-            }
-        }
-    }
-
-    /// Counts a failed run of `key` and returns the count so far: the
-    /// attempt number of a counter record (see the crate docs). `None`
-    /// when the store could not count it.
-    async fn failures(&self, key: &IdempotencyKey) -> Option<u32> {
-        let counter = failure_counter(key)?;
-        match self
-            .idem
-            .store()
-            .acquire(&counter, None, Duration::from_millis(1))
-            .await
-        {
-            Ok(idem_core::Acquisition::Acquired(lease)) => Some(lease.attempt),
-            Ok(idem_core::Acquisition::InProgress { attempt, .. }) => Some(attempt),
-            Ok(_) => None,
-            Err(e) => {
-                tracing::warn!(error = %e, "could not count a failed run");
-                None
-            }
-        }
-    }
-
-    /// Produces the record to the dead-letter topic; whether the broker
-    /// acknowledged it within `call_timeout`.
-    ///
-    /// The dead letter carries the `idem.*` headers first, then the
-    /// record's own headers; a record that was a dead letter before (it
-    /// was re-driven) has its old `idem.*` headers renamed
-    /// `idem.previous.*` (one generation kept), so the first *and* the last
-    /// `idem.reason` are the new one. A copy over the producer's size limit
-    /// (the headers added to a record just under it) goes without its
-    /// value, then without its headers, then without its key, each step
-    /// said in `idem.dropped`: a dead letter is never refused for its size.
-    async fn dead_letter_one(&self, record: &KafkaRecord, n: u32, reason: &str) -> bool {
-        let topic = self
-            .dead_letter
-            .clone()
-            .unwrap_or_else(|| format!("{}.dead", record.topic));
-        let partition = record.partition.to_string();
-        let offset = record.offset.to_string();
-        let deliveries = n.to_string();
-        let ours = [
-            ("idem.topic", record.topic.as_str()),
-            ("idem.partition", partition.as_str()),
-            ("idem.offset", offset.as_str()),
-            ("idem.group", self.group.as_str()),
-            ("idem.deliveries", deliveries.as_str()),
-            ("idem.reason", reason),
-        ];
-        // Old idem.* headers of a re-driven dead letter, renamed.
-        let theirs: Vec<(String, Option<&[u8]>)> = record
-            .headers
-            .iter()
-            .filter(|(name, _)| !name.starts_with("idem.previous."))
-            .map(|(name, value)| {
-                let name =
-                    if ours.iter().any(|(n, _)| *n == name.as_str()) || name == "idem.dropped" {
-                        format!("idem.previous.{}", &name["idem.".len()..])
-                    } else {
-                        name.clone()
-                    };
-                (name, value.as_deref())
-            })
-            .collect();
-        let steps = ["", "value", "value, headers", "value, headers, key"];
-        for (step, dropped) in steps.iter().enumerate() {
-            let mut headers = OwnedHeaders::new_with_capacity(theirs.len() + ours.len() + 1);
-            for (name, value) in ours {
-                headers = headers.insert(Header {
-                    key: name,
-                    value: Some(value),
-                });
-            }
-            if step > 0 {
-                headers = headers.insert(Header {
-                    key: "idem.dropped",
-                    value: Some(*dropped),
-                });
-            }
-            if step < 2 {
-                for (name, value) in &theirs {
-                    headers = headers.insert(Header {
-                        key: name,
-                        value: *value,
-                    });
-                }
-            }
-            let mut out: FutureRecord<'_, [u8], [u8]> = FutureRecord::to(&topic).headers(headers);
-            if step < 3 {
-                if let Some(k) = record.key.as_deref() {
-                    out = out.key(k);
-                }
-            }
-            if step < 1 {
-                if let Some(p) = record.payload.as_deref() {
-                    out = out.payload(p);
-                }
-            }
-            let send = self.producer.send(out, Timeout::After(self.call_timeout));
-            let error = match tokio::time::timeout(self.call_timeout, send).await {
-                Ok(Ok(_)) => {
-                    tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, dead_letter = %topic, %reason, dropped = %dropped, "record dead-lettered");
-                    self.shared
-                        .counters
-                        .dead_lettered
-                        .fetch_add(1, Ordering::Relaxed);
-                    return true;
-                }
-                Ok(Err((e, _))) => e,
-                Err(_) => KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
-            };
-            self.shared
-                .counters
-                .dead_letter_failures
-                .fetch_add(1, Ordering::Relaxed);
-            let too_large = matches!(
-                error.rdkafka_error_code(),
-                Some(
-                    RDKafkaErrorCode::MessageSizeTooLarge
-                        | RDKafkaErrorCode::InvalidMessageSize
-                        | RDKafkaErrorCode::MessageBatchTooLarge
-                )
-            );
-            if !too_large {
-                tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %error, "could not dead-letter: tried again");
-                return false;
-            }
-            tracing::warn!(topic = %record.topic, offset = record.offset, dead_letter = %topic, error = %error, "the dead letter is too large: sent again with less of the record");
-        }
-        false
-    }
 }

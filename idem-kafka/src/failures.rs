@@ -1,0 +1,42 @@
+//! Delivery counts: each failed run of a key is counted by a counter
+//! record of its own in the store (see the
+//! [crate docs](crate#delivery-counts)).
+
+use std::time::Duration;
+
+use idem_core::{Codec, Fingerprint, IdempotencyKey, IdempotencyStore};
+
+use crate::work::Work;
+
+/// The key of the counter of `key`'s failed runs.
+pub(crate) fn failure_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
+    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
+    IdempotencyKey::new("idem.failures", id).ok()
+}
+
+impl<S, C, F> Work<S, C, F>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+{
+    /// Counts a failed run of `key` and returns the count so far: the
+    /// attempt number of a counter record (see the crate docs). `None`
+    /// when the store could not count it.
+    pub(crate) async fn failures(&self, key: &IdempotencyKey) -> Option<u32> {
+        let counter = failure_counter(key)?;
+        match self
+            .idem
+            .store()
+            .acquire(&counter, None, Duration::from_millis(1))
+            .await
+        {
+            Ok(idem_core::Acquisition::Acquired(lease)) => Some(lease.attempt),
+            Ok(idem_core::Acquisition::InProgress { attempt, .. }) => Some(attempt),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not count a failed run");
+                None
+            }
+        }
+    }
+}
