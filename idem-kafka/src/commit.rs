@@ -9,10 +9,10 @@ use idem_core::{Codec, IdempotencyStore};
 use rdkafka::consumer::{CommitMode, Consumer};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 
+use crate::consumer::KafkaConsumer;
 use crate::context::IdemContext;
 use crate::shared::{lock, Shared};
 use crate::track::Track;
-use crate::KafkaConsumer;
 
 impl Shared {
     pub(crate) fn confirm(&self, offsets: &TopicPartitionList) {

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use idem_core::{Codec, IdempotencyStore};
 
+use crate::consumer::KafkaConsumer;
 use crate::shared::lock;
-use crate::KafkaConsumer;
 
 /// What a consumer did, counted since it was made: returned by
 /// [`KafkaConsumer::run`], and by [`KafkaConsumer::stats`] while it runs.

@@ -20,10 +20,10 @@ use serde::Serialize;
 use crate::failures::failure_counter;
 use crate::finishing::Finishing;
 use crate::outcome::{Run, Settle};
+use crate::poll::RecordRead;
 use crate::record::{self, default_scope, KafkaRecord, KeySource};
 use crate::shared::{lock, Shared};
 use crate::track::Track;
-use crate::RecordRead;
 
 /// A record ready to run: its key (or why it is dead-lettered at once),
 /// and its place in the chain of the records of the same key.
