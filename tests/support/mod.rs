@@ -5,6 +5,7 @@
 //! by a watchdog process when the test process exits, however it exits.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod alone;
 pub mod chaos;
 pub mod flaky;
 pub mod kafka;

@@ -4,8 +4,7 @@
 //!
 //! `scripts/with-servers cargo test --features postgres,redis-tls --test review18 -- --nocapture`
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant};
 

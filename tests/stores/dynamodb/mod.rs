@@ -4,8 +4,7 @@
 //! corrupt items, storms through a frozen server and a cut connection,
 //! and the store as the source of truth of a tiered store.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -595,3 +594,5 @@ async fn tiered_over_dynamodb() {
     assert!(tiered.delete(&k).await.unwrap_or_else(|e| panic!("{e}")));
     assert!(matches!(run(3).await, Ok(Processed::Executed(3))));
 }
+
+mod review17;

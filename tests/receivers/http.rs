@@ -1,8 +1,7 @@
 //! The Idempotency-Key layer through a real axum server on 127.0.0.1 and a
 //! real HTTP client (reqwest), on PostgreSQL.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

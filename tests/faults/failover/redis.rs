@@ -32,8 +32,7 @@
 //! setting=...` line (`cargo test --all-features --test failover_redis --
 //! --nocapture`).
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;

@@ -3,8 +3,7 @@
 //! out-of-order completion within a partition. Every effect once, every
 //! record committed, the committed offset never past a running record.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
@@ -902,3 +901,6 @@ async fn dead_letters(topic: &str, n: usize) -> Vec<(String, HashMap<String, Str
     .await
     .unwrap_or_else(|e| panic!("{e}"))
 }
+
+mod review;
+mod review2;

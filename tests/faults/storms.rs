@@ -7,8 +7,7 @@
 //! `reliability scenario=... backend=...` line with its figures; RELIABILITY.md
 //! tabulates them (`cargo test --all-features --test faults -- --nocapture`).
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

@@ -3,8 +3,7 @@
 //! shutdown. Each test states what the contract (DESIGN.md 2, 4, 5b and
 //! the crate docs) expects.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;

@@ -20,8 +20,7 @@ use idem::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
 use idem::{Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore, RecordState};
 use tokio::sync::oneshot;
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 fn moto_url() -> String {
     std::env::var("IDEM_MOTO_URL").unwrap_or_else(|_| {
@@ -810,3 +809,5 @@ async fn misconfiguration_and_a_missing_queue_fail_run_with_typed_errors() {
         other => panic!("a missing queue: {other:?}"),
     }
 }
+
+mod review17b;

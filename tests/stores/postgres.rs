@@ -2,7 +2,7 @@
 //! IDEM_POSTGRES_URL): the conformance suite, the storm across two pools,
 //! the in-transaction mode, server outages, bad rows and round trips.
 
-mod support;
+use crate::support;
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -1540,7 +1540,7 @@ async fn purge_expired_finds_expired_rows_through_the_expires_at_index() {
         ),
     )
     .await;
-    let statement = include_str!("../idem-postgres/sql/purge.sql").replace("{{table}}", &table);
+    let statement = include_str!("../../idem-postgres/sql/purge.sql").replace("{{table}}", &table);
     let plan: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {statement}")))
         .bind(1_000i64)
         .fetch_all(&pool)

@@ -2,7 +2,7 @@
 //! moka -> Redis -> PostgreSQL and on moka -> PostgreSQL, which tier answers
 //! a duplicate (and the fills), and Redis stopped in the middle of a storm.
 
-mod support;
+use crate::support;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;

@@ -1,23 +1,28 @@
-//! Adversarial review of issue 18, in a process of its own: no test here
-//! may install a rustls crypto provider before the one under test runs.
+//! `rediss://` URLs in a build with two rustls crypto providers (the
+//! `redis-tls` feature brings ring, an AWS backend aws-lc-rs): rustls
+//! cannot pick one by itself, and whoever builds a TLS configuration
+//! before one is installed panics. The tiered store's Redis tiers
+//! (`RedisCache::connect`, `Invalidation::connect`) and the Redis Streams
+//! consumer's `connect` install ring's provider themselves: a user's URL
+//! gets a connection or an error, never a panic. Each test runs in a
+//! process of its own (`support::alone`), where no other test installed
+//! a provider first.
 //!
-//! A build with the `redis-tls` feature (ring) and an AWS backend
-//! (`dynamodb`/`sqs`, whose SDK brings aws-lc-rs) has two rustls crypto
-//! providers, so rustls cannot pick one by itself: whoever builds a TLS
-//! configuration before one is installed panics. `RedisStore` installs
-//! ring's (`install_crypto_provider`), but the tiered store's Redis tiers
-//! (`RedisCache::connect`, `Invalidation::connect`) take a `rediss://` URL
-//! too and do not, nor does the Redis Streams consumer's `connect`: a
-//! user's URL makes them panic instead of connecting or returning an error.
-//!
-//! `cargo test --all-features --test review18_provider -- --nocapture`
+//! `cargo test --all-features --test faults access::provider -- --nocapture`
 
 use std::time::{Duration, Instant};
+
+use crate::support;
 
 use idem::tiered::RedisCache;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cache_with_a_rediss_url_does_not_panic() {
+    if !support::alone::in_own_process(
+        "access::provider::redis_cache_with_a_rediss_url_does_not_panic",
+    ) {
+        return;
+    }
     let started = Instant::now();
     // Nothing listens there: the TLS configuration is built before the
     // TCP connection, so the outcome is the same with a real TLS server.
@@ -75,6 +80,11 @@ where
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stream_consumer_with_a_rediss_url_does_not_panic() {
+    if !support::alone::in_own_process(
+        "access::provider::stream_consumer_with_a_rediss_url_does_not_panic",
+    ) {
+        return;
+    }
     let started = Instant::now();
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -8,8 +8,7 @@
 //! RELIABILITY.md tabulates. Needs root, iproute2 and iptables (the test
 //! command installs them); without them the tests fail and say so.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddr};

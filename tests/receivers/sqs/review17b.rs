@@ -14,8 +14,7 @@ use idem::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
 use idem::{Idempotency, IdempotencyStore, MemoryStore};
 use tokio::sync::oneshot;
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

@@ -2,8 +2,7 @@
 //! contract (DESIGN.md and the crate docs) and fails where the code
 //! breaks it.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

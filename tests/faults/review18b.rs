@@ -4,8 +4,7 @@
 //!
 //! Every scenario prints `reliability scenario=... backend=... duration_ms=...`.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::path::PathBuf;
 use std::process::Command;

@@ -4,8 +4,7 @@
 //! source of truth. Every response carries its author's tag; no tenant may
 //! ever get another's response, whatever tier answers.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};

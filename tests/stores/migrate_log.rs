@@ -1,11 +1,11 @@
-//! What `PgStore::migrate` logs, in a test binary of its own: a `tracing`
+//! What `PgStore::migrate` logs, in a process of its own
+//! ([`support::alone`](crate::support::alone)): a `tracing`
 //! subscriber set for one thread caches each log line's interest globally,
 //! so in a process where other tests hit the same line on other threads
 //! first (the postgres binary, 79 tests at once) it could miss it (seen
 //! once in CI: "the first run says what it applied:" with nothing logged).
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use idem::postgres::PgStore;
 use support::pg;
@@ -36,6 +36,11 @@ impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
 
 #[tokio::test(flavor = "current_thread")]
 async fn migrating_a_migrated_table_logs_nothing_at_info() {
+    if !support::alone::in_own_process(
+        "migrate_log::migrating_a_migrated_table_logs_nothing_at_info",
+    ) {
+        return;
+    }
     let captured = Captured::default();
     let subscriber = tracing_subscriber::fmt()
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)

@@ -2,7 +2,7 @@
 //! servers: the server's clock, a record with the clock, keys stuck in
 //! progress, counts by scope and state, key scans on every cluster primary.
 
-mod support;
+use crate::support;
 
 use std::time::{Duration, Instant, SystemTime};
 

@@ -3,8 +3,7 @@
 //! 2cf0871) five of them failed; each doc comment says what went wrong
 //! there, and the tests now assert the fix.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;

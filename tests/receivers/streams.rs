@@ -2,8 +2,7 @@
 //! group, one killed mid-batch; every entry's effect exactly once, every
 //! entry acknowledged, nothing left pending.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -30,8 +30,7 @@
 //!
 //! `cargo test --all-features --test failover_pg -- --nocapture`
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

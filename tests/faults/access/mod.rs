@@ -17,8 +17,7 @@
 //!
 //! Each negative case prints `reliability scenario=... backend=... fail_ms=...`.
 
-#[path = "support/mod.rs"]
-mod support;
+use crate::support;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -1112,3 +1111,6 @@ async fn postgres_refused_connection_stays_unavailable() {
         started,
     );
 }
+
+#[cfg(all(feature = "tiered", feature = "dynamodb"))]
+mod provider;

@@ -3,7 +3,7 @@
 //! standalone server and on a 3-master cluster, bad records, round trips,
 //! and a server killed and restarted in the middle of a storm.
 
-mod support;
+use crate::support;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -522,10 +522,10 @@ async fn scripts_refuse_bad_arguments_before_writing() {
     ];
     let script = |name: &str| {
         Script::new(match name {
-            "acquire" => include_str!("../idem-redis/scripts/acquire.lua"),
-            "complete" => include_str!("../idem-redis/scripts/complete.lua"),
-            "extend" => include_str!("../idem-redis/scripts/extend.lua"),
-            _ => include_str!("../idem-redis/scripts/release.lua"),
+            "acquire" => include_str!("../../idem-redis/scripts/acquire.lua"),
+            "complete" => include_str!("../../idem-redis/scripts/complete.lua"),
+            "extend" => include_str!("../../idem-redis/scripts/extend.lua"),
+            _ => include_str!("../../idem-redis/scripts/release.lua"),
         })
     };
     async fn run(
@@ -648,7 +648,7 @@ async fn resent_acquire_is_still_acquired_with_the_same_fence() {
     let mut conn = raw_conn().await;
     let k = testkit::unique_key("resent");
     let rk = store.redis_key(&k);
-    let acquire = Script::new(include_str!("../idem-redis/scripts/acquire.lua"));
+    let acquire = Script::new(include_str!("../../idem-redis/scripts/acquire.lua"));
     let token = [9u8; 16];
     let mut replies = Vec::new();
     for _ in 0..2 {
@@ -1000,7 +1000,7 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
 
     let sha: String = idem::redis::redis::cmd("SCRIPT")
         .arg("LOAD")
-        .arg(include_str!("../idem-redis/scripts/delete.lua"))
+        .arg(include_str!("../../idem-redis/scripts/delete.lua"))
         .query_async(&mut direct.clone())
         .await
         .unwrap_or_else(|e| panic!("{e}"));

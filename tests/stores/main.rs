@@ -1,0 +1,30 @@
+//! The stores against real servers: the conformance suite on every
+//! backend, what each backend adds (round trips, bad records, outages,
+//! the in-transaction mode), the operator reads, and keys from content
+//! checked against another RFC 8785 implementation.
+//!
+//! One test binary (the heavy dependencies link once); each module is an
+//! area, gated by the facade features it needs. `cargo test --all-features
+//! --test stores` runs it all; servers are started by `tests/support` on
+//! free loopback ports unless the `IDEM_*` variables name running ones.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod canonical;
+mod memory;
+
+#[cfg(feature = "dynamodb")]
+mod dynamodb;
+#[cfg(feature = "postgres")]
+mod migrate_log;
+#[cfg(feature = "tiered")]
+mod moka_weight;
+#[cfg(all(feature = "postgres", feature = "redis"))]
+mod operator;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(feature = "redis")]
+mod redis;
+#[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
+mod tiered;
