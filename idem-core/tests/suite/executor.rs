@@ -1057,3 +1057,106 @@ async fn a_zero_retention_is_refused() {
     assert_eq!(runs.load(Ordering::SeqCst), 0);
     assert!(matches!(store.get(&k).await, Ok(None)));
 }
+
+/// An `Unrecorded` of key `k`: the store refuses every completion past the
+/// lease (heartbeat off), then completions fail `then_failing` more times.
+async fn unrecorded_of(
+    store: &Arc<Tap<MemoryStore>>,
+    idem: &Idempotency<Tap<MemoryStore>>,
+    k: &IdempotencyKey,
+    then_failing: usize,
+) -> Box<idem_core::Unrecorded> {
+    store.fail_completes(usize::MAX);
+    let out = idem
+        .process(k, 1u8, |_| async { Ok::<_, Declined>(7u8) })
+        .await;
+    store.fail_completes(then_failing);
+    match out {
+        Err(IdemError::Unrecorded(u)) => u,
+        other => panic!("expected Unrecorded, got {other:?}"),
+    }
+}
+
+/// `finish_until` (the loop every receiver runs for an `Unrecorded`)
+/// writes the completion once the store is back, pausing as told between
+/// tries, and the duplicate replays it: the handler ran once.
+#[tokio::test(start_paused = true)]
+async fn finish_until_writes_the_completion_once_the_store_is_back() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(2))
+        .heartbeat(false);
+    let k = key("m-finish-until");
+    let u = unrecorded_of(&store, &idem, &k, 4).await;
+    let pauses = idem_core::Pauses::new(Duration::from_millis(10), Duration::from_millis(40));
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .finish_until(&u, pauses, std::future::pending::<()>())
+        .await;
+    assert!(matches!(out, idem_core::Finished::Recorded), "{out:?}");
+    // Four failed tries: pauses of 10, 20, 40 and 40 ms.
+    assert_eq!(started.elapsed(), Duration::from_millis(110));
+    let again = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(0u8) })
+        .await;
+    assert_eq!(again.ok(), Some(Processed::Replayed(7)));
+}
+
+/// `finish_until` gives up only when told to and after one more failed
+/// try, returning the last error; the key is then still in progress (its
+/// lease not released: the handler ran).
+#[tokio::test(start_paused = true)]
+async fn finish_until_gives_up_when_told_while_the_store_is_away() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(60))
+        .heartbeat(false)
+        .complete_retry(Duration::from_millis(100));
+    let k = key("m-finish-give-up");
+    let u = unrecorded_of(&store, &idem, &k, usize::MAX).await;
+    let pauses = idem_core::Pauses::new(Duration::from_millis(100), Duration::from_secs(1));
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .finish_until(&u, pauses, tokio::time::sleep(Duration::from_millis(250)))
+        .await;
+    assert!(
+        matches!(&out, idem_core::Finished::GaveUp(e) if e.is_retryable()),
+        "{out:?}"
+    );
+    // Tries at 0, 100 and 250 ms (the pause cut short by giving up).
+    assert_eq!(started.elapsed(), Duration::from_millis(250));
+    let busy = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(0u8) })
+        .await;
+    assert!(
+        matches!(busy, Err(IdemError::InProgress { .. })),
+        "{busy:?}"
+    );
+}
+
+/// A key taken over by another worker after the lease: `finish_until`
+/// says so at once and writes nothing over the new holder.
+#[tokio::test(start_paused = true)]
+async fn finish_until_stops_when_the_key_was_taken_over() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let lease = Duration::from_secs(2);
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(lease)
+        .heartbeat(false);
+    let k = key("m-finish-taken");
+    let u = unrecorded_of(&store, &idem, &k, 0).await;
+    tokio::time::sleep(lease * 2).await;
+    let fp = Fingerprint::of(&1u8).unwrap_or_else(|e| panic!("{e}"));
+    let taken = store.inner().acquire(&k, Some(&fp), lease).await;
+    assert!(matches!(taken, Ok(Acquisition::Acquired(_))), "{taken:?}");
+    let pauses = idem_core::Pauses::new(Duration::from_millis(10), Duration::from_millis(10));
+    let out = idem
+        .finish_until(&u, pauses, std::future::pending::<()>())
+        .await;
+    assert!(matches!(out, idem_core::Finished::TakenOver), "{out:?}");
+    let record = store.inner().get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(record.map(|r| r.state), Some(RecordState::InProgress { .. })),
+        "the new holder's record was overwritten"
+    );
+}

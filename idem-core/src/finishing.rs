@@ -1,0 +1,247 @@
+//! What every receiver does with a result it could not record yet
+//! ([`IdemError::Unrecorded`](crate::IdemError::Unrecorded)): keep the key
+//! from running again while the completion is written later with the
+//! run's own lease ([`FinishingKeys`]), and write it until it is recorded,
+//! taken over, refused for good, or the receiver gives up
+//! ([`Idempotency::finish_until`]).
+//!
+//! The HTTP layer and the Kafka, SQS and Redis Streams consumers use these
+//! two pieces; a receiver of your own can too.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::codec::Codec;
+use crate::error::{StoreError, Unrecorded};
+use crate::executor::Idempotency;
+use crate::fingerprint::Fingerprint;
+use crate::key::IdempotencyKey;
+use crate::store::IdempotencyStore;
+
+/// The keys whose completion a receiver is writing after a store outage.
+///
+/// While a key is here, another delivery of it must wait (HTTP: 409, a
+/// consumer: retry later) instead of asking the store, which would let it
+/// take the key over once the lease is over and run the handler again.
+/// [`hold`](Self::hold) puts a key in for as long as its
+/// [`FinishingGuard`] lives; the guard takes it out when dropped (written,
+/// given up, or the task that held it aborted). Cheap when empty: a
+/// lookup reads one atomic counter until a key is held.
+#[derive(Debug, Default)]
+pub struct FinishingKeys {
+    /// How many keys: lookups read this and take the lock only when it is
+    /// not zero.
+    count: AtomicUsize,
+    /// Each key with the fingerprint of the run being finished, if any.
+    keys: Mutex<HashMap<IdempotencyKey, Option<Fingerprint>>>,
+}
+
+impl FinishingKeys {
+    /// An empty set.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Holds `key` (with the fingerprint of the run being finished, for
+    /// [`holds`](Self::holds)) until the guard is dropped.
+    pub fn hold(
+        self: &Arc<Self>,
+        key: IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+    ) -> FinishingGuard {
+        let mut keys = lock(&self.keys);
+        if keys.insert(key.clone(), fingerprint).is_none() {
+            self.count.fetch_add(1, Ordering::Release);
+        }
+        FinishingGuard {
+            keys: self.clone(),
+            key,
+        }
+    }
+
+    /// Whether `key` is being finished.
+    pub fn contains(&self, key: &IdempotencyKey) -> bool {
+        self.count.load(Ordering::Acquire) > 0 && lock(&self.keys).contains_key(key)
+    }
+
+    /// Whether `key` is being finished for a run with this fingerprint. A
+    /// delivery with another payload is not held: it goes on to the store,
+    /// which answers the mismatch whatever the record's state.
+    pub fn holds(&self, key: &IdempotencyKey, fingerprint: &Fingerprint) -> bool {
+        self.count.load(Ordering::Acquire) > 0
+            && lock(&self.keys)
+                .get(key)
+                .is_some_and(|held| held.as_ref() == Some(fingerprint))
+    }
+
+    /// How many keys are being finished.
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Whether no key is being finished.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn remove(&self, key: &IdempotencyKey) {
+        if lock(&self.keys).remove(key).is_some() {
+            self.count.fetch_sub(1, Ordering::Release);
+        }
+    }
+}
+
+/// A key held in [`FinishingKeys`]; dropping it lets the key go.
+#[derive(Debug)]
+#[must_use = "the key is let go as soon as the guard is dropped"]
+pub struct FinishingGuard {
+    keys: Arc<FinishingKeys>,
+    key: IdempotencyKey,
+}
+
+impl FinishingGuard {
+    /// The key held.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.key
+    }
+}
+
+impl Drop for FinishingGuard {
+    fn drop(&mut self) {
+        self.keys.remove(&self.key);
+    }
+}
+
+/// How [`Idempotency::finish_until`] ended.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Finished {
+    /// The completion is written: every duplicate now gets the replay.
+    Recorded,
+    /// Another worker took the key over after the lease ended
+    /// ([`StoreError::LeaseLost`]): its holder records; a later delivery
+    /// gets that answer.
+    TakenOver,
+    /// The store refuses the completion for good (a non-retryable error):
+    /// the handler ran, so the message must never run again (a consumer
+    /// dead-letters it).
+    Refused(StoreError),
+    /// The receiver gave up while the store was still away (the last
+    /// retryable error): after the lease, the key's next delivery may take
+    /// it over and run the handler again.
+    GaveUp(StoreError),
+}
+
+/// The pauses between two tries of [`Idempotency::finish_until`]: the
+/// first, doubled after each try up to the longest.
+///
+/// Keep the longest short: once the lease is over, any delivery may take
+/// the key over, so the completion should go in soon after the store is
+/// back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pauses {
+    /// The pause after the first failed try.
+    pub first: Duration,
+    /// The longest pause.
+    pub longest: Duration,
+}
+
+impl Pauses {
+    /// Pauses from `first`, doubled up to `longest` (at least `first`).
+    pub fn new(first: Duration, longest: Duration) -> Self {
+        Pauses {
+            first,
+            longest: longest.max(first),
+        }
+    }
+}
+
+impl<S, C> Idempotency<S, C>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+{
+    /// Writes an unrecorded completion ([`finish`](Self::finish)) until it
+    /// is recorded, taken over, refused for good, or `give_up` completes
+    /// while the store is still away; between two tries it waits
+    /// `pauses` (cut short by `give_up`). A `give_up` that has completed
+    /// before a try still lets that try run: the receiver gives up only
+    /// after the store failed once more.
+    pub async fn finish_until<G>(
+        &self,
+        unrecorded: &Unrecorded,
+        pauses: Pauses,
+        give_up: G,
+    ) -> Finished
+    where
+        G: Future<Output = ()>,
+    {
+        let give_up = std::pin::pin!(give_up);
+        let mut give_up = futures::future::FutureExt::fuse(give_up);
+        let mut gave_up = false;
+        let mut pause = pauses.first;
+        loop {
+            match self.finish(unrecorded).await {
+                Ok(()) => return Finished::Recorded,
+                Err(StoreError::LeaseLost) => return Finished::TakenOver,
+                Err(e) if !e.is_retryable() => return Finished::Refused(e),
+                Err(e) if gave_up => return Finished::GaveUp(e),
+                Err(_) => {}
+            }
+            tokio::select! {
+                biased;
+                () = &mut give_up => gave_up = true,
+                () = tokio::time::sleep(pause) => {}
+            }
+            pause = pause.saturating_mul(2).min(pauses.longest);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str) -> IdempotencyKey {
+        IdempotencyKey::new("finishing.test", id).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn a_guard_holds_its_key_until_dropped() {
+        let keys = Arc::new(FinishingKeys::new());
+        let fp = Fingerprint::of_bytes(b"payload");
+        let other = Fingerprint::of_bytes(b"other");
+        assert!(!keys.contains(&key("a")) && keys.is_empty());
+        let guard = keys.hold(key("a"), Some(fp));
+        assert!(keys.contains(&key("a")));
+        assert!(keys.holds(&key("a"), &fp));
+        assert!(!keys.holds(&key("a"), &other), "another payload is not held");
+        assert!(!keys.contains(&key("b")));
+        assert_eq!(keys.len(), 1);
+        drop(guard);
+        assert!(!keys.contains(&key("a")) && keys.is_empty());
+    }
+
+    #[test]
+    fn a_key_without_a_fingerprint_holds_no_payload() {
+        let keys = Arc::new(FinishingKeys::new());
+        let _guard = keys.hold(key("a"), None);
+        assert!(keys.contains(&key("a")));
+        assert!(!keys.holds(&key("a"), &Fingerprint::of_bytes(b"x")));
+    }
+
+    #[test]
+    fn pauses_never_shrink_below_the_first() {
+        let p = Pauses::new(Duration::from_millis(500), Duration::from_millis(10));
+        assert_eq!(p.longest, Duration::from_millis(500));
+        let p = Pauses::new(Duration::ZERO, Duration::MAX);
+        assert_eq!((p.first, p.longest), (Duration::ZERO, Duration::MAX));
+    }
+}
