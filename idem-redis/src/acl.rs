@@ -4,7 +4,7 @@
 use idem_core::StoreError;
 
 #[cfg(doc)]
-use crate::RedisStore;
+use crate::store::RedisStore;
 
 /// The Redis ACL rules the store needs for record keys under `prefix`
 /// (`idem:` by default), on a standalone Redis: exactly the commands it

@@ -18,7 +18,7 @@ use redis::Value;
 
 use crate::decode::decode_record;
 use crate::error::{corrupt, is_wrong_type, unexpected};
-use crate::RedisStore;
+use crate::store::RedisStore;
 
 /// How many keys a `SCAN` call is asked for, and how many records are
 /// read at once.

@@ -9,11 +9,10 @@ use redis::aio::ConnectionLike;
 use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
 use crate::acl::check_prefix;
-use crate::error::map_error;
+use crate::error::{map_error, CallTimeout};
 use crate::scripts::{millis, RecordKey};
 use crate::slots::slot_of;
-use crate::store::Conn;
-use crate::{CallTimeout, RedisStore};
+use crate::store::{Conn, RedisStore};
 
 impl<C> RedisStore<C>
 where

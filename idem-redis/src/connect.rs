@@ -9,16 +9,15 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
 use redis::RedisError;
 
-use crate::error::{is_transient, map_error, refused_setting};
+use crate::error::{is_transient, map_error, refused_setting, Refused};
 use crate::heal;
-use crate::store::{Conn, DEFAULT_TIMEOUT};
+#[cfg(doc)]
+use crate::heal::STALL_AFTER;
+use crate::store::{Conn, RedisStore, DEFAULT_TIMEOUT};
 #[cfg(feature = "tls")]
 use crate::tls;
 #[cfg(feature = "tls")]
-use crate::TlsOptions;
-#[cfg(doc)]
-use crate::STALL_AFTER;
-use crate::{RedisStore, Refused};
+use crate::tls::TlsOptions;
 
 impl RedisStore<ConnectionManager> {
     /// Connects to a standalone Redis (`redis://host:port/db`, or

@@ -1,6 +1,6 @@
 //! Script replies and stored records decoded into idem-core's types; a
 //! record that does not decode is `Corrupt`, a reply of another shape an
-//! [`UnexpectedReply`](crate::UnexpectedReply).
+//! [`UnexpectedReply`](crate::error::UnexpectedReply).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -17,7 +17,7 @@ use crate::decode::{attempt_of, decode_acquire, decode_record, fence_of, int, ti
 use crate::error::{corrupt, is_cross_slot, is_wrong_type, unexpected};
 use crate::scripts::{millis, RecordKey};
 use crate::slots::delete_marker;
-use crate::RedisStore;
+use crate::store::RedisStore;
 
 #[async_trait]
 impl<C> IdempotencyStore for RedisStore<C>

@@ -7,7 +7,7 @@ use std::sync::OnceLock;
 use idem_core::IdempotencyKey;
 use redis::aio::ConnectionLike;
 
-use crate::RedisStore;
+use crate::store::RedisStore;
 
 /// The number of Redis Cluster hash slots.
 const SLOTS: u16 = 16384;

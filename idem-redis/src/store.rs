@@ -4,17 +4,19 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(doc)]
+use idem_core::IdempotencyStore;
 use idem_core::{saturate, IdempotencyKey, StoreError};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 
+#[cfg(doc)]
+use crate::acl::acl_rules;
 use crate::acl::check_prefix;
 use crate::heal;
+#[cfg(doc)]
+use crate::heal::STALL_AFTER;
 use crate::scripts::Scripts;
-#[cfg(doc)]
-use crate::{acl_rules, STALL_AFTER};
-#[cfg(doc)]
-use idem_core::IdempotencyStore;
 
 /// The Redis [`IdempotencyStore`], over any async connection of the `redis`
 /// crate that can be cloned and shared: a [`ConnectionManager`] (the
