@@ -16,7 +16,9 @@ use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
 
-use crate::RedisStore;
+use crate::decode::decode_record;
+use crate::error::{corrupt, is_wrong_type, unexpected};
+use crate::store::RedisStore;
 
 /// How many keys a `SCAN` call is asked for, and how many records are
 /// read at once.
@@ -301,7 +303,7 @@ where
                     });
                     continue;
                 }
-                Err(StoreError::Backend(e)) if crate::is_wrong_type(&*e) => {
+                Err(StoreError::Backend(e)) if is_wrong_type(&*e) => {
                     out.push(ScannedRecord {
                         redis_key,
                         record: Err("the record is not a string".to_owned()),
@@ -314,7 +316,7 @@ where
                 continue;
             }
             let record = match parse_name(rest) {
-                Ok(key) => crate::decode_record(Bytes::from(raw), &key).map_err(|e| match e {
+                Ok(key) => decode_record(Bytes::from(raw), &key).map_err(|e| match e {
                     StoreError::Corrupt { detail, .. } => detail,
                     other => other.to_string(),
                 }),
@@ -347,15 +349,13 @@ where
             .await?;
         let mut primaries: Vec<(String, u16)> = Vec::new();
         let Value::Array(ranges) = slots else {
-            return Err(crate::unexpected(format!(
-                "CLUSTER SLOTS returned {slots:?}"
-            )));
+            return Err(unexpected(format!("CLUSTER SLOTS returned {slots:?}")));
         };
         for range in ranges {
             let primary = match range {
                 Value::Array(mut parts) if parts.len() >= 3 => parts.swap_remove(2),
                 other => {
-                    return Err(crate::unexpected(format!(
+                    return Err(unexpected(format!(
                         "CLUSTER SLOTS returned a range {other:?}"
                     )))
                 }
@@ -363,13 +363,13 @@ where
             let (host, port) = match primary {
                 Value::Array(node) if node.len() >= 2 => {
                     let host: String = redis::from_redis_value(node[0].clone())
-                        .map_err(|e| crate::unexpected(e.to_string()))?;
+                        .map_err(|e| unexpected(e.to_string()))?;
                     let port: u16 = redis::from_redis_value(node[1].clone())
-                        .map_err(|e| crate::unexpected(e.to_string()))?;
+                        .map_err(|e| unexpected(e.to_string()))?;
                     (host, port)
                 }
                 other => {
-                    return Err(crate::unexpected(format!(
+                    return Err(unexpected(format!(
                         "CLUSTER SLOTS returned a node {other:?}"
                     )))
                 }
@@ -409,7 +409,7 @@ where
                 let value = self
                     .timed(async { conn.route_command(cmd, routing).await })
                     .await?;
-                redis::from_redis_value(value).map_err(|e| crate::unexpected(e.to_string()))
+                redis::from_redis_value(value).map_err(|e| unexpected(e.to_string()))
             }
         }
     }
@@ -477,16 +477,16 @@ where
             .await;
         let (value, (secs, micros)) = match reply {
             Ok(reply) => reply,
-            Err(StoreError::Backend(e)) if crate::is_wrong_type(&*e) => {
-                return Err(crate::corrupt(key, "the record is not a string"))
+            Err(StoreError::Backend(e)) if is_wrong_type(&*e) => {
+                return Err(corrupt(key, "the record is not a string"))
             }
             Err(e) => return Err(e),
         };
         let now = UNIX_EPOCH + Duration::from_secs(secs) + Duration::from_micros(micros);
         match value {
             Value::Nil => Ok((None, now)),
-            Value::BulkString(raw) => Ok((Some(crate::decode_record(Bytes::from(raw), key)?), now)),
-            other => Err(crate::unexpected(format!("GET returned {other:?}"))),
+            Value::BulkString(raw) => Ok((Some(decode_record(Bytes::from(raw), key)?), now)),
+            other => Err(unexpected(format!("GET returned {other:?}"))),
         }
     }
 }

@@ -1,0 +1,431 @@
+//! The [`IdempotencyStore`] implementation: one script per operation, one
+//! round trip (per hash slot for a batch on Redis Cluster).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use idem_core::{
+    AcquireItem, Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
+    Record, StoreError, IN_PROGRESS_GRACE,
+};
+use redis::aio::ConnectionLike;
+use redis::{Cmd, Value};
+
+use crate::decode::{attempt_of, decode_acquire, decode_record, fence_of, int, time_of};
+use crate::error::{corrupt, is_cross_slot, is_wrong_type, unexpected};
+use crate::scripts::{millis, RecordKey};
+use crate::slots::delete_marker;
+use crate::store::RedisStore;
+
+#[async_trait]
+impl<C> IdempotencyStore for RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    fn backend_name(&self) -> &'static str {
+        "redis"
+    }
+
+    async fn acquire(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        // Refused here, before the round trip: nothing is written.
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let lease_length = lease;
+        let token = LeaseToken::random();
+        let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
+        let mut cmd = self.evalsha(&self.scripts.acquire, key, 4, 48);
+        cmd.arg(fp)
+            .arg(&token.to_bytes()[..])
+            .arg(millis(lease))
+            .arg(millis(IN_PROGRESS_GRACE));
+        let reply: Value = self.run_script(&self.scripts.acquire, &cmd).await?;
+        let outcome = decode_acquire(reply, key, token)?;
+        if let (Acquisition::Acquired(lease), Some(_)) = (&outcome, self.wait) {
+            let redis_key = self.redis_key(key);
+            if let Err(e) = self
+                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)))
+                .await
+            {
+                // Not durable enough, or the lease ended meanwhile: the
+                // caller is told Unavailable and will not run the handler,
+                // so the reservation goes too, or the retry would find the
+                // key in progress for a lease. (A lease taken over answers
+                // LeaseLost: the new holder keeps the key.)
+                if let Err(released) = self.release(lease).await {
+                    tracing::warn!(
+                        key = %redis_key, error = %released,
+                        "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
+                    );
+                }
+                return Err(e);
+            }
+        }
+        Ok(outcome)
+    }
+
+    async fn complete(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        if response.len() > self.max_response_bytes {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        let mut cmd = self.evalsha(&self.scripts.complete, &lease.key, 3, 32 + response.len());
+        cmd.arg(&lease.token.to_bytes()[..])
+            .arg(response)
+            .arg(millis(retention));
+        let done: i64 = self.run_script(&self.scripts.complete, &cmd).await?;
+        if done != 1 {
+            return Err(StoreError::LeaseLost);
+        }
+        if self.wait.is_some() {
+            self.wait_replicas(&self.redis_key(&lease.key), None)
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
+        let mut cmd = self.evalsha(&self.scripts.release, &lease.key, 1, 16);
+        cmd.arg(&lease.token.to_bytes()[..]);
+        let done: i64 = self.run_script(&self.scripts.release, &cmd).await?;
+        if done == 1 {
+            Ok(())
+        } else {
+            Err(StoreError::LeaseLost)
+        }
+    }
+
+    async fn extend(&self, lease: &Lease, lease_for: Duration) -> Result<Lease, StoreError> {
+        // Refused here, before the round trip: the lease stays as it was.
+        if lease_for.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let mut cmd = self.evalsha(&self.scripts.extend, &lease.key, 3, 48);
+        cmd.arg(&lease.token.to_bytes()[..])
+            .arg(millis(lease_for))
+            .arg(millis(IN_PROGRESS_GRACE));
+        let reply: Value = self.run_script(&self.scripts.extend, &cmd).await?;
+        let key = &lease.key;
+        match reply {
+            Value::Int(0) => Err(StoreError::LeaseLost),
+            Value::Array(items) if items.len() == 3 => {
+                let attempt = attempt_of(int(&items[0], key)?, key)?;
+                let until = time_of(int(&items[1], key)?, key)?;
+                let fence = fence_of(int(&items[2], key)?, key)?;
+                Ok(Lease::new(key.clone(), lease.token, attempt, until)
+                    .with_fence(fence)
+                    .with_fingerprint(lease.fingerprint))
+            }
+            other => Err(unexpected(format!("extend returned {other:?}"))),
+        }
+    }
+
+    async fn get(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
+        let redis_key = self.redis_key(key);
+        let mut conn = self.connection();
+        let slot = self.watched_slot(redis_key.as_bytes());
+        let reply = self
+            .timed_for(self.call_timeout, slot, async {
+                redis::cmd("GET")
+                    .arg(&redis_key)
+                    .query_async::<Value>(&mut conn)
+                    .await
+            })
+            .await;
+        match reply {
+            Ok(Value::Nil) => Ok(None),
+            Ok(Value::BulkString(raw)) => decode_record(Bytes::from(raw), key).map(Some),
+            Ok(other) => Err(unexpected(format!("GET returned {other:?}"))),
+            Err(StoreError::Backend(e)) if is_wrong_type(&*e) => {
+                Err(corrupt(key, "the record is not a string"))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    // One script, one round trip, harmless to resend: see `delete_marker`
+    // and `scripts/delete.lua`.
+    async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let redis_key = self.redis_key(key);
+        let mut conn = self.connection();
+        let request = LeaseToken::random().to_hex();
+        let removed: i64 = match delete_marker(&self.prefix, &redis_key, &request) {
+            Some(marker) => {
+                let mut invocation = self.scripts.delete.prepare_invoke();
+                invocation
+                    .key(&redis_key)
+                    .key(&marker)
+                    .arg(millis(self.delete_marker_ttl()));
+                let slot = self.watched_slot(redis_key.as_bytes());
+                self.timed_for(self.call_timeout, slot, invocation.invoke_async(&mut conn))
+                    .await?
+            }
+            // Unreachable (a marker in the record's slot always exists);
+            // kept so that a bug there degrades to the old plain DEL.
+            None => {
+                tracing::warn!(key = %redis_key, "no delete marker in the record's slot: plain DEL, not safe to resend");
+                self.timed(async {
+                    redis::cmd("DEL")
+                        .arg(&redis_key)
+                        .query_async(&mut conn)
+                        .await
+                })
+                .await?
+            }
+        };
+        Ok(removed > 0)
+    }
+
+    /// Redis expires records by itself (`PEXPIREAT`): nothing to purge.
+    async fn purge_expired(&self, _max: usize) -> Result<u64, StoreError> {
+        Ok(0)
+    }
+
+    /// One `acquire_many.lua` call for the whole batch (on Redis Cluster,
+    /// one per hash slot, all sent at once), each key processed as
+    /// `acquire` would, in order. With [`wait_for_replicas`](Self::wait_for_replicas)
+    /// set, each acquired lease is then confirmed as `acquire` confirms it.
+    async fn acquire_many(
+        &self,
+        items: &[AcquireItem<'_>],
+        lease: Duration,
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let tokens: Vec<LeaseToken> = items.iter().map(|_| LeaseToken::random()).collect();
+        let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
+            items.iter().map(|_| None).collect();
+        // Per hash slot on a cluster. A single call for every key that
+        // Redis refused with CROSSSLOT (a cluster behind another
+        // connection type) ran nothing: sent again per slot, and every
+        // later batch of this store goes per slot.
+        let answers = loop {
+            let per_slot = self.cluster.load(Ordering::Relaxed);
+            let calls = self
+                .slot_groups(items.iter().map(|item| item.key))
+                .into_iter()
+                .map(|group| {
+                    let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + 120 * group.len());
+                    cmd.arg("EVALSHA")
+                        .arg(self.scripts.acquire_many.get_hash())
+                        .arg(group.len());
+                    for &i in &group {
+                        cmd.arg(RecordKey {
+                            prefix: &self.prefix,
+                            key: items[i].key,
+                        });
+                    }
+                    cmd.arg(millis(lease)).arg(millis(IN_PROGRESS_GRACE));
+                    for &i in &group {
+                        let fp: &[u8] = items[i]
+                            .fingerprint
+                            .map(|f| f.as_bytes().as_slice())
+                            .unwrap_or(&[]);
+                        cmd.arg(fp).arg(&tokens[i].to_bytes()[..]);
+                    }
+                    async move {
+                        let reply: Value =
+                            self.run_script(&self.scripts.acquire_many, &cmd).await?;
+                        Ok::<_, StoreError>((group, reply))
+                    }
+                });
+            let answers = futures_util::future::join_all(calls).await;
+            if !per_slot
+                && answers
+                    .iter()
+                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+            {
+                self.cluster.store(true, Ordering::Relaxed);
+                continue;
+            }
+            break answers;
+        };
+        let mut groups = Vec::new();
+        for answer in answers {
+            let (group, reply) = answer?;
+            let replies = match reply {
+                Value::Array(replies) if replies.len() == group.len() => replies,
+                other => {
+                    return Err(unexpected(format!(
+                        "acquire_many returned {other:?} for {} keys",
+                        group.len()
+                    )))
+                }
+            };
+            for (&i, reply) in group.iter().zip(replies) {
+                out[i] = Some(decode_acquire(reply, items[i].key, tokens[i]));
+            }
+            groups.push(group);
+        }
+        let mut out: Vec<Result<Acquisition, StoreError>> = out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Err(unexpected("acquire_many left a key unanswered".into())))
+            })
+            .collect();
+        if self.wait.is_some() {
+            // One WAIT per script call (it covers every write made before
+            // it on that node), bounded by the leases as `acquire`'s is.
+            for group in groups {
+                let held: Vec<usize> = group
+                    .into_iter()
+                    .filter(|&i| matches!(out[i], Ok(Acquisition::Acquired(_))))
+                    .collect();
+                let Some(deadline) = held
+                    .iter()
+                    .filter_map(|&i| match &out[i] {
+                        Ok(Acquisition::Acquired(l)) => Some(l.expires_at),
+                        _ => None,
+                    })
+                    .min()
+                else {
+                    continue;
+                };
+                let redis_key = self.redis_key(items[held[0]].key);
+                if let Err(e) = self
+                    .wait_replicas(&redis_key, Some((lease, deadline)))
+                    .await
+                {
+                    let detail = e.to_string();
+                    for i in held {
+                        if let Ok(Acquisition::Acquired(l)) = &out[i] {
+                            if let Err(released) = self.release(l).await {
+                                tracing::warn!(
+                                    key = %self.redis_key(items[i].key), error = %released,
+                                    "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
+                                );
+                            }
+                        }
+                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One `complete_many.lua` call for the whole batch (per hash slot on
+    /// Redis Cluster), each lease completed as `complete` would.
+    async fn complete_many(
+        &self,
+        items: &[(&Lease, &[u8])],
+        retention: Duration,
+    ) -> Result<Vec<Result<(), StoreError>>, StoreError> {
+        let mut out: Vec<Option<Result<(), StoreError>>> = items
+            .iter()
+            .map(|(_, response)| {
+                (response.len() > self.max_response_bytes).then(|| {
+                    Err(StoreError::ResponseTooLarge {
+                        size: response.len(),
+                        limit: self.max_response_bytes,
+                    })
+                })
+            })
+            .collect();
+        let sent: Vec<usize> = (0..items.len()).filter(|&i| out[i].is_none()).collect();
+        if sent.is_empty() {
+            return Ok(out.into_iter().flatten().collect());
+        }
+        // Per hash slot on a cluster. A single call for every key that
+        // Redis refused with CROSSSLOT (a cluster behind another
+        // connection type) ran nothing: sent again per slot, and every
+        // later batch of this store goes per slot.
+        let answers = loop {
+            let per_slot = self.cluster.load(Ordering::Relaxed);
+            let calls = self
+                .slot_groups(sent.iter().map(|&i| &items[i].0.key))
+                .into_iter()
+                .map(|group| {
+                    // `group` indexes `sent`.
+                    let group: Vec<usize> = group.into_iter().map(|g| sent[g]).collect();
+                    let bytes: usize = group.iter().map(|&i| items[i].1.len() + 80).sum();
+                    let mut cmd = Cmd::with_capacity(3 + 3 * group.len(), 64 + bytes);
+                    cmd.arg("EVALSHA")
+                        .arg(self.scripts.complete_many.get_hash())
+                        .arg(group.len());
+                    for &i in &group {
+                        cmd.arg(RecordKey {
+                            prefix: &self.prefix,
+                            key: &items[i].0.key,
+                        });
+                    }
+                    cmd.arg(millis(retention));
+                    for &i in &group {
+                        cmd.arg(&items[i].0.token.to_bytes()[..]).arg(items[i].1);
+                    }
+                    async move {
+                        let done: Vec<i64> =
+                            self.run_script(&self.scripts.complete_many, &cmd).await?;
+                        Ok::<_, StoreError>((group, done))
+                    }
+                });
+            let answers = futures_util::future::join_all(calls).await;
+            if !per_slot
+                && answers
+                    .iter()
+                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+            {
+                self.cluster.store(true, Ordering::Relaxed);
+                continue;
+            }
+            break answers;
+        };
+        let mut groups = Vec::new();
+        for answer in answers {
+            let (group, done) = answer?;
+            if done.len() != group.len() {
+                return Err(unexpected(format!(
+                    "complete_many returned {} answers for {} keys",
+                    done.len(),
+                    group.len()
+                )));
+            }
+            for (&i, done) in group.iter().zip(done) {
+                out[i] = Some(if done == 1 {
+                    Ok(())
+                } else {
+                    Err(StoreError::LeaseLost)
+                });
+            }
+            groups.push(group);
+        }
+        let mut out: Vec<Result<(), StoreError>> = out
+            .into_iter()
+            .map(|o| {
+                o.unwrap_or_else(|| Err(unexpected("complete_many left a key unanswered".into())))
+            })
+            .collect();
+        if self.wait.is_some() {
+            for group in groups {
+                let done: Vec<usize> = group.into_iter().filter(|&i| out[i].is_ok()).collect();
+                let Some(&first) = done.first() else { continue };
+                let redis_key = self.redis_key(&items[first].0.key);
+                if let Err(e) = self.wait_replicas(&redis_key, None).await {
+                    let detail = e.to_string();
+                    for i in done {
+                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
