@@ -115,9 +115,9 @@ impl Drop for FinishingGuard {
     }
 }
 
-/// How [`Idempotency::finish_until`] ended.
+/// How [`Idempotency::finish_until`] ended, or a try of
+/// [`Idempotency::try_finish`] that settled.
 #[derive(Debug)]
-#[non_exhaustive]
 pub enum Finished {
     /// The completion is written: every duplicate now gets the replay.
     Recorded,
@@ -131,7 +131,8 @@ pub enum Finished {
     Refused(StoreError),
     /// The receiver gave up while the store was still away (the last
     /// retryable error): after the lease, the key's next delivery may take
-    /// it over and run the handler again.
+    /// it over and run the handler again. Only from
+    /// [`finish_until`](Idempotency::finish_until).
     GaveUp(StoreError),
 }
 
@@ -164,6 +165,22 @@ where
     S: IdempotencyStore + ?Sized,
     C: Codec,
 {
+    /// One try of [`finish`](Self::finish), read as a receiver needs it:
+    /// `Ok` when the completion settled ([`Finished::Recorded`],
+    /// [`Finished::TakenOver`] or [`Finished::Refused`]), the store's
+    /// retryable error when it is still away (try again soon: after the
+    /// lease, any delivery may take the key over). For receivers that
+    /// finish many runs in rounds; [`finish_until`](Self::finish_until)
+    /// is the loop for one.
+    pub async fn try_finish(&self, unrecorded: &Unrecorded) -> Result<Finished, StoreError> {
+        match self.finish(unrecorded).await {
+            Ok(()) => Ok(Finished::Recorded),
+            Err(StoreError::LeaseLost) => Ok(Finished::TakenOver),
+            Err(e) if e.is_retryable() => Err(e),
+            Err(e) => Ok(Finished::Refused(e)),
+        }
+    }
+
     /// Writes an unrecorded completion ([`finish`](Self::finish)) until it
     /// is recorded, taken over, refused for good, or `give_up` completes
     /// while the store is still away; between two tries it waits
@@ -184,10 +201,8 @@ where
         let mut gave_up = false;
         let mut pause = pauses.first;
         loop {
-            match self.finish(unrecorded).await {
-                Ok(()) => return Finished::Recorded,
-                Err(StoreError::LeaseLost) => return Finished::TakenOver,
-                Err(e) if !e.is_retryable() => return Finished::Refused(e),
+            match self.try_finish(unrecorded).await {
+                Ok(settled) => return settled,
                 Err(e) if gave_up => return Finished::GaveUp(e),
                 Err(_) => {}
             }
@@ -222,7 +237,10 @@ mod tests {
         let guard = keys.hold(key("a"), Some(fp));
         assert!(keys.contains(&key("a")));
         assert!(keys.holds(&key("a"), &fp));
-        assert!(!keys.holds(&key("a"), &other), "another payload is not held");
+        assert!(
+            !keys.holds(&key("a"), &other),
+            "another payload is not held"
+        );
         assert!(!keys.contains(&key("b")));
         assert_eq!(keys.len(), 1);
         drop(guard);

@@ -155,7 +155,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             commit_lock: Mutex::new(()),
             revoke_wait_ms: AtomicU64::new(10_000),
             partition_concurrency: AtomicU64::new(16),
-            finishing: Mutex::default(),
+            finishing: Arc::default(),
         });
         let consumer: StreamConsumer<IdemContext> = config.create_with_context(IdemContext {
             shared: shared.clone(),

@@ -131,7 +131,6 @@ mod context;
 mod dead_letter;
 mod error;
 mod failures;
-mod finishing;
 mod lag;
 mod outcome;
 mod poll;

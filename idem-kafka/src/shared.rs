@@ -1,11 +1,11 @@
 //! The state shared by the run loop, the record tasks and the rebalance
 //! callback.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use idem_core::IdempotencyKey;
+use idem_core::{FinishingKeys, IdempotencyKey};
 
 use crate::stats::Counters;
 use crate::track::Track;
@@ -36,7 +36,7 @@ pub(crate) struct Shared {
     /// Keys of records whose handler ran and whose completion is still to
     /// be written (`Unrecorded`): their other records wait, never run
     /// (after the lease they would take the key over).
-    pub(crate) finishing: Mutex<HashSet<IdempotencyKey>>,
+    pub(crate) finishing: Arc<FinishingKeys>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -10,15 +10,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    Codec, Context, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed,
-    StoreError, Unrecorded,
+    Codec, Context, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, Processed, StoreError, Unrecorded,
 };
 use rdkafka::producer::FutureProducer;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::failures::failure_counter;
-use crate::finishing::Finishing;
 use crate::outcome::{Run, Settle};
 use crate::poll::RecordRead;
 use crate::record::{self, default_scope, KafkaRecord, KeySource};
@@ -242,7 +241,7 @@ where
         let fingerprint = record::fingerprint_of(&record);
         let mut backoff = self.retry_backoff.0;
         // A run whose completion is still to be written.
-        let mut unfinished: Option<(Box<Unrecorded>, Finishing)> = None;
+        let mut unfinished: Option<(Box<Unrecorded>, FinishingGuard)> = None;
         // Whether a failed run of the key was counted (the counter goes
         // when the record settles, so a later record of the key, or the
         // record re-driven from its dead letter, counts from zero).
@@ -259,10 +258,10 @@ where
                 && first.is_none()
                 && key
                     .as_ref()
-                    .is_some_and(|k| lock(&self.shared.finishing).contains(k));
+                    .is_some_and(|k| self.shared.finishing.contains(k));
             if let Some((u, _)) = &unfinished {
-                match self.idem.finish(u).await {
-                    Ok(()) => {
+                match self.idem.try_finish(u).await {
+                    Ok(Finished::Recorded) => {
                         self.shared
                             .counters
                             .executed
@@ -272,18 +271,18 @@ where
                     }
                     // Taken over after the lease ended: the new holder
                     // records; the record's next run gets its answer.
-                    Err(StoreError::LeaseLost) => unfinished = None,
-                    Err(e) if e.is_retryable() => {
-                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                    }
+                    Ok(Finished::TakenOver) => unfinished = None,
                     // The store refuses the completion for good: the
                     // handler ran, so the record is never run again.
-                    Err(e) => {
+                    Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
                         unfinished = None;
                         dead = Some((
                             0,
                             format!("the handler ran but its result could not be recorded: {e}"),
                         ));
+                    }
+                    Err(_) => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             } else if held {
@@ -322,7 +321,7 @@ where
                     }
                     Settle::Finish(u) => {
                         self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                        let guard = Finishing::new(&self.shared, k);
+                        let guard = self.shared.finishing.hold(k.clone(), None);
                         unfinished = Some((u, guard));
                     }
                     Settle::Fatal(e) => {

@@ -102,7 +102,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use idem_core::{
-    saturate, Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey,
+    saturate, Codec, Context, Fingerprint, Finished, IdemError, Idempotency, IdempotencyKey,
     IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
@@ -562,20 +562,14 @@ where
             else {
                 continue;
             };
-            match self.idem.finish(&u).await {
-                Ok(()) => {
+            match self.idem.try_finish(&u).await {
+                Ok(Finished::Recorded) => {
                     self.counters.executed.fetch_add(1, Ordering::Relaxed);
                     self.reread_own.store(true, Ordering::SeqCst);
                     ack.push(id);
                 }
-                Err(StoreError::LeaseLost) => self.reread_own.store(true, Ordering::SeqCst),
-                Err(e) if e.is_retryable() => {
-                    self.unfinished
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(id, (entry, u));
-                }
-                Err(e) => {
+                Ok(Finished::TakenOver) => self.reread_own.store(true, Ordering::SeqCst),
+                Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
                     let delivery = Delivery {
@@ -585,6 +579,12 @@ where
                     };
                     dead.push((delivery, 0, reason));
                     self.reread_own.store(true, Ordering::SeqCst);
+                }
+                Err(_) => {
+                    self.unfinished
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(id, (entry, u));
                 }
             }
         }

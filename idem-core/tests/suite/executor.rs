@@ -1154,9 +1154,16 @@ async fn finish_until_stops_when_the_key_was_taken_over() {
         .finish_until(&u, pauses, std::future::pending::<()>())
         .await;
     assert!(matches!(out, idem_core::Finished::TakenOver), "{out:?}");
-    let record = store.inner().get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    let record = store
+        .inner()
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        matches!(record.map(|r| r.state), Some(RecordState::InProgress { .. })),
+        matches!(
+            record.map(|r| r.state),
+            Some(RecordState::InProgress { .. })
+        ),
         "the new holder's record was overwritten"
     );
 }
