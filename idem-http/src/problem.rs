@@ -7,7 +7,8 @@ use std::time::Duration;
 use http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
-use crate::{full, LayerBody};
+use crate::response::full;
+use crate::LayerBody;
 
 /// What went wrong, as a machine-readable value: each kind has one status.
 ///
@@ -209,4 +210,40 @@ pub(crate) fn set_retry_after<B>(response: &mut Response<B>, after: Duration) {
     response
         .headers_mut()
         .insert(RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_problem_kind_has_its_status_and_a_distinct_name() {
+        use ProblemKind::*;
+        let kinds = [
+            (CallerUnknown, 401),
+            (KeyMissing, 400),
+            (KeyMalformed, 400),
+            (BodyTooLarge, 413),
+            (BodyUnreadable, 400),
+            (InProgress, 409),
+            (NotRecorded, 409),
+            (Mismatch, 422),
+            (StoreUnavailable, 503),
+            (Internal, 500),
+        ];
+        let mut names = std::collections::HashSet::new();
+        for (kind, status) in kinds {
+            let problem = Problem::new(kind);
+            assert_eq!(
+                (problem.status.as_u16(), kind.status().as_u16()),
+                (status, status)
+            );
+            assert!(names.insert(kind.as_str()), "{}", kind.as_str());
+            let response = problem
+                .with_retry_after(Duration::from_millis(1500))
+                .to_response();
+            assert_eq!(response.status().as_u16(), status);
+            assert_eq!(response.headers()[RETRY_AFTER], "2", "rounded up");
+        }
+    }
 }

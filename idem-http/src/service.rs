@@ -1,0 +1,379 @@
+//! [`IdempotencyService`]: what the layer wraps a service in, and the path
+//! of one request through it: the key and body read, the store asked, the
+//! handler run, its response recorded, or a replay or a problem answered.
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use idem_core::{Codec, IdemError, IdempotencyKey, IdempotencyStore, JsonCodec, Processed};
+
+use crate::fingerprint::fingerprint;
+use crate::finishing::{finish_later, FinishingGuard};
+use crate::key::{key_id, key_path};
+use crate::layer::{Config, KeySource};
+use crate::recorded::{self, Buffered, Outcome, Prefixed, Recorded};
+use crate::request::{
+    display_header, header_key, malformed_key, parse_key_str, read_body, run_extractor, RawKey,
+};
+use crate::response::{
+    box_response, full, is_event_stream, put, render, replay, BoxError, LayerBody,
+};
+#[cfg(doc)]
+use crate::IdempotencyLayer;
+use crate::{Problem, ProblemKind};
+
+/// The service of [`IdempotencyLayer`]: what `layer.layer(inner)` (or
+/// axum's `Router::layer`) wraps `inner` in. It answers with
+/// `Response<`[`LayerBody`]`>` and fails only where `inner` fails.
+///
+/// ```
+/// use std::convert::Infallible;
+///
+/// use bytes::Bytes;
+/// use http::{Request, Response};
+/// use http_body_util::Full;
+/// use idem_core::{Idempotency, MemoryStore};
+/// use idem_http::{IdempotencyLayer, IdempotencyService};
+/// use tower::{service_fn, Layer, ServiceExt};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).allow_anonymous(true);
+/// let service: IdempotencyService<MemoryStore, _> = layer.layer(service_fn(|_req: Request<Full<Bytes>>| async {
+///     Ok::<_, Infallible>(Response::new(Full::new(Bytes::from("done"))))
+/// }));
+/// // No key on a POST: the layer answers 400; the inner service never runs.
+/// let response = service.oneshot(Request::post("/jobs").body(Full::new(Bytes::new()))?).await?;
+/// assert_eq!(response.status(), 400);
+/// # Ok(()) }
+/// ```
+pub struct IdempotencyService<S: ?Sized, Inner, C = JsonCodec> {
+    pub(crate) config: Arc<Config<S, C>>,
+    pub(crate) inner: Inner,
+}
+
+impl<S: ?Sized, Inner: Clone, C> Clone for IdempotencyService<S, Inner, C> {
+    fn clone(&self) -> Self {
+        IdempotencyService {
+            config: self.config.clone(),
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<S: ?Sized, Inner, C> fmt::Debug for IdempotencyService<S, Inner, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("scope", &self.config.scope)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why the handler's outcome is not recorded, and the key released.
+enum NotRecorded<E> {
+    /// A status the policy does not record; the response was passed on.
+    Status(StatusCode),
+    /// The inner service failed.
+    Service(E),
+}
+
+impl<E> fmt::Display for NotRecorded<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NotRecorded::Status(status) => write!(f, "a {status} response, not recorded"),
+            NotRecorded::Service(_) => f.write_str("the inner service failed"),
+        }
+    }
+}
+
+impl<S, Inner, C, ReqBody, ResBody> tower::Service<Request<ReqBody>>
+    for IdempotencyService<S, Inner, C>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Clone + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    type Response = Response<LayerBody>;
+    type Error = Inner::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqBody>) -> Self::Future {
+        // The clone that was made ready is the one that serves this call.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = self.config.clone();
+        Box::pin(async move { handle(config, inner, request).await })
+    }
+}
+
+async fn handle<S, C, Inner, ReqBody, ResBody>(
+    config: Arc<Config<S, C>>,
+    mut inner: Inner,
+    request: Request<ReqBody>,
+) -> Result<Response<LayerBody>, Inner::Error>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    Inner: tower::Service<Request<ReqBody>, Response = Response<ResBody>> + Send + 'static,
+    Inner::Future: Send + 'static,
+    Inner::Error: Send + 'static,
+    ReqBody: http_body::Body<Data = Bytes> + From<Bytes> + Send + 'static,
+    ReqBody::Error: Into<BoxError>,
+    ResBody: http_body::Body<Data = Bytes> + Send + 'static,
+    ResBody::Error: Into<BoxError>,
+{
+    if !config.methods.contains(request.method()) {
+        return inner.call(request).await.map(box_response);
+    }
+    let (parts, body) = request.into_parts();
+    // The client's key, read from the head before the body when it can be.
+    let (raw, body) = match &config.key_source {
+        KeySource::Header(name) => (header_key(&parts.headers, name), Pending::Unread(body)),
+        KeySource::Head(key) => (run_extractor(|| key(&parts)), Pending::Unread(body)),
+        KeySource::Body(key) => {
+            let bytes = match read_body(&config, &parts, body).await {
+                Ok(bytes) => bytes,
+                Err(problem) => return Ok(render(&config, problem)),
+            };
+            (run_extractor(|| key(&parts, &bytes)), Pending::Read(bytes))
+        }
+    };
+    if matches!(raw, RawKey::Missing) && !config.required {
+        let body = match body {
+            Pending::Unread(body) => body,
+            Pending::Read(bytes) => ReqBody::from(bytes),
+        };
+        return inner
+            .call(Request::from_parts(parts, body))
+            .await
+            .map(box_response);
+    }
+    let tenant = match config.tenant.as_ref().and_then(|f| f(&parts)) {
+        Some(tenant) if !tenant.is_empty() => tenant,
+        _ if config.allow_anonymous => String::new(),
+        _ => return Ok(render(&config, Problem::new(ProblemKind::CallerUnknown))),
+    };
+    let client_key = match raw {
+        RawKey::Value(value) => match parse_key_str(&value) {
+            Some(key) => key.to_owned(),
+            None => return Ok(render(&config, malformed_key(&config.key_source))),
+        },
+        RawKey::Malformed => return Ok(render(&config, malformed_key(&config.key_source))),
+        RawKey::Missing => {
+            let mut problem = Problem::new(ProblemKind::KeyMissing);
+            if let KeySource::Header(name) = &config.key_source {
+                problem = problem.with_detail(format!(
+                    "This operation requires an idempotency key in the {} header.",
+                    display_header(name)
+                ));
+            }
+            return Ok(render(&config, problem));
+        }
+        RawKey::Panicked => {
+            tracing::error!("idempotency layer: the key function panicked");
+            return Ok(render(
+                &config,
+                Problem::new(ProblemKind::Internal)
+                    .with_detail("The request could not be processed. It did not run."),
+            ));
+        }
+    };
+    let body = match body {
+        Pending::Read(bytes) => bytes,
+        Pending::Unread(unread) => match read_body(&config, &parts, unread).await {
+            Ok(bytes) => bytes,
+            Err(problem) => return Ok(render(&config, problem)),
+        },
+    };
+
+    let id = key_id(
+        &tenant,
+        parts.method.as_str(),
+        key_path(&parts, config.route_template),
+        &client_key,
+    );
+    let key = match IdempotencyKey::new(config.scope.clone(), id) {
+        Ok(key) => key,
+        // Cannot happen: the scope was validated when the layer was built,
+        // and key_id's result is at most 471 bytes without control
+        // characters. Not the client's fault if it does.
+        Err(e) => {
+            tracing::error!(error = %e, "idempotency layer: the key id was refused");
+            return Ok(render(
+                &config,
+                Problem::new(ProblemKind::Internal)
+                    .with_detail("The request could not be processed. It did not run."),
+            ));
+        }
+    };
+    let fingerprint = fingerprint(&parts, &body);
+
+    let request = Request::from_parts(parts, ReqBody::from(body));
+    // The response for this caller, put here by the handler (detached, it
+    // runs in another task) and taken once processing ends.
+    let live: Arc<Mutex<Option<Response<LayerBody>>>> = Arc::default();
+    let handler = {
+        let live = live.clone();
+        let record = config.record.clone();
+        let skip = config.skip_headers.clone();
+        let limit = config.max_response_bytes;
+        move |context: idem_core::Context| async move {
+            let mut request = request;
+            request.extensions_mut().insert(context);
+            let response = inner.call(request).await.map_err(NotRecorded::Service)?;
+            let (parts, body) = response.into_parts();
+            let body = body.map_err(Into::into).boxed_unsync();
+            // The handler ran: if the policy itself panics, record (the
+            // safe side: a release could run the handler twice).
+            let recorded =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record(parts.status)))
+                    .unwrap_or(true);
+            if !recorded {
+                let status = parts.status;
+                put(&live, Response::from_parts(parts, body));
+                return Err(NotRecorded::Status(status));
+            }
+            let (body, outcome) = if is_event_stream(&parts.headers) {
+                let why = "a text/event-stream response is streamed, not recorded";
+                (body, Outcome::NotRecordable(why.to_owned()))
+            } else {
+                match recorded::buffer(body, limit).await {
+                    Buffered::Complete(bytes) => {
+                        let copy = Recorded::of(parts.status, &parts.headers, bytes.clone(), &skip);
+                        (full(bytes), Outcome::Recorded(copy))
+                    }
+                    Buffered::Streamed { read, rest, why } => (
+                        Prefixed::new(read, None, Some(rest)).boxed_unsync(),
+                        Outcome::NotRecordable(why),
+                    ),
+                    Buffered::Failed { read, error } => {
+                        let why = format!("the response body failed: {error}");
+                        (
+                            Prefixed::new(read, Some(error), None).boxed_unsync(),
+                            Outcome::NotRecordable(why),
+                        )
+                    }
+                }
+            };
+            put(&live, Response::from_parts(parts, body));
+            Ok::<_, NotRecorded<Inner::Error>>(outcome)
+        }
+    };
+    if config.finishing.holds(&key, &fingerprint) {
+        let problem =
+            Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
+        return Ok(render(&config, problem));
+    }
+    let outcome = if config.detached {
+        config
+            .idem
+            .process_with_detached(&key, Some(fingerprint), handler)
+            .await
+    } else {
+        config
+            .idem
+            .process_with(&key, Some(fingerprint), handler)
+            .await
+    };
+
+    // The handler ran in this call: its caller gets its response as it
+    // is, whether it was recorded or not.
+    let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(live) = live {
+        match &outcome {
+            Ok(Processed::Executed(_)) | Err(IdemError::Handler(NotRecorded::Status(_))) => {}
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::debug!(key = %key, %reason, "idempotency layer: the response is not replayable");
+            }
+            Ok(Processed::Replayed(_)) | Err(_) => {
+                // Its recording failed (the lease was taken over, the
+                // store failed): the effects ran, so the caller gets the
+                // response; a duplicate gets 409 until the lease ends.
+                if let Err(e) = &outcome {
+                    tracing::error!(key = %key, error = %e, "idempotency layer: the handler ran but its response was not recorded");
+                }
+            }
+        }
+        // The store was away until the lease ended: the response is
+        // written later with the same lease (a retry meanwhile gets 409),
+        // never by running the handler again.
+        if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
+            match tokio::runtime::Handle::try_current() {
+                Ok(runtime) => {
+                    config.finishing.insert(key.clone(), fingerprint);
+                    // Out of the set however the task ends (a panic, or
+                    // its runtime shutting down, included).
+                    let guard = FinishingGuard(config.finishing.clone(), key.clone());
+                    let idem = config.idem.clone();
+                    runtime.spawn(async move {
+                        finish_later(idem, unrecorded).await;
+                        drop(guard);
+                    });
+                }
+                Err(_) => {
+                    tracing::error!(key = %key, "idempotency layer: no tokio runtime to record the response later; after its lease a retry runs the handler again");
+                }
+            }
+        }
+        return Ok(live);
+    }
+    let problem = match outcome {
+        Ok(Processed::Replayed(Outcome::Recorded(recorded))) => {
+            return Ok(replay(&config, &key, recorded))
+        }
+        Err(IdemError::Handler(NotRecorded::Service(e))) => return Err(e),
+        Ok(
+            Processed::Executed(_)
+            | Processed::ExecutedNotReplayable { .. }
+            | Processed::Replayed(Outcome::NotRecordable(_)),
+        ) => {
+            // Cannot happen: the handler puts its response before it ends
+            // well, and a not recordable outcome never decodes.
+            tracing::error!(key = %key, "idempotency layer: the handler ran but left no response");
+            Problem::new(ProblemKind::Internal)
+        }
+        Err(IdemError::ResultUnavailable { reason }) => {
+            tracing::debug!(key = %key, %reason, "idempotency layer: a duplicate of a key whose response was not recorded");
+            Problem::new(ProblemKind::NotRecorded)
+        }
+        Err(IdemError::WaitTimeout { .. }) => {
+            Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1))
+        }
+        Err(IdemError::InProgress { retry_after, .. }) => {
+            Problem::new(ProblemKind::InProgress).with_retry_after(retry_after)
+        }
+        Err(IdemError::PayloadMismatch) => Problem::new(ProblemKind::Mismatch),
+        Err(IdemError::Store(e)) if e.is_retryable() => {
+            tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
+            Problem::new(ProblemKind::StoreUnavailable).with_retry_after(Duration::from_secs(1))
+        }
+        Err(e) => {
+            tracing::error!(error = %e, key = %key, "idempotency layer failed");
+            Problem::new(ProblemKind::Internal)
+        }
+    };
+    Ok(render(&config, problem))
+}
+
+/// How far the request body is: not read yet, or buffered.
+enum Pending<B> {
+    Unread(B),
+    Read(Bytes),
+}

@@ -1,0 +1,351 @@
+//! The processing of one receive's messages: their keys claimed, run
+//! through the executor's batch path, then each deleted, left for
+//! redelivery, dead-lettered or kept to finish, as its outcome says.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use idem_core::{
+    Codec, Context, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed,
+    StoreError, Unrecorded,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::OwnedSemaphorePermit;
+
+use crate::finishing::Unfinished;
+use crate::message;
+use crate::queue::Queue;
+use crate::shared::{lock, Shared};
+use crate::stats::add;
+use crate::{KeySource, MessageError, SqsMessage};
+
+/// The keys a batch task claimed in [`Shared::busy`]; given back when
+/// dropped (settled, or the task aborted).
+struct Claimed {
+    shared: Arc<Shared>,
+    keys: HashSet<IdempotencyKey>,
+}
+
+impl Drop for Claimed {
+    fn drop(&mut self) {
+        let mut busy = lock(&self.shared.busy);
+        for key in &self.keys {
+            busy.remove(key);
+        }
+    }
+}
+
+/// What to do with a message after processing it.
+enum Outcome {
+    /// Delete it.
+    Delete,
+    /// Leave it for redelivery; not the message's fault.
+    Left,
+    /// The handler failed: left, or dead-lettered past `max_deliveries`.
+    Failed(String),
+    /// Dead-letter it at once, with this reason.
+    Dead(String),
+    /// Leave it, and stop `run` with this error.
+    Fatal(StoreError),
+    /// Its handler ran but the completion is not written: kept invisible,
+    /// finished later with this lease.
+    Finish(Box<Unrecorded>),
+}
+
+/// The handler's error, or the run refused because the key was acquired
+/// more than `max_deliveries` times (its earlier runs were cut off).
+enum Run<E> {
+    Handler(E),
+    TooManyAttempts(u32),
+}
+
+impl<E: fmt::Display> fmt::Display for Run<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Run::Handler(e) => e.fmt(f),
+            Run::TooManyAttempts(n) => write!(
+                f,
+                "acquired {n} times: the earlier runs were cut off (their process died)"
+            ),
+        }
+    }
+}
+
+/// Whether a handler error says the message can never succeed.
+fn is_permanent<E: 'static>(e: &E) -> bool {
+    let any = e as &dyn std::any::Any;
+    if any.is::<MessageError>() {
+        return true;
+    }
+    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>() {
+        return b.is::<MessageError>();
+    }
+    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error>>() {
+        return b.is::<MessageError>();
+    }
+    false
+}
+
+/// What a batch task needs: the queue, the executor, the handler.
+pub(crate) struct Work<S: ?Sized, C, F> {
+    pub(crate) queue: Arc<Queue>,
+    pub(crate) idem: Idempotency<S, C>,
+    pub(crate) handler: Arc<F>,
+    pub(crate) key: KeySource,
+    pub(crate) scope: String,
+    pub(crate) max_deliveries: u32,
+    /// In whole seconds.
+    pub(crate) retry_visibility: Option<i32>,
+}
+
+impl<S, C, F> Work<S, C, F>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+{
+    /// Processes one receive's messages through the executor's batch path,
+    /// then dead-letters, deletes and leaves them as their outcomes say.
+    pub(crate) async fn process<Fut, T, E>(
+        &self,
+        batch: Vec<(SqsMessage, Option<String>)>,
+        _room: OwnedSemaphorePermit,
+    ) where
+        F: Fn(SqsMessage) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let shared = &self.queue.shared;
+        // A message without a receipt handle cannot be deleted nor kept
+        // invisible: it is not run (its redelivery will have one).
+        let mut batch: Vec<(SqsMessage, String)> = batch
+            .into_iter()
+            .filter_map(|(message, receipt)| match receipt {
+                Some(r) => Some((message, r)),
+                None => {
+                    tracing::warn!(queue = %self.queue.url, message_id = %message.message_id, "a message without a receipt handle: not run");
+                    add(&shared.counters.left_for_redelivery, 1);
+                    None
+                }
+            })
+            .collect();
+        // Runs still to finish: their messages (a redelivery) and every
+        // message of their keys are left, never run. Keys that another
+        // batch of this consumer is processing are left too ("in
+        // progress"): the two never race, so a run of the other batch that
+        // ends unrecorded is in `unfinished` before its key is free here
+        // (else this batch could take its expired lease over and run it
+        // again).
+        let mut claimed = Claimed {
+            shared: shared.clone(),
+            keys: HashSet::new(),
+        };
+        let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
+        let mut items = Vec::new();
+        let mut item_of = Vec::new();
+        {
+            let mut busy = lock(&shared.busy);
+            let (unfinished_ids, unfinished_keys): (HashSet<String>, HashSet<IdempotencyKey>) = {
+                let map = lock(&shared.unfinished);
+                (
+                    map.values()
+                        .map(|u| u.message.message_id.clone())
+                        .filter(|id| !id.is_empty())
+                        .collect(),
+                    map.values()
+                        .map(|u| u.unrecorded.lease().key.clone())
+                        .collect(),
+                )
+            };
+            for (i, (message, _)) in batch.iter().enumerate() {
+                let outcome = if unfinished_ids.contains(&message.message_id) {
+                    Some(Outcome::Left)
+                } else {
+                    match self.key.key_of(&self.scope, message) {
+                        Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
+                        Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Left),
+                        Ok(key) if busy.contains(&key) && !claimed.keys.contains(&key) => {
+                            add(&shared.counters.in_progress, 1);
+                            Some(Outcome::Left)
+                        }
+                        Ok(key) => {
+                            claimed.keys.insert(key.clone());
+                            let fingerprint = Some(message::fingerprint_of(message));
+                            let (handler, mut message) = (self.handler.clone(), message.clone());
+                            let max = self.max_deliveries;
+                            items.push((key, fingerprint, move |context: Context| async move {
+                                if context.attempt > max {
+                                    return Err(Run::TooManyAttempts(context.attempt));
+                                }
+                                message.attempt = context.attempt;
+                                message.fence = context.fence;
+                                handler(message).await.map_err(Run::Handler)
+                            }));
+                            item_of.push(i);
+                            None
+                        }
+                    }
+                };
+                settled.push(outcome);
+            }
+            busy.extend(claimed.keys.iter().cloned());
+        }
+        let processed = self.idem.process_batch_with_detached(items).await;
+        for (i, result) in item_of.into_iter().zip(processed) {
+            settled[i] = Some(self.outcome_of(&batch[i].0, result));
+        }
+
+        let mut delete = Vec::new();
+        let mut left = Vec::new();
+        let mut dead = Vec::new();
+        let mut done = Vec::new();
+        let mut fatal = None;
+        for ((message, receipt), outcome) in batch.drain(..).zip(settled) {
+            let outcome = outcome.unwrap_or_else(|| {
+                Outcome::Fatal(StoreError::backend("a message of the batch got no outcome"))
+            });
+            if !matches!(outcome, Outcome::Finish(_)) {
+                done.push(receipt.clone());
+            }
+            match outcome {
+                Outcome::Delete => delete.push(receipt),
+                Outcome::Left => left.push(receipt),
+                Outcome::Fatal(e) => {
+                    fatal.get_or_insert(e);
+                    left.push(receipt);
+                }
+                Outcome::Dead(reason) => dead.push((message, receipt, reason)),
+                Outcome::Failed(reason) => {
+                    let max = self.max_deliveries;
+                    let count = match message.receive_count {
+                        None if max == 1 => Some(1),
+                        n => n,
+                    };
+                    match count {
+                        Some(n) if n >= max => {
+                            let reason =
+                                format!("{reason} (received {n} times, max_deliveries {max})");
+                            dead.push((message, receipt, reason));
+                        }
+                        Some(_) => left.push(receipt),
+                        None => {
+                            tracing::warn!(queue = %self.queue.url, message_id = %message.message_id, "handler failed and the receive count is unknown: left for redelivery");
+                            left.push(receipt);
+                        }
+                    }
+                }
+                Outcome::Finish(unrecorded) => {
+                    lock(&shared.unfinished).insert(
+                        receipt,
+                        Unfinished {
+                            message,
+                            unrecorded: Arc::from(unrecorded),
+                        },
+                    );
+                }
+            }
+        }
+        // Unrecorded runs are in `unfinished` now: their keys may go.
+        drop(claimed);
+        // Out of the heartbeat first: a visibility set below must not be
+        // undone by a renewal (one already under way may still extend a
+        // message once; it then comes back a little later).
+        {
+            let mut in_flight = lock(&shared.in_flight);
+            for r in &done {
+                in_flight.remove(r);
+            }
+        }
+        let (sent, not_sent) = self.queue.dead_letter(dead).await;
+        delete.extend(sent);
+        left.extend(not_sent);
+        self.queue.delete(&delete).await;
+        add(&shared.counters.left_for_redelivery, left.len());
+        if let (Some(seconds), false) = (self.retry_visibility, left.is_empty()) {
+            self.queue.change_visibility(&left, seconds).await;
+        }
+        if let Some(e) = fatal {
+            lock(&shared.fatal).get_or_insert(e);
+        }
+    }
+
+    /// What to do with a message after processing it.
+    fn outcome_of<T, E: fmt::Display + 'static>(
+        &self,
+        message: &SqsMessage,
+        outcome: Result<Processed<T>, IdemError<Run<E>>>,
+    ) -> Outcome {
+        let counters = &self.queue.shared.counters;
+        let (queue, id) = (&self.queue.url, &message.message_id);
+        match outcome {
+            Ok(Processed::Executed(_)) => {
+                add(&counters.executed, 1);
+                Outcome::Delete
+            }
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
+                tracing::warn!(%queue, message_id = %id, %reason, "the handler ran but its result was not recorded");
+                add(&counters.executed, 1);
+                Outcome::Delete
+            }
+            Ok(Processed::Replayed(_)) => {
+                add(&counters.replayed, 1);
+                Outcome::Delete
+            }
+            // The key completed (its result was not recordable): deleted,
+            // never run again, never dead-lettered.
+            Err(IdemError::ResultUnavailable { reason }) => {
+                tracing::warn!(%queue, message_id = %id, %reason, "duplicate of a message whose result was not recorded: deleted");
+                add(&counters.replayed, 1);
+                Outcome::Delete
+            }
+            // Held by another worker right now (its lease ends if it
+            // died), or the executor waited too long for it.
+            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. }) => {
+                add(&counters.in_progress, 1);
+                Outcome::Left
+            }
+            Err(IdemError::InvalidConfig { detail }) => {
+                Outcome::Fatal(StoreError::InvalidArgument { detail })
+            }
+            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Outcome::Fatal(e),
+            Err(IdemError::Store(e)) if e.is_retryable() => {
+                tracing::warn!(%queue, message_id = %id, error = %e, "store unavailable: left for redelivery");
+                Outcome::Left
+            }
+            // The handler ran; the store was away past its lease: the
+            // completion is written later with the same lease.
+            Err(IdemError::Unrecorded(u)) => {
+                tracing::warn!(%queue, message_id = %id, error = %u.cause(), "the handler ran but its result is not recorded yet: kept invisible, to finish");
+                Outcome::Finish(u)
+            }
+            Err(IdemError::Handler(Run::TooManyAttempts(n))) => {
+                Outcome::Dead(Run::<E>::TooManyAttempts(n).to_string())
+            }
+            Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {
+                Outcome::Dead(format!("the handler refused the message: {e}"))
+            }
+            Err(e) if e.is_retryable() => {
+                tracing::warn!(%queue, message_id = %id, error = %e, "handler failed: left for redelivery");
+                Outcome::Failed(e.to_string())
+            }
+            Err(e) => Outcome::Dead(e.to_string()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handler_errors_of_bad_input_are_permanent() {
+        assert!(is_permanent(&MessageError::NoMessageId));
+        let boxed: Box<dyn std::error::Error + Send + Sync> =
+            Box::new(MessageError::Json("x".into()));
+        assert!(is_permanent(&boxed));
+        assert!(!is_permanent(&std::io::Error::other("down")));
+    }
+}
