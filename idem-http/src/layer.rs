@@ -7,9 +7,10 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::header::{HeaderName, CONTENT_LENGTH};
 use http::{Method, Response, StatusCode};
-use idem_core::{Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, KeyError};
+use idem_core::{
+    Codec, FinishingKeys, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, KeyError,
+};
 
-use crate::finishing::Finishing;
 use crate::request::{is_forbidden_key_header, ForbiddenHeaderName, IDEMPOTENCY_KEY};
 use crate::response::{box_response, default_record_status, BoxError, LayerBody};
 use crate::service::IdempotencyService;
@@ -115,8 +116,9 @@ pub(crate) struct Config<S: ?Sized, C> {
     pub(crate) on_replay: Option<Arc<ReplayFn>>,
     pub(crate) render: Option<Arc<RenderFn>>,
     /// Keys whose response is being written after an outage
-    /// ([`finish_later`]); shared by the layer's clones.
-    pub(crate) finishing: Arc<Finishing>,
+    /// ([`finish_later`](crate::finishing::finish_later)); shared by the
+    /// layer's clones.
+    pub(crate) finishing: Arc<FinishingKeys>,
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {

@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use idem_core::{Codec, IdemError, IdempotencyKey, IdempotencyStore, JsonCodec, Processed};
 
 use crate::fingerprint::fingerprint;
-use crate::finishing::{finish_later, FinishingGuard};
+use crate::finishing::finish_later;
 use crate::key::{key_id, key_path};
 use crate::layer::{Config, KeySource};
 use crate::recorded::{self, Buffered, Outcome, Prefixed, Recorded};
@@ -317,10 +317,9 @@ where
         if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
             match tokio::runtime::Handle::try_current() {
                 Ok(runtime) => {
-                    config.finishing.insert(key.clone(), fingerprint);
                     // Out of the set however the task ends (a panic, or
                     // its runtime shutting down, included).
-                    let guard = FinishingGuard(config.finishing.clone(), key.clone());
+                    let guard = config.finishing.hold(key.clone(), Some(fingerprint));
                     let idem = config.idem.clone();
                     runtime.spawn(async move {
                         finish_later(idem, unrecorded).await;

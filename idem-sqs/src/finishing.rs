@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem_core::{Codec, IdempotencyStore, StoreError, Unrecorded};
+use idem_core::{Codec, Finished, IdempotencyStore, Unrecorded};
 
 use crate::batch::Work;
 use crate::shared::lock;
@@ -75,29 +75,25 @@ where
             else {
                 continue;
             };
-            let finished = self.idem.finish(&unrecorded).await;
-            if matches!(&finished, Err(e) if e.is_retryable()) {
+            // Still away: tried again on the next round, the entry left
+            // in the map.
+            let Ok(finished) = self.idem.try_finish(&unrecorded).await else {
                 continue;
-            }
+            };
             let Some(u) = lock(&shared.unfinished).remove(&receipt) else {
                 continue;
             };
+            lock(&shared.in_flight).remove(&receipt);
             match finished {
-                Ok(()) => {
+                Finished::Recorded => {
                     add(&shared.counters.executed, 1);
-                    lock(&shared.in_flight).remove(&receipt);
                     delete.push(receipt);
                 }
-                Err(StoreError::LeaseLost) => {
+                Finished::TakenOver => {
                     tracing::warn!(queue = %self.queue.url, message_id = %u.message.message_id, "unfinished run taken over by another worker: left for redelivery");
-                    lock(&shared.in_flight).remove(&receipt);
                     add(&shared.counters.left_for_redelivery, 1);
                 }
-                Err(e) if e.is_retryable() => {
-                    lock(&shared.unfinished).insert(receipt, u);
-                }
-                Err(e) => {
-                    lock(&shared.in_flight).remove(&receipt);
+                Finished::Refused(e) | Finished::GaveUp(e) => {
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
                     dead.push((u.message, receipt, reason));
