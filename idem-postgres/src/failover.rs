@@ -712,7 +712,7 @@ async fn probe(
                 };
                 Err((
                     format!("the read-write check failed: {}{hint}", db.message()),
-                    crate::retryable_code(&code),
+                    crate::error::retryable_code(&code),
                 ))
             }
             Err(e) => Err((e.to_string(), true)),
