@@ -327,7 +327,7 @@ impl Failover {
         let pool = options
             .connect_with(self.shared.servers[index].clone())
             .await
-            .map_err(|e| crate::connect_error(e, self.shared.names[index].clone()))?;
+            .map_err(|e| crate::connect::connect_error(e, self.shared.names[index].clone()))?;
         self.shared.register(&pool);
         self.start_watcher();
         Ok(pool)
@@ -697,7 +697,7 @@ async fn probe(
         let mut conn = options
             .connect()
             .await
-            .map_err(|e| crate::connect_failure(&e))?;
+            .map_err(|e| crate::connect::connect_failure(&e))?;
         match role(&mut conn).await {
             Ok(role) => Ok((conn, role)),
             // A refusal of the role query itself (the timeline function's
