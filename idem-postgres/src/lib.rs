@@ -146,6 +146,8 @@ mod decode;
 mod error;
 mod failover;
 mod in_tx;
+mod statements;
+mod timeouts;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -165,6 +167,8 @@ use tokio::time::Instant;
 
 use decode::{attempt_of, column, decode_acquire, decode_record, fence_of, time_of, Decoded};
 use error::{map_error, read_only, session_gone, statement_failed, Failure};
+use statements::{micros, sql, Statements, ACQUIRE_TRIES};
+use timeouts::Timeouts;
 
 pub use admin::{ListedRecord, ScopeCounts, StuckRows};
 pub use connect::{connect, connect_with};
@@ -195,10 +199,6 @@ const MIGRATIONS: &[(i32, &str, &str)] = &[
         include_str!("../migrations/0002_add_fence.sql"),
     ),
 ];
-
-/// How many times `acquire` re-runs its statement when a concurrent commit
-/// was not visible to it (READ COMMITTED takes a new snapshot each time).
-const ACQUIRE_TRIES: usize = 16;
 /// The most items one batch statement carries by default; see
 /// [`PgStoreBuilder::batch_statement`].
 pub const DEFAULT_BATCH_STATEMENT: usize = 256;
@@ -378,37 +378,6 @@ impl PgStoreBuilder {
     }
 }
 
-/// The time budget of one call, derived from `call_timeout`.
-#[derive(Debug, Clone, Copy)]
-struct Timeouts {
-    /// The whole call, on the client.
-    call: Duration,
-    /// A statement is sent only within this much of the call's start.
-    send_by: Duration,
-    /// `statement_timeout` and `lock_timeout` on the server, in ms.
-    server_ms: u64,
-}
-
-impl Timeouts {
-    /// The longest call timeout taken as given.
-    const MAX_CALL: Duration = Duration::from_secs(86_400);
-
-    fn new(call: Duration) -> Self {
-        let call = call.clamp(Duration::from_millis(1), Self::MAX_CALL);
-        // The server stops a statement after half the call timeout; one is
-        // sent only while 60% of it is left, which leaves a tenth for the
-        // server's answer to come back before the client gives up.
-        let server_ms = u64::try_from((call / 2).as_millis())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        Timeouts {
-            call,
-            send_by: call * 2 / 5,
-            server_ms,
-        }
-    }
-}
-
 /// The schema-qualified, quoted name of the fence sequence (the table name
 /// is at most 40 characters, so this fits PostgreSQL's 63).
 fn sequence_name(schema: &str, table: &str) -> String {
@@ -449,25 +418,6 @@ struct Inner {
     timeouts: Timeouts,
     max_response_bytes: usize,
     batch_statement: usize,
-}
-
-/// The statements, rendered once for the configured table. Only validated
-/// identifiers are interpolated; every value is a bind parameter.
-struct Statements {
-    acquire: Arc<str>,
-    acquire_many: Arc<str>,
-    complete: Arc<str>,
-    complete_many: Arc<str>,
-    release: Arc<str>,
-    extend: Arc<str>,
-    get: Arc<str>,
-    delete: Arc<str>,
-    purge: Arc<str>,
-}
-
-/// Marks SQL built from validated identifiers as safe for sqlx.
-fn sql(text: &Arc<str>) -> AssertSqlSafe<Arc<str>> {
-    AssertSqlSafe(text.clone())
 }
 
 impl std::fmt::Debug for PgStore {
@@ -1764,41 +1714,9 @@ impl Drop for Lent<'_> {
     }
 }
 
-/// `d` in whole microseconds for a statement: saturated to
-/// [`MAX_DURATION`](idem_core::MAX_DURATION), so every deadline
-/// (`now + lease + IN_PROGRESS_GRACE`) stays far inside timestamptz's
-/// range, and rounded up, so a lease under a microsecond is not a zero
-/// lease.
-fn micros(d: Duration) -> i64 {
-    let d = saturate(d);
-    let us = d.as_micros() + u128::from(!d.subsec_nanos().is_multiple_of(1_000));
-    // MAX_DURATION is about 3.2e15 µs: always fits.
-    i64::try_from(us).unwrap_or(i64::MAX)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn durations_are_saturated_and_rounded_up() {
-        assert_eq!(micros(Duration::ZERO), 0);
-        assert_eq!(micros(Duration::from_nanos(1)), 1);
-        assert_eq!(micros(Duration::from_nanos(1_500)), 2);
-        assert_eq!(micros(Duration::from_millis(7)), 7_000);
-        let max = idem_core::MAX_DURATION.as_micros() as i64;
-        for huge in [
-            Duration::MAX,
-            Duration::from_secs(u64::MAX),
-            idem_core::MAX_DURATION + Duration::from_nanos(1),
-        ] {
-            assert_eq!(micros(huge), max, "{huge:?}");
-        }
-        // The longest deadline offset a statement computes, lease + grace,
-        // is exact in the float8 that `int8 * interval` goes through.
-        let longest = max + micros(IN_PROGRESS_GRACE);
-        assert_eq!(longest as f64 as i64, longest);
-    }
 
     #[test]
     fn migrations_and_statements_name_the_sequence() {
