@@ -12,8 +12,9 @@ use crate::connection::ConnectionSet;
 use crate::error::ConfigError;
 use crate::migrate::sequence_name;
 use crate::statements::Statements;
+use crate::store::Inner;
 use crate::timeouts::Timeouts;
-use crate::{Failover, Inner, PgStore};
+use crate::{Failover, PgStore};
 
 /// The most items one batch statement carries by default; see
 /// [`PgStoreBuilder::batch_statement`].
