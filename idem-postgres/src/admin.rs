@@ -10,7 +10,7 @@ use idem_core::{IdempotencyKey, LeaseToken, Record, StoreError};
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::decode::{column, decode_record};
-use crate::PgStore;
+use crate::store::PgStore;
 
 /// The columns of `sql/get.sql`, in its order, for `decode_record`.
 const RECORD_COLUMNS: &str = "status, fingerprint, token, attempt,

@@ -14,7 +14,7 @@ use tokio::time::Instant;
 use crate::decode::{column, decode_acquire, Decoded};
 use crate::error::Failure;
 use crate::statements::{micros, sql, ACQUIRE_TRIES};
-use crate::PgStore;
+use crate::store::PgStore;
 
 /// The responses one `complete_many` statement carries, in bytes, at most
 /// (a larger response goes alone): a statement stays far below the

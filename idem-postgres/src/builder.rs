@@ -10,11 +10,12 @@ use sqlx::postgres::PgPool;
 
 use crate::connection::ConnectionSet;
 use crate::error::ConfigError;
+use crate::failover::Failover;
 use crate::migrate::sequence_name;
 use crate::statements::Statements;
 use crate::store::Inner;
+use crate::store::PgStore;
 use crate::timeouts::Timeouts;
-use crate::{Failover, PgStore};
 
 /// The most items one batch statement carries by default; see
 /// [`PgStoreBuilder::batch_statement`].

@@ -11,9 +11,9 @@ use sqlx::{AssertSqlSafe, PgConnection};
 use tokio::time::Instant;
 
 use crate::failover;
-use crate::timeouts::Timeouts;
 #[cfg(doc)]
-use crate::PgStore;
+use crate::store::PgStore;
+use crate::timeouts::Timeouts;
 
 /// The store's own connections, as [`PgStore::connection_stats`] reports
 /// them (also the gauge `idem_postgres_connections`, labelled `table`).

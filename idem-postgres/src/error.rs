@@ -8,7 +8,7 @@ use idem_core::StoreError;
 use sqlx::postgres::{PgDatabaseError, PgSeverity};
 
 #[cfg(doc)]
-use crate::PgStore;
+use crate::store::PgStore;
 
 /// A configuration error: an identifier PostgreSQL would not take as is.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -11,7 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection};
 use tokio::time::Instant;
 
-use crate::PgStoreBuilder;
+use crate::builder::PgStoreBuilder;
 
 /// The default of [`Failover::probe_timeout`].
 pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(5);

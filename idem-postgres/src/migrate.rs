@@ -4,7 +4,7 @@
 use idem_core::StoreError;
 use sqlx::AssertSqlSafe;
 
-use crate::PgStore;
+use crate::store::PgStore;
 
 /// The migrations, in order: `(version, description, SQL template)`. The
 /// templates name the table `{{table}}`, its index `{{index}}` and its

@@ -12,15 +12,15 @@ use sqlx::PgConnection;
 use tokio::time::Instant;
 
 use crate::batch::{not_sent, plan_statements, BATCH_RESPONSE_BYTES};
+#[cfg(doc)]
+use crate::builder::PgStoreBuilder;
 use crate::decode::{
     attempt_of, column, decode_acquire, decode_record, fence_of, time_of, Decoded,
 };
 use crate::error::Failure;
 use crate::statements::{micros, sql, ACQUIRE_TRIES};
+use crate::store::PgStore;
 use crate::store::Resend;
-use crate::PgStore;
-#[cfg(doc)]
-use crate::PgStoreBuilder;
 
 /// Rows deleted per statement by `purge_expired`.
 const PURGE_BATCH: usize = 1_000;

@@ -17,9 +17,9 @@ use crate::connection::{ConnectionSet, ConnectionStats};
 use crate::error::{
     map_error, read_only, session_gone, statement_failed, CallTimeout, Failure, NoConnection,
 };
+use crate::in_tx::InTransaction;
 use crate::statements::Statements;
 use crate::timeouts::Timeouts;
-use crate::InTransaction;
 
 /// The PostgreSQL [`IdempotencyStore`]. Cloning is cheap and shares the
 /// pool.
