@@ -93,6 +93,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod error;
 mod item;
 
 use std::collections::HashMap;
@@ -101,7 +102,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use aws_sdk_dynamodb::config::retry::RetryConfig;
-use aws_sdk_dynamodb::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
 use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
@@ -113,6 +114,7 @@ use aws_sdk_dynamodb::types::{
 };
 use aws_sdk_dynamodb::Client;
 use bytes::{Bytes, BytesMut};
+use error::map_sdk;
 use idem_core::{
     saturate, AcquireItem, Acquisition, CompletedRecord, Fingerprint, IdempotencyKey,
     IdempotencyStore, Lease, LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
@@ -120,6 +122,7 @@ use idem_core::{
 use item::{b, n, s, Attrs, Item, Response, State};
 
 pub use aws_sdk_dynamodb;
+pub use error::CallTimeout;
 pub use idem_core;
 
 /// The largest response kept in the record's own item. DynamoDB items hold
@@ -151,12 +154,6 @@ const DEFAULT_SKEW: Duration = Duration::from_secs(1);
 /// Rounds of `acquire` when writers keep changing the item between its
 /// read and the conditional write (each round is a new state).
 const ACQUIRE_ROUNDS: usize = 16;
-
-/// A call that did not finish within the store's call timeout; the source
-/// of [`StoreError::Unavailable`].
-#[derive(Debug, thiserror::Error)]
-#[error("DynamoDB did not answer within {0:?}")]
-pub struct CallTimeout(pub Duration);
 
 /// The DynamoDB [`IdempotencyStore`]. Cloning is cheap (the SDK client is
 /// shared).
@@ -287,43 +284,6 @@ pub async fn create_table(client: &Client, table: &str) -> Result<(), StoreError
         // enable of the same attribute).
         Err(e) if e.code() == Some("ValidationException") => Ok(()),
         Err(e) => Err(map_sdk(e)),
-    }
-}
-
-/// Maps an SDK error: timeouts, connection failures, throttling and
-/// DynamoDB's own server errors are [`StoreError::Unavailable`]
-/// (retryable); the rest (a missing table, a refused request) are
-/// [`StoreError::Backend`].
-fn map_sdk<E, R>(e: SdkError<E, R>) -> StoreError
-where
-    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
-    R: std::fmt::Debug + Send + Sync + 'static,
-{
-    match &e {
-        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) | SdkError::ResponseError(_) => {
-            StoreError::unavailable(e)
-        }
-        SdkError::ServiceError(se) => {
-            let retryable = matches!(
-                se.err().code(),
-                Some(
-                    "InternalServerError"
-                        | "ServiceUnavailable"
-                        | "ProvisionedThroughputExceededException"
-                        | "RequestLimitExceeded"
-                        | "ThrottlingException"
-                        | "TransactionConflictException"
-                        | "TransactionInProgressException"
-                        | "ReplicatedWriteConflictException"
-                )
-            );
-            if retryable {
-                StoreError::unavailable(e)
-            } else {
-                StoreError::backend(e)
-            }
-        }
-        _ => StoreError::backend(e),
     }
 }
 
