@@ -96,6 +96,7 @@
 mod batch;
 mod error;
 mod item;
+mod request;
 mod setup;
 
 use std::collections::HashMap;
@@ -106,7 +107,6 @@ use async_trait::async_trait;
 use aws_sdk_dynamodb::config::retry::RetryConfig;
 use aws_sdk_dynamodb::error::ProvideErrorMetadata;
 use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
-use aws_sdk_dynamodb::operation::put_item::PutItemError;
 use aws_sdk_dynamodb::operation::transact_write_items::TransactWriteItemsError;
 use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
 use aws_sdk_dynamodb::types::{
@@ -122,6 +122,7 @@ use idem_core::{
     IdempotencyStore, Lease, LeaseToken, Record, RecordState, StoreError, IN_PROGRESS_GRACE,
 };
 use item::{b, n, s, Attrs, Item, Response, State};
+use request::{names, random_rev, Write};
 
 pub use aws_sdk_dynamodb;
 pub use batch::BATCH_CONCURRENCY;
@@ -211,25 +212,6 @@ fn wall(ms: i64) -> SystemTime {
 
 fn since(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(ms).unwrap_or(0))
-}
-
-fn random_rev() -> u64 {
-    // 53 bits: DynamoDB numbers are exact far beyond, but a smaller value
-    // keeps every tool that reads the table as f64 exact too.
-    u64::try_from(LeaseToken::random().as_u128() & ((1 << 53) - 1)).unwrap_or(1)
-}
-
-fn names(pairs: &[&str]) -> HashMap<String, String> {
-    pairs
-        .iter()
-        .map(|n| (format!("#{n}"), (*n).to_owned()))
-        .collect()
-}
-
-/// How a conditional write failed: the item as it was, if any.
-enum Write<T> {
-    Done(T),
-    Refused(Option<Attrs>),
 }
 
 impl DynamoDbStore {
@@ -331,72 +313,6 @@ impl DynamoDbStore {
         match tokio::time::timeout(self.call_timeout, call).await {
             Ok(r) => r,
             Err(_) => Err(StoreError::unavailable(CallTimeout(self.call_timeout))),
-        }
-    }
-
-    fn pk(&self, pk: String) -> HashMap<String, AttributeValue> {
-        HashMap::from([(item::PK.to_owned(), s(pk))])
-    }
-
-    /// A `PutItem` of `attrs`, if no item exists (`expect_rev` `None`) or
-    /// the item's revision is `expect_rev`.
-    async fn put_if(&self, attrs: Attrs, expect_rev: Option<u64>) -> Result<Write<()>, StoreError> {
-        let req = self
-            .client
-            .put_item()
-            .table_name(&*self.table)
-            .set_item(Some(attrs))
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        let req = match expect_rev {
-            None => req
-                .condition_expression("attribute_not_exists(#pk)")
-                .expression_attribute_names("#pk", item::PK),
-            Some(rev) => req
-                .condition_expression("#rv = :rv")
-                .expression_attribute_names("#rv", item::RV)
-                .expression_attribute_values(":rv", n(rev)),
-        };
-        match req.send().await {
-            Ok(_) => Ok(Write::Done(())),
-            Err(e) => match e.as_service_error() {
-                Some(PutItemError::ConditionalCheckFailedException(c)) => {
-                    Ok(Write::Refused(c.item().cloned()))
-                }
-                _ => Err(map_sdk(e)),
-            },
-        }
-    }
-
-    /// An `UpdateItem` of the record of `pk`; on a failed condition, the
-    /// item as it was.
-    async fn update(
-        &self,
-        pk: String,
-        update: &str,
-        condition: &str,
-        names: HashMap<String, String>,
-        values: HashMap<String, AttributeValue>,
-        returns: ReturnValue,
-    ) -> Result<Write<Option<Attrs>>, StoreError> {
-        let req = self
-            .client
-            .update_item()
-            .table_name(&*self.table)
-            .set_key(Some(self.pk(pk)))
-            .update_expression(update)
-            .condition_expression(condition)
-            .set_expression_attribute_names(Some(names))
-            .set_expression_attribute_values(Some(values))
-            .return_values(returns)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld);
-        match req.send().await {
-            Ok(out) => Ok(Write::Done(out.attributes().cloned())),
-            Err(e) => match e.as_service_error() {
-                Some(UpdateItemError::ConditionalCheckFailedException(c)) => {
-                    Ok(Write::Refused(c.item().cloned()))
-                }
-                _ => Err(map_sdk(e)),
-            },
         }
     }
 
@@ -845,19 +761,6 @@ impl DynamoDbStore {
             })) if t == lease.token => Ok(()),
             _ => Err(StoreError::LeaseLost),
         }
-    }
-
-    async fn get_item(&self, key: &IdempotencyKey) -> Result<Option<Attrs>, StoreError> {
-        let out = self
-            .client
-            .get_item()
-            .table_name(&*self.table)
-            .set_key(Some(self.pk(Self::item_key(key))))
-            .consistent_read(true)
-            .send()
-            .await
-            .map_err(map_sdk)?;
-        Ok(out.item().cloned())
     }
 
     async fn release_inner(&self, lease: &Lease) -> Result<(), StoreError> {
