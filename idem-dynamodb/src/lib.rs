@@ -98,28 +98,24 @@ mod batch;
 mod error;
 mod item;
 mod lease;
+mod purge;
+mod record;
 mod request;
 mod response;
 mod setup;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
-use aws_sdk_dynamodb::config::retry::RetryConfig;
-use aws_sdk_dynamodb::operation::delete_item::DeleteItemError;
-use aws_sdk_dynamodb::operation::update_item::UpdateItemError;
-use aws_sdk_dynamodb::types::{AttributeValue, ReturnValue};
+use aws_sdk_dynamodb::types::AttributeValue;
 use aws_sdk_dynamodb::Client;
 use batch::per_key;
-use error::map_sdk;
 use idem_core::{
     saturate, AcquireItem, Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
-    Record, RecordState, StoreError,
+    Record, StoreError,
 };
-use item::{n, s, Attrs, Response, State};
-use request::{names, random_rev};
+use item::{n, Attrs};
 
 pub use aws_sdk_dynamodb;
 pub use batch::BATCH_CONCURRENCY;
@@ -314,225 +310,6 @@ impl DynamoDbStore {
             key: key.clone(),
             detail: detail.into(),
         }
-    }
-
-    async fn get_inner(&self, key: &IdempotencyKey) -> Result<Option<Record>, StoreError> {
-        let Some(attrs) = self.get_item(key).await? else {
-            return Ok(None);
-        };
-        let item = item::decode(&attrs).map_err(|d| Self::corrupt(key, d))?;
-        let now = self.now_ms();
-        if item.is_tombstone() || self.gone(item.expires, now) {
-            return Ok(None);
-        }
-        let Some(token) = item.token else {
-            return Err(Self::corrupt(key, "a live record without a token"));
-        };
-        let state = match &item.state {
-            State::InProgress { lease_until } => RecordState::InProgress {
-                lease_expires_at: wall(*lease_until),
-            },
-            State::Completed {
-                completed_at,
-                response,
-            } => RecordState::Completed {
-                response: self.response_of(key, &item, response).await?,
-                completed_at: wall(*completed_at),
-            },
-            State::Released | State::Deleted => return Ok(None),
-        };
-        Ok(Some(
-            Record::new(
-                key.clone(),
-                state,
-                item.fingerprint,
-                token,
-                item.attempt,
-                wall(item.created),
-                wall(item.expires),
-            )
-            .with_fence(item.fence),
-        ))
-    }
-
-    async fn delete_inner(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let now = self.now_ms();
-        let ex = now.saturating_add(millis(TOMBSTONE_FOR));
-        let pk = Self::item_key(key);
-        // Sent once (the SDK's retries off): a resend after a lost reply
-        // could turn a reservation made since into a tombstone.
-        let sent = self
-            .client
-            .update_item()
-            .table_name(&*self.table)
-            .set_key(Some(self.pk(pk.clone())))
-            .update_expression(
-                "SET #st = :x, #ex = :ex, #tt = :tt, #rv = :rv REMOVE #tk, #at, #fp, #le, #cr, #co, #rs, #nc, #rz",
-            )
-            .condition_expression("attribute_exists(#pk)")
-            .set_expression_attribute_names(Some(names(&[
-                item::PK,
-                item::ST,
-                item::EX,
-                item::TT,
-                item::RV,
-                item::TK,
-                item::AT,
-                item::FP,
-                item::LE,
-                item::CR,
-                item::CO,
-                item::RS,
-                item::NC,
-                item::RZ,
-            ])))
-            .set_expression_attribute_values(Some(HashMap::from([
-                (":x".to_owned(), s("x")),
-                (":ex".to_owned(), n(ex)),
-                (":tt".to_owned(), self.ttl_of(ex)),
-                (":rv".to_owned(), n(random_rev())),
-            ])))
-            .return_values(ReturnValue::AllOld)
-            .customize()
-            .config_override(aws_sdk_dynamodb::Config::builder().retry_config(RetryConfig::disabled()))
-            .send()
-            .await;
-        let old = match sent {
-            Ok(out) => out.attributes().cloned(),
-            Err(e) => {
-                return match e.as_service_error() {
-                    Some(UpdateItemError::ConditionalCheckFailedException(_)) => Ok(false),
-                    _ => Err(map_sdk(e)),
-                }
-            }
-        };
-        match old.as_ref().map(item::decode) {
-            Some(Ok(old)) => {
-                if let (
-                    State::Completed {
-                        response: Response::Chunked { chunks, .. },
-                        ..
-                    },
-                    Some(token),
-                ) = (&old.state, old.token)
-                {
-                    // Its chunks go too (one more request, on this path
-                    // only): they would otherwise live until the deleted
-                    // record's retention ended.
-                    // The record is deleted either way; chunks left
-                    // behind are unreachable (a new completion has a new
-                    // token) and only take space until their expiry.
-                    if let Err(e) = self.delete_chunks(token, *chunks).await {
-                        tracing::warn!(key = %key, error = %e, "the deleted record's response chunks were not all deleted");
-                    }
-                }
-                Ok(!old.is_tombstone() && !self.gone(old.expires, now))
-            }
-            None => Ok(false),
-            // Corrupt: the tombstone kept what was left of it, a fence
-            // that may not decode either. A clean tombstone replaces it,
-            // its fence from this clock (one more request, on this path
-            // only).
-            Some(Err(_)) => {
-                let tomb = HashMap::from([
-                    (item::PK.to_owned(), s(pk)),
-                    (item::ST.to_owned(), s("x")),
-                    (item::FE.to_owned(), n(self.now_us())),
-                    (item::EX.to_owned(), n(ex)),
-                    (item::TT.to_owned(), self.ttl_of(ex)),
-                    (item::RV.to_owned(), n(random_rev())),
-                ]);
-                self.client
-                    .put_item()
-                    .table_name(&*self.table)
-                    .set_item(Some(tomb))
-                    .customize()
-                    .config_override(
-                        aws_sdk_dynamodb::Config::builder().retry_config(RetryConfig::disabled()),
-                    )
-                    .send()
-                    .await
-                    .map_err(map_sdk)?;
-                Ok(true)
-            }
-        }
-    }
-
-    async fn purge_inner(&self, max: usize) -> Result<u64, StoreError> {
-        if max == 0 {
-            return Ok(0);
-        }
-        let now = self.now_ms();
-        let cut = now.saturating_sub(self.skew_ms);
-        let start = self
-            .purge_cursor
-            .lock()
-            .map(|mut c| c.take())
-            .unwrap_or(None);
-        let mut cursor = start;
-        let mut found: Vec<(String, u64)> = Vec::new();
-        loop {
-            // Where this page starts: kept as the next call's start if the
-            // page found more than `max` (the rest are purged next time,
-            // never skipped).
-            let page_start = cursor.clone();
-            // Each page, and each delete below, is bounded by the call
-            // timeout (a sweep may take several).
-            let scan = self
-                .client
-                .scan()
-                .table_name(&*self.table)
-                .consistent_read(true)
-                .projection_expression("#pk, #rv")
-                .filter_expression("#ex < :cut")
-                .set_expression_attribute_names(Some(names(&[item::PK, item::RV, item::EX])))
-                .expression_attribute_values(":cut", n(cut))
-                .set_exclusive_start_key(cursor.take())
-                .send();
-            let out = self.timed(async { scan.await.map_err(map_sdk) }).await?;
-            for it in out.items() {
-                if let (Some(AttributeValue::S(pk)), Some(AttributeValue::N(rv))) =
-                    (it.get(item::PK), it.get(item::RV))
-                {
-                    if let Ok(rv) = rv.parse::<u64>() {
-                        found.push((pk.clone(), rv));
-                    }
-                }
-            }
-            cursor = out.last_evaluated_key().cloned();
-            if found.len() > max {
-                cursor = page_start;
-                break;
-            }
-            if cursor.is_none() || found.len() == max {
-                break;
-            }
-        }
-        if let Ok(mut c) = self.purge_cursor.lock() {
-            *c = cursor;
-        }
-        let mut removed = 0;
-        for (pk, rv) in found.into_iter().take(max) {
-            let sent = self
-                .client
-                .delete_item()
-                .table_name(&*self.table)
-                .set_key(Some(self.pk(pk)))
-                .condition_expression("#rv = :rv")
-                .expression_attribute_names("#rv", item::RV)
-                .expression_attribute_values(":rv", n(rv))
-                .send();
-            let sent = self.timed(async { Ok(sent.await) }).await?;
-            match sent {
-                Ok(_) => removed += 1,
-                Err(e) => match e.as_service_error() {
-                    // Written since the scan (acquired again): kept.
-                    Some(DeleteItemError::ConditionalCheckFailedException(_)) => {}
-                    _ => return Err(map_sdk(e)),
-                },
-            }
-        }
-        Ok(removed)
     }
 }
 
