@@ -12,7 +12,7 @@ use idem_core::{
 
 use crate::item::{self, b, n, s, Attrs, State};
 use crate::request::{random_rev, Write};
-use crate::{millis, since, wall, DynamoDbStore};
+use crate::store::{millis, since, wall, DynamoDbStore};
 
 /// Rounds of `acquire` when writers keep changing the item between its
 /// read and the conditional write (each round is a new state).

@@ -9,7 +9,7 @@ use idem_core::{Lease, StoreError, IN_PROGRESS_GRACE};
 
 use crate::item::{self, b, n, s, Item, State};
 use crate::request::{names, random_rev, Write};
-use crate::{millis, wall, DynamoDbStore, TOMBSTONE_FOR};
+use crate::store::{millis, wall, DynamoDbStore, TOMBSTONE_FOR};
 
 impl DynamoDbStore {
     pub(crate) async fn release_inner(&self, lease: &Lease) -> Result<(), StoreError> {

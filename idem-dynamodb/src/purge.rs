@@ -9,7 +9,7 @@ use idem_core::StoreError;
 use crate::error::map_sdk;
 use crate::item::{self, n};
 use crate::request::names;
-use crate::DynamoDbStore;
+use crate::store::DynamoDbStore;
 
 impl DynamoDbStore {
     pub(crate) async fn purge_inner(&self, max: usize) -> Result<u64, StoreError> {

@@ -12,7 +12,7 @@ use idem_core::{IdempotencyKey, Record, RecordState, StoreError};
 use crate::error::map_sdk;
 use crate::item::{self, n, s, Response, State};
 use crate::request::{names, random_rev};
-use crate::{millis, wall, DynamoDbStore, TOMBSTONE_FOR};
+use crate::store::{millis, wall, DynamoDbStore, TOMBSTONE_FOR};
 
 impl DynamoDbStore {
     pub(crate) async fn get_inner(

@@ -11,7 +11,7 @@ use idem_core::{IdempotencyKey, LeaseToken, StoreError};
 
 use crate::error::map_sdk;
 use crate::item::{self, n, s, Attrs};
-use crate::DynamoDbStore;
+use crate::store::DynamoDbStore;
 
 /// How a conditional write failed: the item as it was, if any.
 pub(crate) enum Write<T> {

@@ -18,7 +18,7 @@ use idem_core::{IdempotencyKey, Lease, LeaseToken, StoreError};
 use crate::error::map_sdk;
 use crate::item::{self, b, n, s, Attrs, Item, Response, State};
 use crate::request::{names, random_rev, Write};
-use crate::{millis, DynamoDbStore, HARD_MAX_RESPONSE_BYTES, INLINE_RESPONSE_BYTES};
+use crate::store::{millis, DynamoDbStore, HARD_MAX_RESPONSE_BYTES, INLINE_RESPONSE_BYTES};
 
 impl DynamoDbStore {
     pub(crate) async fn complete_inner(
