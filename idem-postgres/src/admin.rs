@@ -9,7 +9,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use idem_core::{IdempotencyKey, LeaseToken, Record, StoreError};
 use sqlx::{AssertSqlSafe, Row};
 
-use crate::{column, decode_record, PgStore};
+use crate::decode::{column, decode_record};
+use crate::store::PgStore;
 
 /// The columns of `sql/get.sql`, in its order, for `decode_record`.
 const RECORD_COLUMNS: &str = "status, fingerprint, token, attempt,

@@ -11,7 +11,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection};
 use tokio::time::Instant;
 
-use crate::PgStoreBuilder;
+use crate::builder::PgStoreBuilder;
 
 /// The default of [`Failover::probe_timeout`].
 pub const DEFAULT_PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -327,7 +327,7 @@ impl Failover {
         let pool = options
             .connect_with(self.shared.servers[index].clone())
             .await
-            .map_err(|e| crate::connect_error(e, self.shared.names[index].clone()))?;
+            .map_err(|e| crate::connect::connect_error(e, self.shared.names[index].clone()))?;
         self.shared.register(&pool);
         self.start_watcher();
         Ok(pool)
@@ -697,7 +697,7 @@ async fn probe(
         let mut conn = options
             .connect()
             .await
-            .map_err(|e| crate::connect_failure(&e))?;
+            .map_err(|e| crate::connect::connect_failure(&e))?;
         match role(&mut conn).await {
             Ok(role) => Ok((conn, role)),
             // A refusal of the role query itself (the timeline function's
@@ -712,7 +712,7 @@ async fn probe(
                 };
                 Err((
                     format!("the read-write check failed: {}{hint}", db.message()),
-                    crate::retryable_code(&code),
+                    crate::error::retryable_code(&code),
                 ))
             }
             Err(e) => Err((e.to_string(), true)),

@@ -12,7 +12,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sqlx::{Postgres, Transaction};
 
-use crate::PgStore;
+use crate::store::PgStore;
 
 /// Idempotency inside your own transaction: the reservation, your business
 /// writes and the completion commit or roll back together.

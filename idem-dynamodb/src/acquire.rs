@@ -1,0 +1,204 @@
+//! `acquire`: a conditional `PutItem` for a fresh key; on a refusal, the
+//! stored item says the answer (completed, in progress, mismatch) or a
+//! takeover conditioned on its revision.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use idem_core::{
+    Acquisition, CompletedRecord, Fingerprint, IdempotencyKey, Lease, LeaseToken, StoreError,
+    IN_PROGRESS_GRACE,
+};
+
+use crate::item::{self, b, n, s, Attrs, State};
+use crate::request::{random_rev, Write};
+use crate::store::{millis, since, wall, DynamoDbStore};
+
+/// Rounds of `acquire` when writers keep changing the item between its
+/// read and the conditional write (each round is a new state).
+const ACQUIRE_ROUNDS: usize = 16;
+
+impl DynamoDbStore {
+    /// The attributes of a new in-progress record.
+    #[allow(clippy::too_many_arguments)]
+    fn in_progress_item(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        fence: u64,
+        attempt: u32,
+        fingerprint: Option<&Fingerprint>,
+        created: i64,
+        lease_until: i64,
+        rev: u64,
+    ) -> Attrs {
+        let ex = lease_until.saturating_add(millis(IN_PROGRESS_GRACE));
+        let mut attrs = HashMap::with_capacity(11);
+        attrs.insert(item::PK.to_owned(), s(Self::item_key(key)));
+        attrs.insert(item::ST.to_owned(), s("p"));
+        attrs.insert(item::TK.to_owned(), b(token.to_bytes().to_vec()));
+        attrs.insert(item::FE.to_owned(), n(fence));
+        attrs.insert(item::AT.to_owned(), n(attempt));
+        if let Some(fp) = fingerprint {
+            attrs.insert(item::FP.to_owned(), b(fp.as_bytes().to_vec()));
+        }
+        attrs.insert(item::LE.to_owned(), n(lease_until));
+        attrs.insert(item::CR.to_owned(), n(created));
+        attrs.insert(item::EX.to_owned(), n(ex));
+        attrs.insert(item::RV.to_owned(), n(rev));
+        attrs.insert(item::TT.to_owned(), self.ttl_of(ex));
+        attrs
+    }
+
+    pub(crate) async fn acquire_inner(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let lease_ms = millis(lease);
+        let token = LeaseToken::random();
+        // Round 1: a fresh key.
+        let mut now = self.now_ms();
+        let mut lease_until = now.saturating_add(lease_ms);
+        let mut fence = self.now_us();
+        let mut attempt = 1;
+        let mut stored_fp = fingerprint.copied();
+        let mut expect_rev = None;
+        let mut attrs = self.in_progress_item(
+            key,
+            token,
+            fence,
+            attempt,
+            fingerprint,
+            now,
+            lease_until,
+            random_rev(),
+        );
+        for _ in 0..ACQUIRE_ROUNDS {
+            let old = match self.put_if(attrs, expect_rev).await? {
+                Write::Done(()) => {
+                    return Ok(Acquisition::Acquired(
+                        Lease::new(key.clone(), token, attempt, wall(lease_until))
+                            .with_fence(fence)
+                            .with_fingerprint(stored_fp),
+                    ))
+                }
+                Write::Refused(old) => old,
+            };
+            now = self.now_ms();
+            lease_until = now.saturating_add(lease_ms);
+            let Some(old) = old else {
+                // The item went away between the two writes: a fresh key.
+                expect_rev = None;
+                fence = self.now_us();
+                attempt = 1;
+                stored_fp = fingerprint.copied();
+                attrs = self.in_progress_item(
+                    key,
+                    token,
+                    fence,
+                    attempt,
+                    fingerprint,
+                    now,
+                    lease_until,
+                    random_rev(),
+                );
+                continue;
+            };
+            let old = item::decode(&old).map_err(|d| Self::corrupt(key, d))?;
+            // A resend of this call (a reply lost, the SDK sent it again):
+            // this token already holds the key.
+            if let (State::InProgress { lease_until: held }, Some(t)) = (&old.state, old.token) {
+                if t == token {
+                    return Ok(Acquisition::Acquired(
+                        Lease::new(key.clone(), token, old.attempt, wall(*held))
+                            .with_fence(old.fence)
+                            .with_fingerprint(old.fingerprint),
+                    ));
+                }
+            }
+            let Some(above) = old.fence.checked_add(1) else {
+                return Err(Self::corrupt(
+                    key,
+                    "the fence is at its maximum: no higher one can be given",
+                ));
+            };
+            fence = self.now_us().max(above);
+            expect_rev = Some(old.rev);
+            if old.is_tombstone() || self.gone(old.expires, now) {
+                // Absent: a fresh acquisition, above the stored fence.
+                attempt = 1;
+                stored_fp = fingerprint.copied();
+                attrs = self.in_progress_item(
+                    key,
+                    token,
+                    fence,
+                    attempt,
+                    fingerprint,
+                    now,
+                    lease_until,
+                    random_rev(),
+                );
+                continue;
+            }
+            if let (Some(stored), Some(given)) = (&old.fingerprint, fingerprint) {
+                if stored != given {
+                    return Ok(Acquisition::Mismatch);
+                }
+            }
+            match &old.state {
+                State::Completed {
+                    completed_at,
+                    response,
+                } => {
+                    let response = self.response_of(key, &old, response).await?;
+                    let ttl = since(old.expires.saturating_sub(now));
+                    return Ok(Acquisition::Completed(
+                        CompletedRecord::new(
+                            key.clone(),
+                            response,
+                            old.fingerprint,
+                            old.attempt,
+                            wall(*completed_at),
+                            wall(old.expires),
+                        )
+                        .with_fence(old.fence)
+                        .with_ttl(ttl),
+                    ));
+                }
+                State::InProgress { lease_until: held } if !self.gone(*held, now) => {
+                    let retry_after = since(held.saturating_add(self.skew_ms).saturating_sub(now))
+                        .max(Duration::from_millis(1));
+                    return Ok(Acquisition::InProgress {
+                        lease_expires_at: wall(*held),
+                        retry_after,
+                        attempt: old.attempt,
+                    });
+                }
+                _ => {
+                    // Takeover: the holder's lease ended (by the margin).
+                    // Fingerprint and attempt carry over.
+                    attempt = old.attempt.saturating_add(1);
+                    stored_fp = old.fingerprint.or(fingerprint.copied());
+                    attrs = self.in_progress_item(
+                        key,
+                        token,
+                        fence,
+                        attempt,
+                        stored_fp.as_ref(),
+                        old.created,
+                        lease_until,
+                        random_rev(),
+                    );
+                }
+            }
+        }
+        Err(StoreError::unavailable(format!(
+            "acquire of {key}: the item changed under {ACQUIRE_ROUNDS} conditional writes in a row"
+        )))
+    }
+}
