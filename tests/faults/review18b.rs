@@ -299,68 +299,6 @@ async fn redis_cluster_replaced_connection_is_closed() {
     );
 }
 
-/// `prefix("")`, a 10 KB prefix, and prefixes made of glob characters
-/// work (no panic, a full round) or are refused with a typed error.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_prefix_edge_cases_never_panic() {
-    let started = Instant::now();
-    let server = support::redis_server::RedisServer::start(&[]);
-    let base = RedisStore::connect(&server.url)
-        .await
-        .unwrap_or_else(|e| panic!("connect: {e}. {HOW_TO}"));
-    let long = "p".repeat(10 * 1024);
-    let mut rounds = 0;
-    for prefix in ["", long.as_str(), "*", "[", "\\", "{", "}{", "é\u{200b}:"] {
-        let store = base
-            .clone()
-            .try_prefix(prefix)
-            .unwrap_or_else(|e| panic!("{prefix:?} refused: {e}"));
-        let k = key("review18b.prefix");
-        let lease = match store.acquire(&k, None, Duration::from_secs(30)).await {
-            Ok(idem::Acquisition::Acquired(lease)) => lease,
-            other => panic!(
-                "acquire with prefix {:?}: {other:?}",
-                &prefix[..prefix.len().min(20)]
-            ),
-        };
-        store
-            .complete(&lease, b"ok", Duration::from_secs(60))
-            .await
-            .unwrap_or_else(|e| panic!("complete: {e}"));
-        assert!(store
-            .get(&k)
-            .await
-            .unwrap_or_else(|e| panic!("get: {e}"))
-            .is_some());
-        assert!(store
-            .delete(&k)
-            .await
-            .unwrap_or_else(|e| panic!("delete: {e}")));
-        let _ = idem::redis::acl_rules(prefix, true);
-        rounds += 1;
-    }
-    for bad in ["a b", "\u{85}", "\u{2028}", "\u{3000}x"] {
-        let r = base.clone().try_prefix(bad);
-        assert!(
-            matches!(r, Err(StoreError::InvalidArgument { .. })),
-            "{bad:?}: {:?}",
-            r.err()
-        );
-        let store = base.clone().prefix(bad);
-        let r = store.get(&key("review18b.prefix")).await;
-        assert!(
-            matches!(r, Err(StoreError::InvalidArgument { .. })),
-            "{bad:?}: {r:?}"
-        );
-    }
-    report(
-        "review18b_prefix_edge_cases",
-        "redis",
-        &[("rounds", rounds.to_string())],
-        started,
-    );
-}
-
 // ------------------------------------------------------------ PostgreSQL TLS
 
 fn openssl(args: &[&str]) {
