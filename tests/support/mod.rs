@@ -17,6 +17,8 @@ pub mod proxy;
 pub mod redis_replicas;
 pub mod redis_server;
 pub mod report;
+#[cfg(feature = "postgres")]
+pub mod storm;
 pub mod tls;
 
 use std::net::TcpListener;
