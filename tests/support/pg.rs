@@ -49,6 +49,28 @@ pub async fn pool(url: &str, max: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}. {HOW_TO}"))
 }
 
+/// Waits (10 s at most) until `n` sessions of `pool`'s server wait on a
+/// lock.
+pub async fn until_waiting_on_locks(pool: &PgPool, n: i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} sessions never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 pub fn find_bin() -> PathBuf {
     if let Ok(dir) = std::env::var("IDEM_PG_BIN") {
         return PathBuf::from(dir);

@@ -4,7 +4,7 @@
 //! `hostssl` lines in pg_hba.conf.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -59,43 +59,39 @@ pub fn certs() -> &'static Certs {
              keyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n",
         )
         .unwrap_or_else(|e| panic!("{e}"));
+        // `openssl req` arguments for a new P-256 key, written to the
+        // file that follows.
+        let new_key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+        ];
         for which in ["a", "b"] {
             let p = |name: String| dir.join(name).display().to_string();
-            openssl(&[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &p(format!("ca-{which}.key")),
-                "-out",
-                &p(format!("ca-{which}.crt")),
-                "-days",
-                "2",
-                "-subj",
-                &format!("/CN=idem test CA {which}"),
-                "-addext",
-                "basicConstraints=critical,CA:TRUE",
-                "-addext",
-                "keyUsage=critical,keyCertSign,cRLSign",
-            ]);
-            openssl(&[
-                "req",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &p(format!("server-{which}.key")),
-                "-out",
-                &p(format!("server-{which}.csr")),
-                "-subj",
-                "/CN=localhost",
-            ]);
+            let (ca_key, ca_crt) = (p(format!("ca-{which}.key")), p(format!("ca-{which}.crt")));
+            let subject = format!("/CN=idem test CA {which}");
+            openssl(
+                &[
+                    &["req", "-x509"],
+                    &new_key[..],
+                    &[&ca_key, "-out", &ca_crt, "-days", "2", "-subj", &subject],
+                    &["-addext", "basicConstraints=critical,CA:TRUE"],
+                    &["-addext", "keyUsage=critical,keyCertSign,cRLSign"],
+                ]
+                .concat(),
+            );
+            let (key, csr) = (p(format!("server-{which}.key")), p(format!("server-{which}.csr")));
+            openssl(
+                &[
+                    &["req"],
+                    &new_key[..],
+                    &[&key, "-out", &csr, "-subj", "/CN=localhost"],
+                ]
+                .concat(),
+            );
             openssl(&[
                 "x509",
                 "-req",
@@ -156,43 +152,36 @@ impl TlsRedis {
     pub fn start_on(port: u16, which: &str, extra: &[&str]) -> TlsRedis {
         let certs = certs();
         let dir = super::temp_dir("redis-tls");
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                "0",
-                "--tls-port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-            ])
-            .arg("--tls-cert-file")
-            .arg(certs.cert(which))
-            .arg("--tls-key-file")
-            .arg(certs.key(which))
-            .arg("--tls-ca-cert-file")
-            .arg(certs.ca(which))
-            .args(["--tls-auth-clients", "no", "--requirepass", PASSWORD])
-            .arg("--dir")
-            .arg(&dir)
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--maxmemory-policy",
-                "noeviction",
-            ])
-            .args(extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start redis-server: {e}. {HOW_TO}"));
-        super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
-            pid = child.id(),
-            dir = dir.display()
-        ));
+        let child = super::redis_server::spawn(
+            Command::new("redis-server")
+                .args([
+                    "--port",
+                    "0",
+                    "--tls-port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                ])
+                .arg("--tls-cert-file")
+                .arg(certs.cert(which))
+                .arg("--tls-key-file")
+                .arg(certs.key(which))
+                .arg("--tls-ca-cert-file")
+                .arg(certs.ca(which))
+                .args(["--tls-auth-clients", "no", "--requirepass", PASSWORD])
+                .arg("--dir")
+                .arg(&dir)
+                .args([
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--maxmemory-policy",
+                    "noeviction",
+                ])
+                .args(extra),
+            &dir,
+        );
         let mut server = TlsRedis { port, child };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {

@@ -97,20 +97,7 @@ async fn crash_tx_scenario() {
     let worker = {
         let (store, ledger, key) = (store.clone(), ledger.clone(), key.clone());
         tokio::spawn(async move {
-            let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
-            let Ok(Claim::Acquired(_lease)) = store
-                .in_transaction()
-                .claim::<_, u64>(&mut tx, &key, &0u64)
-                .await
-            else {
-                panic!("not acquired")
-            };
-            sqlx::query(sqlx::AssertSqlSafe(format!(
-                "INSERT INTO {ledger} VALUES (0, 1)"
-            )))
-            .execute(&mut *tx)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
+            let (_tx, _lease) = claim_with_effect(&store, &ledger, &key).await;
             let _ = started_tx.send(());
             std::future::pending::<()>().await;
         })

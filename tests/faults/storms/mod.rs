@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Claim, PgStore};
+use idem::postgres::{Claim, PgStore, TxLease};
 use idem::redis::RedisStore;
 use idem::testkit::Tap;
 use idem::tiered::{MokaCache, RedisCache, TieredStore};
@@ -269,6 +269,32 @@ async fn storm(
 
 /// A worker's lease short enough for a takeover within a test.
 const SHORT_LEASE: Duration = Duration::from_millis(400);
+
+/// The in-transaction mode's worker, up to its effect: begins a
+/// transaction, claims `key` in it and writes the effect (a row of the
+/// table `ledger`), without completing or committing. Returns the
+/// transaction and its lease.
+async fn claim_with_effect(
+    store: &PgStore,
+    ledger: &str,
+    key: &IdempotencyKey,
+) -> (sqlx::Transaction<'static, sqlx::Postgres>, TxLease) {
+    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let Ok(Claim::Acquired(lease)) = store
+        .in_transaction()
+        .claim::<_, u64>(&mut tx, key, &0u64)
+        .await
+    else {
+        panic!("not acquired")
+    };
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO {ledger} VALUES (0, 1)"
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (tx, lease)
+}
 
 /// A handler that must not run.
 fn never<T>(why: &str) -> Result<T, std::convert::Infallible> {

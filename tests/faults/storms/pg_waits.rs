@@ -3,25 +3,7 @@
 //! a restart under idle connections.
 
 use super::*;
-use support::pg::PgServer;
-
-/// Waits until `n` sessions of `pool`'s server wait on a lock.
-async fn until_waiting_on_locks(pool: &sqlx::PgPool, n: i64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-        if waiting >= n {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{n} sessions never waited");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
+use support::pg::{until_waiting_on_locks, PgServer};
 
 /// Plain deliveries wait on in-transaction claims of their keys for two
 /// leases; the transactions roll back; each waiting delivery acquires

@@ -25,37 +25,35 @@ async fn pg_at(url: &str) -> PgStore {
     store
 }
 
-/// A fault that starts once a third of the messages ran, and ends once a
+/// A fault on `server` (of a storm of `FAULT_MESSAGES`) that starts
+/// (`start`) once a third of the messages ran, and ends (`end`) once a
 /// delivery has seen it (`Unavailable`), so every run really crosses it.
-fn fault(
-    messages: u64,
-    start: impl FnOnce() + Send + 'static,
-    end: impl FnOnce() + Send + 'static,
-) -> Fault {
-    fault_until(messages, start, end, |seen, p| {
+fn fault<S: Send + Sync + 'static>(server: &Arc<S>, start: fn(&S), end: fn(&S)) -> Fault {
+    fault_until(server, start, end, |seen, p| {
         p.unavailable.load(Ordering::SeqCst) > seen
     })
 }
 
-/// A fault that starts once a third of the messages ran and ends when
-/// `over(unavailable count at the start, progress)` holds.
-fn fault_until(
-    messages: u64,
-    start: impl FnOnce() + Send + 'static,
-    end: impl FnOnce() + Send + 'static,
+/// A fault on `server` that starts once a third of the messages ran and
+/// ends when `over(unavailable count at the start, progress)` holds.
+fn fault_until<S: Send + Sync + 'static>(
+    server: &Arc<S>,
+    start: fn(&S),
+    end: fn(&S),
     over: impl Fn(u64, &Progress) -> bool + Send + Sync + 'static,
 ) -> Fault {
+    let (a, b) = (server.clone(), server.clone());
     Box::new(move |progress: Arc<Progress>| {
         Box::pin(async move {
             progress
-                .until(|p| p.executed.load(Ordering::SeqCst) >= messages / 3)
+                .until(|p| p.executed.load(Ordering::SeqCst) >= FAULT_MESSAGES / 3)
                 .await;
             let seen = progress.unavailable.load(Ordering::SeqCst);
-            tokio::task::spawn_blocking(start)
+            tokio::task::spawn_blocking(move || start(&a))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             progress.until(|p| over(seen, p)).await;
-            tokio::task::spawn_blocking(end)
+            tokio::task::spawn_blocking(move || end(&b))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
         })
@@ -115,8 +113,7 @@ async fn redis_killed_and_restarted() {
         "always",
     ]));
     let receiver = fault_receiver(redis_at(&server.url).await);
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(FAULT_MESSAGES, move || a.kill(), move || b.start_again());
+    let fault = fault(&server, |s| s.kill(), |s| s.start_again());
     fault_storm(
         "redis-killed-restarted-aof",
         Backend::Redis,
@@ -130,12 +127,7 @@ async fn redis_killed_and_restarted() {
 async fn redis_frozen_then_thawed() {
     let server = Arc::new(RedisServer::start(&[]));
     let receiver = fault_receiver(redis_at(&server.url).await);
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(
-        FAULT_MESSAGES,
-        move || a.signal("STOP"),
-        move || b.signal("CONT"),
-    );
+    let fault = fault(&server, |s| s.signal("STOP"), |s| s.signal("CONT"));
     fault_storm("redis-sigstop-sigcont", Backend::Redis, receiver, fault).await;
 }
 
@@ -143,8 +135,7 @@ async fn redis_frozen_then_thawed() {
 async fn postgres_restarted() {
     let server = Arc::new(PgServer::start());
     let receiver = fault_receiver(Arc::new(pg_at(&server.url).await));
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+    let fault = fault(&server, |s| s.stop(), |s| s.start_again());
     fault_storm("postgres-restarted", Backend::Postgres, receiver, fault).await;
 }
 
@@ -152,12 +143,7 @@ async fn postgres_restarted() {
 async fn postgres_frozen_then_thawed() {
     let server = Arc::new(PgServer::start());
     let receiver = fault_receiver(Arc::new(pg_at(&server.url).await));
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(
-        FAULT_MESSAGES,
-        move || a.signal("STOP"),
-        move || b.signal("CONT"),
-    );
+    let fault = fault(&server, |s| s.signal("STOP"), |s| s.signal("CONT"));
     fault_storm(
         "postgres-sigstop-sigcont",
         Backend::Postgres,
@@ -171,8 +157,7 @@ async fn postgres_frozen_then_thawed() {
 async fn postgres_tx_restarted() {
     let server = Arc::new(PgServer::start());
     let receiver = Receiver::tx(pg_at(&server.url).await).await;
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+    let fault = fault(&server, |s| s.stop(), |s| s.start_again());
     fault_storm("postgres-restarted", Backend::PostgresTx, receiver, fault).await;
 }
 
@@ -187,12 +172,7 @@ async fn redis_cluster_node_frozen_then_thawed() {
         .unwrap_or_else(|e| panic!("{e}"))
         .call_timeout(Duration::from_millis(500));
     let receiver = fault_receiver(Arc::new(store));
-    let (a, b) = (servers.clone(), servers.clone());
-    let fault = fault(
-        FAULT_MESSAGES,
-        move || a[1].signal("STOP"),
-        move || b[1].signal("CONT"),
-    );
+    let fault = fault(&servers, |s| s[1].signal("STOP"), |s| s[1].signal("CONT"));
     fault_storm(
         "redis-node-sigstop-sigcont",
         Backend::RedisCluster,
@@ -206,12 +186,7 @@ async fn redis_cluster_node_frozen_then_thawed() {
 async fn postgres_tx_frozen_then_thawed() {
     let server = Arc::new(PgServer::start());
     let receiver = Receiver::tx(pg_at(&server.url).await).await;
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(
-        FAULT_MESSAGES,
-        move || a.signal("STOP"),
-        move || b.signal("CONT"),
-    );
+    let fault = fault(&server, |s| s.signal("STOP"), |s| s.signal("CONT"));
     fault_storm(
         "postgres-sigstop-sigcont",
         Backend::PostgresTx,
@@ -235,11 +210,10 @@ async fn tiered_cache_tier_killed_and_restarted() {
                 .unwrap_or_else(|e| panic!("{e}")),
         );
     let receiver = fault_receiver(Arc::new(store));
-    let (a, b) = (redis.clone(), redis.clone());
     let fault = fault_until(
-        FAULT_MESSAGES,
-        move || a.kill(),
-        move || b.start_again(),
+        &redis,
+        |s| s.kill(),
+        |s| s.start_again(),
         |_, p| p.executed.load(Ordering::SeqCst) >= 2 * FAULT_MESSAGES / 3,
     );
     fault_storm_expecting(
@@ -265,7 +239,6 @@ async fn tiered_source_restarted() {
                 .unwrap_or_else(|e| panic!("{e}")),
         );
     let receiver = fault_receiver(Arc::new(store));
-    let (a, b) = (server.clone(), server.clone());
-    let fault = fault(FAULT_MESSAGES, move || a.stop(), move || b.start_again());
+    let fault = fault(&server, |s| s.stop(), |s| s.start_again());
     fault_storm("postgres-restarted", Backend::Tiered, receiver, fault).await;
 }

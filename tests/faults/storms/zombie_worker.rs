@@ -100,20 +100,7 @@ async fn postgres_tx_stalled_transaction_is_waited_for() {
         unreachable!()
     };
     let key = key("faults.zombie", &run_id(), 0);
-    let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
-    let Ok(Claim::Acquired(lease)) = store
-        .in_transaction()
-        .claim::<_, u64>(&mut tx, &key, &0u64)
-        .await
-    else {
-        panic!("not acquired")
-    };
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "INSERT INTO {ledger} VALUES (0, 1)"
-    )))
-    .execute(&mut *tx)
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let (mut tx, lease) = claim_with_effect(&store, &ledger, &key).await;
 
     let receiver = Receiver::Tx {
         store: store.clone(),
