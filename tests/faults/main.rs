@@ -11,13 +11,9 @@ mod support;
 
 #[cfg(all(feature = "redis-tls", feature = "postgres-tls"))]
 mod access;
-#[cfg(feature = "redis")]
+#[cfg(any(feature = "postgres", feature = "redis"))]
 mod failover;
 #[cfg(all(feature = "postgres", feature = "redis"))]
 mod network;
-#[cfg(all(feature = "postgres-tls", feature = "redis-tls"))]
-mod review18;
-#[cfg(all(feature = "postgres-tls", feature = "redis-tls"))]
-mod review18b;
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 mod storms;

@@ -102,13 +102,9 @@ async fn store_at(
     }
 }
 
+/// Prints the figures of one scenario (`support::report`).
 fn report(scenario: &str, backend: Backend, fields: &[(&str, String)], started: Instant) {
-    let mut line = format!("reliability scenario={scenario} backend={}", backend.name());
-    for (k, v) in fields {
-        line.push_str(&format!(" {k}={v}"));
-    }
-    line.push_str(&format!(" duration_ms={}", started.elapsed().as_millis()));
-    println!("{line}");
+    support::report::report(scenario, backend.name(), fields, started)
 }
 
 // ------------------------------------------------------------ latency

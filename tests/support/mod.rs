@@ -16,6 +16,10 @@ pub mod pg_replica;
 pub mod proxy;
 pub mod redis_replicas;
 pub mod redis_server;
+pub mod report;
+#[cfg(feature = "postgres")]
+pub mod storm;
+pub mod tls;
 
 use std::net::TcpListener;
 use std::process::{Command, Stdio};

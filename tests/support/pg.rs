@@ -19,6 +19,8 @@ pub struct PgServer {
     bin: PathBuf,
     dir: PathBuf,
     as_postgres: bool,
+    /// Settings added to every start (`-c name=value ...`).
+    options: String,
 }
 
 /// The URL of the server shared by the tests of this process.
@@ -47,6 +49,28 @@ pub async fn pool(url: &str, max: u32) -> PgPool {
         .unwrap_or_else(|e| panic!("cannot connect to {url}: {e}. {HOW_TO}"))
 }
 
+/// Waits (10 s at most) until `n` sessions of `pool`'s server wait on a
+/// lock.
+pub async fn until_waiting_on_locks(pool: &PgPool, n: i64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        if waiting >= n {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} sessions never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 pub fn find_bin() -> PathBuf {
     if let Ok(dir) = std::env::var("IDEM_PG_BIN") {
         return PathBuf::from(dir);
@@ -69,6 +93,16 @@ pub fn find_bin() -> PathBuf {
 impl PgServer {
     /// initdb + start on a free port; panics with instructions on failure.
     pub fn start() -> PgServer {
+        let server = PgServer::init("");
+        server.start_again();
+        server
+    }
+
+    /// initdb for a server on a free port, not started yet: the caller may
+    /// change its files in [`PgServer::data`] (pg_hba.conf, a certificate)
+    /// before [`PgServer::start_again`]. `options` (`-c name=value ...`)
+    /// are added to the usual settings at every start.
+    pub fn init(options: &str) -> PgServer {
         let bin = find_bin();
         let dir = super::temp_dir("pg");
         let as_postgres = super::is_root();
@@ -84,6 +118,7 @@ impl PgServer {
             bin,
             dir,
             as_postgres,
+            options: options.to_owned(),
         };
         let data = server.data();
         run(server.command("initdb").arg("-D").arg(&data).args([
@@ -106,11 +141,11 @@ impl PgServer {
             data = data.display(),
             dir = server.dir.display()
         ));
-        server.start_again();
         server
     }
 
-    fn data(&self) -> PathBuf {
+    /// The data directory.
+    pub fn data(&self) -> PathBuf {
         self.dir.join("data")
     }
 
@@ -129,9 +164,10 @@ impl PgServer {
     pub fn start_again(&self) {
         let options = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c synchronous_commit=off \
-             -c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB",
+             -c full_page_writes=off -c max_connections=300 -c shared_buffers=128MB {}",
             self.port,
-            self.dir.display()
+            self.dir.display(),
+            self.options
         );
         run(self
             .command("pg_ctl")
@@ -153,6 +189,19 @@ impl PgServer {
 
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// Runs `sql` with psql in database `db` as the superuser, through the
+    /// server's socket directory (whatever pg_hba.conf says of TCP); its
+    /// output.
+    pub fn psql(&self, db: &str, sql: &str) -> String {
+        output(
+            self.command("psql")
+                .args(["-v", "ON_ERROR_STOP=1", "-h"])
+                .arg(&self.dir)
+                .args(["-p", &self.port.to_string(), "-U", "postgres", "-d", db])
+                .args(["-c", sql]),
+        )
     }
 
     /// Sends `signal` (`STOP`, `CONT`) to the postmaster and every backend
@@ -177,6 +226,11 @@ impl PgServer {
 }
 
 pub fn run(command: &mut Command) {
+    output(command);
+}
+
+/// Runs `command`; its standard output. Panics with its output if it fails.
+pub fn output(command: &mut Command) -> String {
     let out = command
         .output()
         .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}. {HOW_TO}"));
@@ -188,4 +242,5 @@ pub fn run(command: &mut Command) {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }

@@ -5,7 +5,7 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -83,18 +83,7 @@ impl RedisServer {
 
     /// Starts the server (again, after `kill`) and waits until it answers.
     pub fn start_again(&self) {
-        let child = Command::new("redis-server")
-            .args(&self.args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| panic!("cannot start redis-server: {e}. {HOW_TO}"));
-        super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
-            pid = child.id(),
-            dir = self.dir.display()
-        ));
+        let child = spawn(Command::new("redis-server").args(&self.args), &self.dir);
         *self.child.lock().unwrap_or_else(|p| p.into_inner()) = Some(child);
         wait_until_ready(self.port);
     }
@@ -135,6 +124,24 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Spawns `redis_server` (a `redis-server` command with its arguments),
+/// its output discarded; a watchdog kills it and removes `dir` once this
+/// process is gone.
+pub fn spawn(redis_server: &mut Command, dir: &Path) -> Child {
+    let child = redis_server
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start redis-server: {e}. {HOW_TO}"));
+    super::spawn_watchdog(&format!(
+        "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
+        pid = child.id(),
+        dir = dir.display()
+    ));
+    child
 }
 
 /// Sends one inline command to 127.0.0.1:port and returns the raw reply.

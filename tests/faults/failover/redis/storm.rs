@@ -1,4 +1,4 @@
-//! Redis Cluster failover under a redelivery storm (issue 18, item 1).
+//! Redis Cluster failover under a redelivery storm.
 //!
 //! A cluster of 3 masters and 3 replicas (`cluster-node-timeout` 1 s, no
 //! persistence) started by the test; a storm of 10,000 messages delivered
@@ -29,8 +29,8 @@
 //! had to before; it must not have to act (`client_stalls` = 0, asserted).
 //!
 //! Every run prints one `reliability scenario=... backend=redis-cluster
-//! setting=...` line (`cargo test --all-features --test failover_redis --
-//! --nocapture`).
+//! setting=...` line
+//! (`cargo test --all-features --test faults failover::redis::storm -- --nocapture`).
 
 use crate::support;
 
@@ -922,27 +922,6 @@ async fn master_killed_with_wait_and_min_replicas_to_write() {
     )
     .await;
     assert_wait_outcome(o);
-}
-
-/// A master without a good replica under `min-replicas-to-write` refuses
-/// writes with `NOREPLICAS`: a passing condition (the replica comes back),
-/// so the store answers `Unavailable` (retryable), not `Backend`; reads
-/// and replays still work.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn noreplicas_is_unavailable() {
-    let server = support::redis_server::RedisServer::start(&["--min-replicas-to-write", "1"]);
-    let store = RedisStore::connect(&server.url)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let key = IdempotencyKey::new("failover.noreplicas", "k").unwrap_or_else(|e| panic!("{e}"));
-    match store.acquire(&key, None, LEASE).await {
-        Err(e @ StoreError::Unavailable(_)) => {
-            assert!(e.to_string().contains("NOREPLICAS"), "{e}");
-            assert!(e.is_retryable());
-        }
-        other => panic!("acquire on a master without replicas: {other:?}"),
-    }
-    assert!(matches!(store.get(&key).await, Ok(None)));
 }
 
 fn assert_wait_outcome(o: Outcome) {
