@@ -142,8 +142,8 @@ async fn a_record_cut_off_by_shutdown_runs_once_after_a_restart() {
     .await
     .unwrap_or_else(|_| panic!("first run did not return"))
     .unwrap_or_else(|e| panic!("{e}"));
-    // Nothing was committed: the run's lag is its one record (before, it
-    // was read after leaving the group, with nothing assigned: 0).
+    // Nothing was committed: the run's lag is its one record (read before
+    // leaving the group; read after, with nothing assigned, it would be 0).
     assert_eq!(
         (stats1.abandoned, stats1.committed, stats1.lag),
         (1, 0, Some(end)),
