@@ -16,7 +16,7 @@ use idem::Idempotency;
 
 use super::{
     all_committed, committed, consumer, effect, exactly_once, name, once_set, produce, redis_store,
-    until, Effects,
+    until, until_every_effect_and_commit, Effects,
 };
 
 /// 2,000 messages, each produced 1 to 4 times to any of 3 partitions; two
@@ -168,15 +168,7 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
         .await;
         // Kill A: its tasks dropped, its client closed without a commit.
         a_runtime.shutdown_background();
-        until(
-            "every message's effect and every record committed",
-            Duration::from_secs(120),
-            || async {
-                effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
-                    && all_committed(&group, &topic, &ends).await
-            },
-        )
-        .await;
+        until_every_effect_and_commit(&effects, messages, (&group, &topic), &ends).await;
         done.store(true, Ordering::SeqCst);
     };
     let (stats, ()) = tokio::join!(b_run, control);

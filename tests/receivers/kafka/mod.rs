@@ -198,6 +198,25 @@ where
     }
 }
 
+/// Waits (up to 120 s) until each of `messages` messages had an effect and
+/// the group committed every partition of `topic` up to its end.
+async fn until_every_effect_and_commit(
+    effects: &Effects,
+    messages: u32,
+    (group, topic): (&str, &str),
+    ends: &Ends,
+) {
+    until(
+        "every message's effect and every record committed",
+        Duration::from_secs(120),
+        || async {
+            effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
+                && all_committed(group, topic, ends).await
+        },
+    )
+    .await;
+}
+
 /// Waits for `cond` (every 50 ms) up to `limit`; whether it came true.
 async fn wait_for<F, Fut>(limit: Duration, mut cond: F) -> bool
 where

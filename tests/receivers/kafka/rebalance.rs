@@ -14,7 +14,7 @@ use idem::{Idempotency, MemoryStore};
 
 use super::{
     all_committed, committed, consumer, effect, exactly_once, name, once_set, produce, redis_store,
-    send, until, wait_for, Effects,
+    send, until, until_every_effect_and_commit, wait_for, Effects,
 };
 
 /// Records running now: (partition, offset) -> when their handler started.
@@ -161,15 +161,7 @@ async fn a_member_joining_while_records_run_no_effect_twice_no_commit_past_a_run
             )
             .await;
             slow.store(false, Ordering::SeqCst);
-            until(
-                "every effect and every record committed",
-                Duration::from_secs(120),
-                || async {
-                    effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
-                        && all_committed(&group, &topic, &ends).await
-                },
-            )
-            .await;
+            until_every_effect_and_commit(&effects, messages, (&group, &topic), &ends).await;
             done.store(true, Ordering::SeqCst);
         };
         let (c_stats, ()) = tokio::join!(joined, wait);

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::future::BoxFuture;
 use idem::kafka::{KafkaRecord, RecordError};
 use idem::{Idempotency, MemoryStore};
 use support::flaky::FlakyStore;
@@ -17,6 +18,36 @@ use support::flaky::FlakyStore;
 use super::{
     committed, consumer, effect, effects_of, name, run_until_committed, send, wait_for, Effects,
 };
+
+/// A handler that counts each record's effect by its key and answers
+/// "done {key}"; its first run takes the store of `down` down right after
+/// the effect, for `outage` (or until the test brings it back).
+fn taking_the_store_down(
+    effects: &Effects,
+    down: &Arc<AtomicBool>,
+    outage: Option<Duration>,
+) -> impl Fn(KafkaRecord) -> BoxFuture<'static, Result<String, RecordError>>
+       + Clone
+       + Send
+       + Sync
+       + 'static {
+    let first = Arc::new(AtomicBool::new(true));
+    let (effects, down) = (effects.clone(), down.clone());
+    move |record: KafkaRecord| {
+        let (effects, down, first) = (effects.clone(), down.clone(), first.clone());
+        Box::pin(async move {
+            let id = record.key_text()?.to_owned();
+            effect(&effects, &id);
+            if first.swap(false, Ordering::SeqCst) {
+                match outage {
+                    Some(length) => support::flaky::outage(&down, length),
+                    None => down.store(true, Ordering::SeqCst),
+                }
+            }
+            Ok(format!("done {id}"))
+        })
+    }
+}
 
 /// The store goes down while the handler runs (after its effect), for 3 s,
 /// longer than the 1 s lease: the result cannot be recorded before the
@@ -36,24 +67,8 @@ async fn a_store_outage_during_complete_never_runs_the_effect_twice() {
         .commit_interval(Duration::ZERO)
         .retry_backoff(Duration::from_millis(20), Duration::from_millis(200));
     let effects: Effects = Arc::default();
-    let outage_started = Arc::new(AtomicBool::new(false));
-    let handler = {
-        let (effects, down, outage_started) =
-            (effects.clone(), down.clone(), outage_started.clone());
-        move |record: KafkaRecord| {
-            let (effects, down, outage_started) =
-                (effects.clone(), down.clone(), outage_started.clone());
-            async move {
-                let id = record.key_text()?.to_owned();
-                effect(&effects, &id);
-                // The first run: the store goes down now, for 3 s.
-                if !outage_started.swap(true, Ordering::SeqCst) {
-                    support::flaky::outage(&down, Duration::from_secs(3));
-                }
-                Ok::<_, RecordError>(format!("done {id}"))
-            }
-        }
-    };
+    // The first run: the store goes down after the effect, for 3 s.
+    let handler = taking_the_store_down(&effects, &down, Some(Duration::from_secs(3)));
     let stats = run_until_committed(
         &consumer,
         handler,
@@ -94,24 +109,9 @@ async fn a_shutdown_while_a_result_waits_to_be_recorded_finishes_it_and_a_restar
     let (store, down) = FlakyStore::new(MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let effects: Effects = Arc::default();
-    let outage_started = Arc::new(AtomicBool::new(false));
-    let handler = {
-        let (effects, down, outage_started) =
-            (effects.clone(), down.clone(), outage_started.clone());
-        move |record: KafkaRecord| {
-            let (effects, down, outage_started) =
-                (effects.clone(), down.clone(), outage_started.clone());
-            async move {
-                let id = record.key_text()?.to_owned();
-                effect(&effects, &id);
-                if !outage_started.swap(true, Ordering::SeqCst) {
-                    // The first run: the store goes down after the effect.
-                    down.store(true, Ordering::SeqCst);
-                }
-                Ok::<_, RecordError>(format!("done {id}"))
-            }
-        }
-    };
+    // The first run: the store goes down after the effect (until the
+    // shutdown below brings it back).
+    let handler = taking_the_store_down(&effects, &down, None);
 
     let first = consumer(&group, &topic, idem.clone())
         .commit_interval(Duration::ZERO)
@@ -188,19 +188,8 @@ async fn a_batch_with_a_key_twice_and_an_outage_past_the_lease_runs_the_effect_o
     let (store, down) = FlakyStore::new(MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let effects: Effects = Arc::default();
-    let handler = {
-        let (effects, down) = (effects.clone(), down.clone());
-        move |record: KafkaRecord| {
-            let (effects, down) = (effects.clone(), down.clone());
-            async move {
-                let id = record.key_text()?.to_owned();
-                if effect(&effects, &id) == 1 {
-                    support::flaky::outage(&down, Duration::from_secs(3));
-                }
-                Ok::<_, RecordError>(format!("done {id}"))
-            }
-        }
-    };
+    // The first run: the store goes down after the effect, for 3 s.
+    let handler = taking_the_store_down(&effects, &down, Some(Duration::from_secs(3)));
     let consumer = consumer(&group, &topic, idem)
         .batch(2)
         .commit_interval(Duration::ZERO)

@@ -6,14 +6,34 @@
 
 use crate::support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use idem::sqs::{SqsConsumer, SqsMessage};
 use idem::{Idempotency, IdempotencyKey, MemoryStore, RecordState};
 
 use super::{client, create_queue, depth, queue_empty, send, text, wait_until, BoxError, Running};
+
+/// A handler that counts its runs in `effects` and answers 7; its first
+/// run takes the store of `down` down right after the effect, for 3 s.
+fn taking_the_store_down(
+    effects: &Arc<AtomicUsize>,
+    down: &Arc<AtomicBool>,
+) -> impl Fn(SqsMessage) -> BoxFuture<'static, Result<usize, BoxError>> + Clone + Send + Sync + 'static
+{
+    let (effects, down) = (effects.clone(), down.clone());
+    move |_m: SqsMessage| {
+        let (effects, down) = (effects.clone(), down.clone());
+        Box::pin(async move {
+            if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                support::flaky::outage(&down, Duration::from_secs(3));
+            }
+            Ok(7)
+        })
+    }
+}
 
 /// The store goes away right after the handler's effect, for 3 s, three
 /// times the 1 s lease: the executor gives up completing before the lease
@@ -34,19 +54,8 @@ async fn a_store_outage_past_the_lease_never_runs_the_message_twice() {
         .visibility_timeout(Duration::from_secs(2))
         .retry_visibility(Duration::from_secs(1))
         .wait_time(Duration::from_secs(1));
-    let handler = {
-        let (effects, down) = (effects.clone(), down.clone());
-        move |_m: SqsMessage| {
-            let (effects, down) = (effects.clone(), down.clone());
-            async move {
-                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
-                    // The first run: the store goes down now, for 3 s.
-                    support::flaky::outage(&down, Duration::from_secs(3));
-                }
-                Ok(7)
-            }
-        }
-    };
+    // The first run: the store goes down after the effect, for 3 s.
+    let handler = taking_the_store_down(&effects, &down);
     let running = Running::start(consumer, handler);
     send(&client, &url, "charge", &[("key", text("k-1"))]).await;
     let e = effects.clone();
@@ -96,18 +105,8 @@ async fn an_unrecorded_message_is_never_run_again_by_another_consumer_sharing_it
     let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let effects = Arc::new(AtomicUsize::new(0));
-    let handler = {
-        let (effects, down) = (effects.clone(), down.clone());
-        move |_m: SqsMessage| {
-            let (effects, down) = (effects.clone(), down.clone());
-            async move {
-                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
-                    support::flaky::outage(&down, Duration::from_secs(3));
-                }
-                Ok::<_, BoxError>(7)
-            }
-        }
-    };
+    // The first run: the store goes down after the effect, for 3 s.
+    let handler = taking_the_store_down(&effects, &down);
     // A: documented defaults but a short visibility (the heartbeat keeps
     // the unfinished message invisible).
     let a = Running::start(
