@@ -1,8 +1,10 @@
 //! The receivers on real servers and brokers: the HTTP `Idempotency-Key`
-//! layer through a real axum server and client, tenants sharing keys, and
-//! the Kafka (Tansu), SQS (moto) and Redis Streams consumers: redelivery,
-//! crashes, rebalances, poison messages, shutdown and results finished
-//! after a store outage.
+//! layer through a real axum server and client (tenants sharing keys
+//! included), and the Kafka (Tansu), SQS (moto) and Redis Streams
+//! consumers: redelivery, crashes, rebalances, poison messages, shutdown
+//! and results finished after a store outage. Each area is a folder whose
+//! modules are behaviours (`cargo test --all-features --test receivers
+//! kafka::rebalance`).
 //!
 //! One test binary; each module is an area, gated by the facade features
 //! it needs (`cargo test --all-features --test receivers`).
@@ -18,10 +20,3 @@ mod kafka;
 mod sqs;
 #[cfg(feature = "redis")]
 mod streams;
-#[cfg(all(
-    feature = "http",
-    feature = "tiered",
-    feature = "postgres",
-    feature = "redis"
-))]
-mod tenants;

@@ -1,7 +1,14 @@
 //! A store that can be "down": every call fails with `Unavailable` while
 //! its switch is on (a Redis restart, a network partition), wrapped around
-//! a real store. For consumer tests that need an outage at an exact point
+//! a real store. For receiver tests that need an outage at an exact point
 //! of a handler (the fault suite kills real servers instead).
+//!
+//! `idem::testkit::Tap` injects the other faults (the next n completions
+//! failing, releases lost, answers held back, a clock ahead) and counts the
+//! calls; a test that only needs completions to fail uses it. What Tap has
+//! no switch for is a store that refuses *every* call for a while, the
+//! acquires of a takeover and the extends of a heartbeat included: that is
+//! this store.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -36,6 +43,18 @@ impl<S> FlakyStore<S> {
             Ok(())
         }
     }
+}
+
+/// Takes the store of `down` down now and brings it back after `length`,
+/// on a thread of its own (it comes back whatever the test's runtime is
+/// doing, blocked or shut down).
+pub fn outage(down: &Arc<AtomicBool>, length: Duration) {
+    down.store(true, Ordering::SeqCst);
+    let down = down.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(length);
+        down.store(false, Ordering::SeqCst);
+    });
 }
 
 /// The error of a call while the store is down.

@@ -9,6 +9,7 @@ pub mod alone;
 pub mod chaos;
 pub mod flaky;
 pub mod kafka;
+pub mod logs;
 pub mod moto;
 pub mod netns;
 pub mod pg;

@@ -1,51 +1,67 @@
-//! The SQS consumer on moto's server mode (`IDEM_MOTO_URL`): duplicates,
-//! a consumer killed mid-batch, poison and mismatches dead-lettered with
-//! their reason, the visibility heartbeat, and extreme messages.
+//! The SQS consumer on moto's server mode (`support::moto`: the server
+//! `IDEM_MOTO_URL` names, or one started here): every effect once and
+//! every message deleted, whatever happens to the consumers:
+//!
+//! - `delivery`: duplicates, a consumer killed mid-batch, a lost reply to
+//!   a delete;
+//! - `visibility`: the heartbeat keeping a long handler's message
+//!   invisible, and failing;
+//! - `poison`: dead letters with their reason, the queue's redrive policy,
+//!   extreme messages;
+//! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
+//!   the result finished later, duplicates meanwhile;
+//! - `config`: configurations `run` refuses, a missing queue.
+//!
+//! `cargo test --all-features --test receivers sqs::` runs them;
+//! `RUST_LOG=idem_sqs=debug` shows what the consumers did.
 #![allow(clippy::unwrap_used)]
+
+use crate::support;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use idem::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
-use idem::sqs::aws_sdk_sqs::primitives::Blob;
 use idem::sqs::aws_sdk_sqs::types::{
     Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
 use idem::sqs::aws_sdk_sqs::{self, Client};
 use idem::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
-use idem::{Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore, RecordState};
+use idem::{IdempotencyStore, MemoryStore};
 use tokio::sync::oneshot;
 
-use crate::support;
+mod config;
+mod delivery;
+mod poison;
+mod unrecorded;
+mod visibility;
 
-fn moto_url() -> String {
-    std::env::var("IDEM_MOTO_URL").unwrap_or_else(|_| {
-        panic!(
-            "IDEM_MOTO_URL is not set: run the tests with scripts/test or scripts/with-servers \
-             (they start moto), or start moto's server yourself \
-             (`pip install 'moto[server]'`, then `moto_server -H 127.0.0.1 -p PORT`) and export \
-             IDEM_MOTO_URL=http://127.0.0.1:PORT"
-        )
-    })
-}
-
-fn client() -> Client {
-    // RUST_LOG=idem_sqs=debug shows what the consumers did.
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_test_writer()
-        .try_init();
+/// A client of the SQS at `url`.
+fn client_at(url: &str) -> Client {
+    support::logs::init();
     let config = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
         .region(Region::new("us-east-1"))
-        .endpoint_url(moto_url())
+        .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "static"))
         .build();
     Client::from_conf(config)
+}
+
+/// A client of the shared moto server.
+fn client() -> Client {
+    client_at(support::moto::shared_url())
+}
+
+/// The address of the shared moto server (for a proxy in front of it).
+fn moto_addr() -> SocketAddr {
+    let url = support::moto::shared_url();
+    let hostport = url.trim_start_matches("http://").trim_end_matches('/');
+    hostport.parse().unwrap()
 }
 
 /// A queue of its own for each test, with a random name.
@@ -66,7 +82,7 @@ async fn create_queue_with(
     let out = request.send().await.unwrap_or_else(|e| {
         panic!(
             "moto at {} did not create a queue: {}",
-            moto_url(),
+            support::moto::shared_url(),
             aws_sdk_sqs::error::DisplayErrorContext(&e)
         )
     });
@@ -231,7 +247,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 struct Running<S: IdempotencyStore = MemoryStore> {
     consumer: Arc<SqsConsumer<S>>,
     stop: oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<ConsumerStats, idem::sqs::SqsConsumerError>>,
+    task: tokio::task::JoinHandle<Result<ConsumerStats, SqsConsumerError>>,
 }
 
 impl<S: IdempotencyStore> Running<S> {
@@ -256,558 +272,18 @@ impl<S: IdempotencyStore> Running<S> {
         }
     }
 
+    /// Shuts the consumer down; what its `run` returned, within 30 s.
     async fn stop(self) -> ConsumerStats {
+        self.stop_within(Duration::from_secs(30)).await
+    }
+
+    /// Shuts the consumer down; what its `run` returned, within `limit`.
+    async fn stop_within(self, limit: Duration) -> ConsumerStats {
         let _ = self.stop.send(());
-        tokio::time::timeout(Duration::from_secs(30), self.task)
+        tokio::time::timeout(limit, self.task)
             .await
-            .expect("the consumer stopped within 30 s")
+            .unwrap_or_else(|_| panic!("the consumer did not stop within {limit:?}"))
             .unwrap()
             .unwrap()
     }
 }
-
-/// The issue's test: 1,000 messages (700 keys, 200 of them sent twice and
-/// 50 three times, shuffled), two consumers sharing one store, one of them
-/// killed (its `run` future aborted) while its handlers run. Every key's
-/// effect runs once, and every message is deleted.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn thousand_messages_with_duplicates_two_consumers_one_killed_mid_batch() {
-    let started = Instant::now();
-    let client = client();
-    let url = create_queue(&client, "idem-many").await;
-    let mut keys = Vec::new();
-    for k in 0..700u32 {
-        let copies = match k {
-            0..200 => 2,
-            200..250 => 3,
-            _ => 1,
-        };
-        keys.extend(std::iter::repeat_n(k, copies));
-    }
-    assert_eq!(keys.len(), 1000);
-    fastrand::shuffle(&mut keys);
-    let messages = keys
-        .iter()
-        .map(|k| {
-            (
-                format!("{{\"n\":{k}}}"),
-                vec![("key".to_owned(), text(&format!("key-{k}")))],
-            )
-        })
-        .collect();
-    send_all(&client, &url, messages).await;
-    let sent_in = started.elapsed();
-
-    let idem = Idempotency::new(MemoryStore::new()).lease(Duration::from_secs(10));
-    let effects: Effects = Arc::default();
-    let consumer = |idem: Idempotency<MemoryStore>| {
-        SqsConsumer::new(client.clone(), &url, idem)
-            .key_attribute("key")
-            .visibility_timeout(Duration::from_secs(2))
-            .wait_time(Duration::from_secs(1))
-            .retry_visibility(Duration::from_secs(1))
-            .concurrency(30)
-    };
-    let handler = |effects: Effects, running: Arc<AtomicUsize>| {
-        move |m: SqsMessage| {
-            let (effects, running) = (effects.clone(), running.clone());
-            async move {
-                running.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(fastrand::u64(5..40))).await;
-                let key = m.attribute_text("key").unwrap().to_owned();
-                *effects.lock().unwrap().entry(key).or_default() += 1;
-                running.fetch_sub(1, Ordering::SeqCst);
-                Ok(m.body.len())
-            }
-        }
-    };
-    let (a_running, b_running) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let a = Running::start(
-        consumer(idem.clone()),
-        handler(effects.clone(), a_running.clone()),
-    );
-    let b = Running::start(
-        consumer(idem.clone()),
-        handler(effects.clone(), b_running.clone()),
-    );
-
-    // Kill A once it has done some work and while handlers of its run.
-    let a_consumer = a.consumer.clone();
-    wait_until(
-        "consumer A executed 100 messages with handlers running",
-        Duration::from_secs(60),
-        || {
-            let (stats, running) = (a_consumer.stats(), a_running.load(Ordering::SeqCst));
-            async move { stats.executed >= 100 && running > 0 }
-        },
-    )
-    .await;
-    a.task.abort();
-    let running_at_kill = a_running.load(Ordering::SeqCst);
-    let a_stats = a_consumer.stats();
-    assert!(
-        a.task.await.is_err_and(|e| e.is_cancelled()),
-        "A was not killed"
-    );
-    drop(a.stop);
-    let killed_at = started.elapsed();
-
-    wait_until("the queue empty", Duration::from_secs(180), || {
-        queue_empty(&client, &url)
-    })
-    .await;
-    let drained_at = started.elapsed();
-    let b_stats = b.stop().await;
-
-    let effects = effects.lock().unwrap().clone();
-    assert_eq!(effects.len(), 700, "every key's effect ran");
-    let twice: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
-    assert!(
-        twice.is_empty(),
-        "effects that did not run exactly once: {twice:?}"
-    );
-    assert!(running_at_kill > 0, "A was killed while its handlers ran");
-    assert!(b_stats.replayed > 0, "B replayed duplicates: {b_stats:?}");
-    assert_eq!(b_stats.dead_lettered + b_stats.poison, 0, "{b_stats:?}");
-    assert!(queue_empty(&client, &url).await);
-    eprintln!(
-        "1,000 messages sent in {sent_in:?}; A killed at {killed_at:?} with {running_at_kill} handlers running \
-         (A so far: {a_stats:?}); queue empty at {drained_at:?}; B: {b_stats:?}"
-    );
-}
-
-/// A message whose handler always fails is dead-lettered after
-/// `max_deliveries` receives, with the reason attributes and its own
-/// attributes (within SQS's 10); a payload mismatch (the key of an earlier
-/// message with another body) is dead-lettered at once.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn poison_dead_lettered_after_max_deliveries_and_a_mismatch_at_once() {
-    let client = client();
-    let url = create_queue(&client, "idem-poison").await;
-    let dlq = create_queue(&client, "idem-poison-dead").await;
-    let runs: Effects = Arc::default();
-    let r = runs.clone();
-    let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
-        .key_attribute("key")
-        .max_deliveries(3)
-        .visibility_timeout(Duration::from_secs(2))
-        .retry_visibility(Duration::ZERO)
-        .wait_time(Duration::from_secs(1))
-        .dead_letter(&dlq);
-    let running = Running::start(consumer, move |m: SqsMessage| {
-        let runs = r.clone();
-        async move {
-            *runs.lock().unwrap().entry(m.body.clone()).or_default() += 1;
-            if m.body == "poison" {
-                return Err("always fails".into());
-            }
-            Ok(m.body.len())
-        }
-    });
-    // The poison carries 9 attributes: with our 4, only 5 fit.
-    let mut attributes = vec![("key", text("p-1"))];
-    let extra: Vec<String> = (1..=8).map(|i| format!("a{i}")).collect();
-    attributes.extend(extra.iter().map(|n| (n.as_str(), text("v"))));
-    let poison = send(&client, &url, "poison", &attributes).await;
-    send(&client, &url, "first", &[("key", text("g-1"))]).await;
-    let r = runs.clone();
-    wait_until(
-        "the first message of g-1 ran",
-        Duration::from_secs(30),
-        || {
-            let done = r.lock().unwrap().get("first") == Some(&1);
-            async move { done }
-        },
-    )
-    .await;
-    let mismatch = send(&client, &url, "second", &[("key", text("g-1"))]).await;
-
-    let dead = take_dead(&client, &dlq, 2).await;
-    wait_until("the queue empty", Duration::from_secs(30), || {
-        queue_empty(&client, &url)
-    })
-    .await;
-    let stats = running.stop().await;
-
-    let p = dead_of(&dead, &poison);
-    assert_eq!(p.body(), Some("poison"));
-    let reason = attr(p, "idem.reason").unwrap();
-    assert!(
-        reason.contains("always fails") && reason.contains("received 3 times"),
-        "{reason}"
-    );
-    assert_eq!(attr(p, "idem.receive_count"), Some("3"));
-    assert_eq!(attr(p, "idem.source_queue"), Some(url.as_str()));
-    let kept = p.message_attributes().unwrap();
-    assert!(kept.len() <= 10, "{kept:?}");
-    assert_eq!(
-        attr(p, "key"),
-        Some("p-1"),
-        "the key attribute is kept first"
-    );
-    assert!(kept.contains_key("a1") && kept.contains_key("a4") && !kept.contains_key("a5"));
-    let dropped = attr(p, "idem.dropped").unwrap();
-    assert!(
-        dropped.starts_with("4 of") && dropped.contains("a5, a6, a7, a8"),
-        "{dropped}"
-    );
-    assert_eq!(
-        runs.lock().unwrap().get("poison"),
-        Some(&3),
-        "the handler ran max_deliveries times"
-    );
-
-    let m = dead_of(&dead, &mismatch);
-    assert_eq!(m.body(), Some("second"));
-    let reason = attr(m, "idem.reason").unwrap();
-    assert!(reason.contains("different payload"), "{reason}");
-    assert_eq!(
-        attr(m, "idem.receive_count"),
-        Some("1"),
-        "dead-lettered at once"
-    );
-    assert_eq!(attr(m, "key"), Some("g-1"));
-    assert_eq!(
-        runs.lock().unwrap().get("second"),
-        None,
-        "a mismatch never runs"
-    );
-
-    assert_eq!(
-        (stats.dead_lettered, stats.poison, stats.executed),
-        (2, 2, 1),
-        "{stats:?}"
-    );
-    assert_eq!(
-        stats.left_for_redelivery, 2,
-        "the poison's first two failures: {stats:?}"
-    );
-}
-
-/// Without a dead-letter queue, poison is left to the queue's redrive
-/// policy: SQS (here moto) moves it after `maxReceiveCount` receives.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn without_a_dead_letter_queue_poison_goes_by_the_redrive_policy() {
-    let client = client();
-    let dlq = create_queue(&client, "idem-redrive-dead").await;
-    let arn = client
-        .get_queue_attributes()
-        .queue_url(&dlq)
-        .attribute_names(QueueAttributeName::QueueArn)
-        .send()
-        .await
-        .unwrap()
-        .attributes()
-        .unwrap()
-        .get(&QueueAttributeName::QueueArn)
-        .unwrap()
-        .clone();
-    let policy = format!(r#"{{"deadLetterTargetArn":"{arn}","maxReceiveCount":"2"}}"#);
-    let url = create_queue_with(
-        &client,
-        "idem-redrive",
-        &[(QueueAttributeName::RedrivePolicy, policy)],
-    )
-    .await;
-    let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
-        .key_attribute("key")
-        .max_deliveries(5)
-        .visibility_timeout(Duration::from_secs(2))
-        .retry_visibility(Duration::ZERO)
-        .wait_time(Duration::from_secs(1));
-    let running = Running::start(consumer, |m: SqsMessage| async move {
-        if m.body == "poison" {
-            return Err("always fails".into());
-        }
-        Ok(m.body.len())
-    });
-    let poison = send(&client, &url, "poison", &[("key", text("p-1"))]).await;
-    let no_key = send(&client, &url, "no key", &[]).await;
-    let dead = take_dead(&client, &dlq, 2).await;
-    wait_until("the queue empty", Duration::from_secs(30), || {
-        queue_empty(&client, &url)
-    })
-    .await;
-    let stats = running.stop().await;
-    let mut ids: Vec<&str> = dead.iter().filter_map(Message::message_id).collect();
-    ids.sort_unstable();
-    let mut want = vec![poison.as_str(), no_key.as_str()];
-    want.sort_unstable();
-    assert_eq!(ids, want, "SQS moved both (a redrive keeps the message ID)");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
-    assert_eq!(
-        stats.poison, 2,
-        "the message without a key, on each of its 2 receives: {stats:?}"
-    );
-}
-
-/// A handler that runs longer than the visibility timeout: with the
-/// heartbeat, the message is not handed to the second consumer meanwhile
-/// (one receive in all, no "in progress"); without it (the control), it
-/// is, and only idem keeps the effect single.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn visibility_heartbeat_keeps_a_long_handler_from_the_second_consumer() {
-    async fn one(heartbeat: bool) -> (u32, ConsumerStats, ConsumerStats) {
-        let client = client();
-        let url = create_queue(&client, "idem-heartbeat").await;
-        let idem = Idempotency::new(MemoryStore::new()).lease(Duration::from_secs(30));
-        let runs = Arc::new(AtomicUsize::new(0));
-        let start = |idem: Idempotency<MemoryStore>| {
-            let consumer = SqsConsumer::new(client.clone(), &url, idem)
-                .key_attribute("key")
-                .visibility_timeout(Duration::from_secs(2))
-                .retry_visibility(Duration::from_secs(1))
-                .wait_time(Duration::from_secs(1))
-                .heartbeat(heartbeat);
-            let runs = runs.clone();
-            Running::start(consumer, move |m: SqsMessage| {
-                let runs = runs.clone();
-                async move {
-                    runs.fetch_add(1, Ordering::SeqCst);
-                    // Three and a half visibility timeouts.
-                    tokio::time::sleep(Duration::from_secs(7)).await;
-                    Ok(m.body.len())
-                }
-            })
-        };
-        let (a, b) = (start(idem.clone()), start(idem.clone()));
-        send(&client, &url, "slow", &[("key", text("s-1"))]).await;
-        wait_until("the queue empty", Duration::from_secs(60), || {
-            queue_empty(&client, &url)
-        })
-        .await;
-        let (a, b) = (a.stop().await, b.stop().await);
-        (runs.load(Ordering::SeqCst) as u32, a, b)
-    }
-    let started = Instant::now();
-    let ((runs, a, b), (control_runs, ca, cb)) = tokio::join!(one(true), one(false));
-    eprintln!(
-        "with the heartbeat: {a:?} {b:?}; without: {ca:?} {cb:?}; {:?}",
-        started.elapsed()
-    );
-    assert_eq!(runs, 1);
-    assert_eq!(a.received + b.received, 1, "received once: {a:?} {b:?}");
-    assert_eq!(a.in_progress + b.in_progress, 0, "{a:?} {b:?}");
-    assert_eq!(a.executed + b.executed, 1);
-    assert!(a.heartbeats + b.heartbeats >= 3, "{a:?} {b:?}");
-    assert_eq!(a.heartbeat_failures + b.heartbeat_failures, 0);
-    // The control shows the test can tell: redelivered while it ran.
-    assert_eq!(control_runs, 1, "idem keeps the effect single all the same");
-    assert!(ca.received + cb.received >= 2, "{ca:?} {cb:?}");
-    assert!(ca.in_progress + cb.in_progress >= 1, "{ca:?} {cb:?}");
-}
-
-/// Extremes: an empty body (moto accepts it; SQS does not), a key
-/// attribute of 513 bytes, a binary key attribute, a message without the
-/// key attribute, a 256 KiB body (sent twice: replayed), a body the
-/// handler refuses (a `MessageError`): each gets its typed outcome.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn extremes_get_typed_outcomes() {
-    let client = client();
-    let url = create_queue(&client, "idem-extremes").await;
-    let dlq = create_queue(&client, "idem-extremes-dead").await;
-    let runs: Effects = Arc::default();
-    let r = runs.clone();
-    let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
-        .key_attribute("key")
-        .visibility_timeout(Duration::from_secs(5))
-        .retry_visibility(Duration::ZERO)
-        .wait_time(Duration::from_secs(1))
-        .dead_letter(&dlq);
-    let running = Running::start(consumer, move |m: SqsMessage| {
-        let runs = r.clone();
-        async move {
-            *runs
-                .lock()
-                .unwrap()
-                .entry(m.attribute_text("key").unwrap_or("?").to_owned())
-                .or_default() += 1;
-            if m.attribute("parse").is_some() {
-                let _: serde_json::Value = m.json()?;
-            }
-            Ok(m.body.len())
-        }
-    });
-    let big = "b".repeat(256 * 1024);
-    let binary = MessageAttributeValue::builder()
-        .data_type("Binary")
-        .binary_value(Blob::new(b"k-1".to_vec()))
-        .build()
-        .unwrap();
-    send(&client, &url, "", &[("key", text("empty-1"))]).await;
-    let long_key = send(
-        &client,
-        &url,
-        "long key",
-        &[("key", text(&"k".repeat(513)))],
-    )
-    .await;
-    let binary_key = send(&client, &url, "binary key", &[("key", binary)]).await;
-    let no_key = send(&client, &url, "no key", &[]).await;
-    send(&client, &url, &big, &[("key", text("big-1"))]).await;
-    send(&client, &url, &big, &[("key", text("big-1"))]).await;
-    let bad_json = send(
-        &client,
-        &url,
-        "{not json",
-        &[("key", text("json-1")), ("parse", text("1"))],
-    )
-    .await;
-
-    let dead = take_dead(&client, &dlq, 4).await;
-    wait_until("the queue empty", Duration::from_secs(30), || {
-        queue_empty(&client, &url)
-    })
-    .await;
-    let stats = running.stop().await;
-
-    let reason = |id: &str| attr(dead_of(&dead, id), "idem.reason").unwrap().to_owned();
-    let r = reason(&long_key);
-    assert!(
-        r.contains("no usable key") && r.contains("513 bytes, the limit is 512"),
-        "{r}"
-    );
-    assert_eq!(dead_of(&dead, &long_key).body(), Some("long key"));
-    let r = reason(&binary_key);
-    assert!(r.contains("binary, not text"), "{r}");
-    let r = reason(&no_key);
-    assert!(r.contains(r#"no attribute "key""#), "{r}");
-    let r = reason(&bad_json);
-    assert!(r.contains("does not parse"), "{r}");
-    assert_eq!(
-        attr(dead_of(&dead, &bad_json), "idem.receive_count"),
-        Some("1"),
-        "dead-lettered at once"
-    );
-
-    let runs = runs.lock().unwrap().clone();
-    assert_eq!(runs.get("empty-1"), Some(&1), "{runs:?}");
-    assert_eq!(
-        runs.get("big-1"),
-        Some(&1),
-        "the second copy replayed: {runs:?}"
-    );
-    assert_eq!(runs.get("json-1"), Some(&1), "{runs:?}");
-    assert_eq!(
-        runs.len(),
-        3,
-        "no handler ran for the messages without a usable key: {runs:?}"
-    );
-    assert_eq!(
-        (stats.executed, stats.replayed, stats.dead_lettered),
-        (2, 1, 4),
-        "{stats:?}"
-    );
-}
-
-/// The store goes away right after the handler's effect, for 3 s, three
-/// times the 1 s lease: the executor gives up completing before the lease
-/// ends (`IdemError::Unrecorded`). The message is kept invisible (past its
-/// 2 s visibility timeout) and never run again; a duplicate sent meanwhile
-/// is left for redelivery; once the store is back the completion is
-/// written with the first run's lease, the message deleted, and the
-/// duplicate replayed.
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn a_store_outage_past_the_lease_never_runs_the_message_twice() {
-    let client = client();
-    let url = create_queue(&client, "idem-outage").await;
-    let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
-    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
-    let effects = Arc::new(AtomicUsize::new(0));
-    let consumer = SqsConsumer::new(client.clone(), &url, idem.clone())
-        .key_attribute("key")
-        .visibility_timeout(Duration::from_secs(2))
-        .retry_visibility(Duration::from_secs(1))
-        .wait_time(Duration::from_secs(1));
-    let handler = {
-        let (effects, down) = (effects.clone(), down.clone());
-        move |_m: SqsMessage| {
-            let (effects, down) = (effects.clone(), down.clone());
-            async move {
-                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
-                    // The first run: the store goes down now, for 3 s.
-                    down.store(true, Ordering::SeqCst);
-                    std::thread::spawn(move || {
-                        std::thread::sleep(Duration::from_secs(3));
-                        down.store(false, Ordering::SeqCst);
-                    });
-                }
-                Ok(7)
-            }
-        }
-    };
-    let running = Running::start(consumer, handler);
-    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
-    let e = effects.clone();
-    wait_until("the first run", Duration::from_secs(30), || {
-        let ran = e.load(Ordering::SeqCst) > 0;
-        async move { ran }
-    })
-    .await;
-    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
-    wait_until("the queue empty", Duration::from_secs(60), || {
-        queue_empty(&client, &url)
-    })
-    .await;
-    let stats = running.stop().await;
-    assert_eq!(
-        effects.load(Ordering::SeqCst),
-        1,
-        "the effect ran twice: {stats:?}"
-    );
-    assert_eq!((stats.executed, stats.replayed), (1, 1), "{stats:?}");
-    assert!(
-        stats.left_for_redelivery >= 1,
-        "the duplicate waited: {stats:?}"
-    );
-    assert_eq!(stats.heartbeat_failures, 0, "{stats:?}");
-    let scope = idem::sqs::default_scope(idem::sqs::queue_name(&url));
-    let key = IdempotencyKey::new(scope, "k-1").unwrap();
-    match idem.get(&key).await.unwrap().map(|r| r.state) {
-        Some(RecordState::Completed { response, .. }) => assert_eq!(&response[..], b"7"),
-        other => panic!("the record: {other:?}"),
-    }
-}
-
-/// A configuration that cannot work fails `run` before any call; a queue
-/// that does not exist fails it with SQS's error, not transient.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn misconfiguration_and_a_missing_queue_fail_run_with_typed_errors() {
-    let client = client();
-    let url = create_queue(&client, "idem-config").await;
-    let idem = Idempotency::new(MemoryStore::new());
-    let handler = |m: SqsMessage| async move { Ok::<_, std::io::Error>(m.body.len()) };
-    let run = |consumer: SqsConsumer<MemoryStore>| async move {
-        tokio::time::timeout(
-            Duration::from_secs(30),
-            consumer.run(handler, std::future::pending()),
-        )
-        .await
-        .expect("run returned")
-    };
-    let same = SqsConsumer::new(client.clone(), &url, idem.clone()).dead_letter(&url);
-    assert!(
-        matches!(run(same).await, Err(SqsConsumerError::Config(e)) if e.contains("the queue itself"))
-    );
-    let scope = SqsConsumer::new(client.clone(), &url, idem.clone()).scope("a scope with spaces");
-    assert!(matches!(run(scope).await, Err(SqsConsumerError::Config(e)) if e.contains("scope")));
-    let empty = SqsConsumer::new(client.clone(), "", idem.clone());
-    assert!(matches!(run(empty).await, Err(SqsConsumerError::Config(_))));
-    let missing = format!("{}-gone", url);
-    let gone =
-        SqsConsumer::new(client.clone(), missing, idem.clone()).wait_time(Duration::from_secs(1));
-    match run(gone).await {
-        Err(SqsConsumerError::Sqs(e)) => {
-            assert!(!e.is_transient(), "{e}");
-            assert_eq!(e.operation(), "ReceiveMessage");
-            let code = e.code().unwrap_or_default();
-            assert!(
-                code.contains("NonExistentQueue") || code.contains("QueueDoesNotExist"),
-                "{e}"
-            );
-        }
-        other => panic!("a missing queue: {other:?}"),
-    }
-}
-
-mod review17b;

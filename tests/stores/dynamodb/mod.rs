@@ -1,8 +1,10 @@
 //! DynamoDbStore against moto's server mode (IDEM_MOTO_URL, or a server
-//! started here): the conformance suite, requests per operation counted
-//! at a proxy, clock skew between clients, lost replies, large responses,
-//! corrupt items, storms through a frozen server and a cut connection,
-//! and the store as the source of truth of a tiered store.
+//! started here): the conformance suite, clock skew between clients, lost
+//! replies, storms through a frozen server and a cut connection, and the
+//! store as the source of truth of a tiered store; `requests`: what each
+//! operation costs, counted at a proxy; `items`: chunked responses,
+//! corrupt items, fences and purges
+//! (`cargo test --all-features --test stores dynamodb::items`).
 
 use crate::support;
 
@@ -11,17 +13,19 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::dynamodb::aws_sdk_dynamodb::primitives::Blob;
 use idem::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
 use idem::dynamodb::{create_table, local_client, DynamoDbStore};
 use idem::testkit::{self, Harness, Settings};
 use idem::tiered::{MokaCache, TieredStore};
 use idem::{
     async_trait, Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
-    Processed, StoreError,
+    Processed,
 };
 use support::moto::{self, MotoServer};
 use support::proxy::CountingProxy;
+
+mod items;
+mod requests;
 
 const TABLE: &str = "idem_records";
 const LONG: Duration = Duration::from_secs(30);
@@ -56,6 +60,14 @@ fn key(tag: &str) -> IdempotencyKey {
 
 fn fp(text: &str) -> idem::Fingerprint {
     idem::Fingerprint::of_bytes(text.as_bytes())
+}
+
+/// `k` acquired for `lease` (anything else fails the test).
+async fn acquired(store: &DynamoDbStore, k: &IdempotencyKey, lease: Duration) -> idem::Lease {
+    match store.acquire(k, None, lease).await {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("acquire {k}: {other:?}"),
+    }
 }
 
 /// Overwrites the item of `key` with `attrs` (plus its `pk`).
@@ -121,94 +133,6 @@ async fn proxied(url: &str) -> (DynamoDbStore, CountingProxy) {
     )
 }
 
-/// Every operation costs the requests the crate docs say, counted as
-/// request/reply turns at a proxy: a fresh key and every duplicate one
-/// request, complete/release/extend/get/delete one, a takeover two.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn requests_per_operation() {
-    let (store, proxy) = proxied(moto::shared_url()).await;
-    let mut last = proxy.turns();
-    let mut cost = |what: &str, want: u64| {
-        let now = proxy.turns();
-        assert_eq!(
-            now - last,
-            want,
-            "{what}: {} requests, expected {want}",
-            now - last
-        );
-        last = now;
-    };
-    let k = key("cost");
-    let lease = match store.acquire(&k, Some(&fp("a")), LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    cost("fresh acquire", 1);
-    let got = store.acquire(&k, Some(&fp("a")), LONG).await;
-    assert!(matches!(got, Ok(Acquisition::InProgress { .. })), "{got:?}");
-    cost("duplicate in progress", 1);
-    let lease = store
-        .extend(&lease, LONG)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    cost("extend", 1);
-    store
-        .complete(&lease, b"done", DAY)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    cost("complete", 1);
-    let got = store.acquire(&k, Some(&fp("a")), LONG).await;
-    assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
-    cost("duplicate replay", 1);
-    let got = store.acquire(&k, Some(&fp("b")), LONG).await;
-    assert!(matches!(got, Ok(Acquisition::Mismatch)), "{got:?}");
-    cost("mismatch", 1);
-    assert!(store
-        .get(&k)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"))
-        .is_some());
-    cost("get", 1);
-    assert!(store.delete(&k).await.unwrap_or_else(|e| panic!("{e}")));
-    cost("delete", 1);
-    let lease = match store.acquire(&k, None, Duration::from_millis(100)).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    cost("acquire after a delete (the tombstone, then the write)", 2);
-    store
-        .release(&lease)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    cost("release", 1);
-    let lease = match store.acquire(&k, None, Duration::from_millis(100)).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    cost("acquire after a release", 2);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let taken = match store.acquire(&k, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    assert_eq!(taken.attempt, 2);
-    assert!(taken.fence > lease.fence);
-    cost("takeover", 2);
-    // A large response: one transaction; its replay: the item, then the
-    // chunks.
-    let big: Vec<u8> = (0..1_000_000u32).map(|i| (i % 253) as u8).collect();
-    store
-        .complete(&taken, &big, DAY)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    cost("complete of 1 MB (one transaction)", 1);
-    match store.acquire(&k, None, LONG).await {
-        Ok(Acquisition::Completed(r)) => assert!(r.response == big),
-        other => panic!("{other:?}"),
-    }
-    cost("replay of 1 MB (the item, then its chunks)", 2);
-}
-
 /// Two clients whose clocks differ by less than the margin: the one ahead
 /// never takes over a lease its holder still has, and never sees a
 /// completed record as expired before its retention; without the margin
@@ -228,10 +152,7 @@ async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
 
     // A 300 ms lease; the client 800 ms ahead asks at once.
     let k = key("skew-lease");
-    let lease = match holder.acquire(&k, None, Duration::from_millis(300)).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let lease = acquired(&holder, &k, Duration::from_millis(300)).await;
     let got = ahead.acquire(&k, None, LONG).await;
     match got {
         Ok(Acquisition::InProgress { retry_after, .. }) => {
@@ -266,18 +187,12 @@ async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
 
     // Fences: released by the holder, acquired by the client behind.
     let k3 = key("skew-fence");
-    let first = match holder.acquire(&k3, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let first = acquired(&holder, &k3, LONG).await;
     holder
         .release(&first)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let second = match behind.acquire(&k3, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let second = acquired(&behind, &k3, LONG).await;
     assert!(
         second.fence > first.fence,
         "fence {} after a release, by a clock 800 ms behind, is not above {}",
@@ -285,10 +200,7 @@ async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
         first.fence
     );
     behind.delete(&k3).await.unwrap_or_else(|e| panic!("{e}"));
-    let third = match behind.acquire(&k3, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let third = acquired(&behind, &k3, LONG).await;
     assert!(third.fence > second.fence, "after a delete");
 }
 
@@ -319,10 +231,7 @@ async fn a_lost_reply_and_its_resend_are_one_operation() {
         other => panic!("{other:?}"),
     }
     let k2 = key("resend-release");
-    let lease = match store.acquire(&k2, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let lease = acquired(&store, &k2, LONG).await;
     proxy.lose_replies_to(b"DynamoDB_20120810.UpdateItem", 1, 1);
     store
         .release(&lease)
@@ -335,10 +244,7 @@ async fn a_lost_reply_and_its_resend_are_one_operation() {
         .unwrap_or_else(|e| panic!("{e}"))
         .is_none());
     // A delete is sent once: its lost reply is an error that says so.
-    let lease = match store.acquire(&k2, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
+    let lease = acquired(&store, &k2, LONG).await;
     drop(lease);
     proxy.lose_replies_to(b"DynamoDB_20120810.UpdateItem", 1, 1);
     let deleted = store.delete(&k2).await;
@@ -346,164 +252,6 @@ async fn a_lost_reply_and_its_resend_are_one_operation() {
         matches!(&deleted, Err(e) if e.is_retryable()),
         "a delete whose reply was lost: {deleted:?}"
     );
-}
-
-/// Responses past the item limit: 2 MiB and 3 MiB round trip through the
-/// executor; one byte more than the limit is refused before anything is
-/// sent, and the key completes as not replayable; a missing chunk is a
-/// corrupt record, never a short replay.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_responses_in_chunks() {
-    let store = store().await;
-    let idem = Idempotency::new(store.clone());
-    // JSON strings of ASCII letters: the recorded response is the size
-    // plus its two quotes. The second is the largest the default allows.
-    for size in [2 << 20, (3 << 20) - 2] {
-        let k = key("chunks");
-        let body: String = (0..size)
-            .map(|i: usize| (b'a' + (i % 26) as u8) as char)
-            .collect();
-        let sent = body.clone();
-        let first = idem
-            .process(&k, 1u8, |_| async move { Ok::<_, std::io::Error>(sent) })
-            .await;
-        assert!(
-            matches!(&first, Ok(Processed::Executed(v)) if *v == body),
-            "{size}: {:?}",
-            first.as_ref().map(|_| ())
-        );
-        let again = idem
-            .process(&k, 1u8, |_| async {
-                Ok::<_, std::io::Error>(String::new())
-            })
-            .await;
-        assert!(
-            matches!(&again, Ok(Processed::Replayed(v)) if *v == body),
-            "{size} bytes did not replay"
-        );
-    }
-    let k = key("too-large");
-    let lease = match store.acquire(&k, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    let over = vec![7u8; idem::dynamodb::DEFAULT_MAX_RESPONSE_BYTES + 1];
-    let refused = store.complete(&lease, &over, DAY).await;
-    assert!(
-        matches!(refused, Err(StoreError::ResponseTooLarge { .. })),
-        "{refused:?}"
-    );
-    // Still held: nothing was written.
-    assert!(matches!(
-        store.acquire(&k, None, LONG).await,
-        Ok(Acquisition::InProgress { .. })
-    ));
-
-    // A missing chunk.
-    let k = key("chunk-gone");
-    let lease = match store.acquire(&k, None, LONG).await {
-        Ok(Acquisition::Acquired(l)) => l,
-        other => panic!("{other:?}"),
-    };
-    store
-        .complete(&lease, &vec![1u8; 900_000], DAY)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    store
-        .client()
-        .delete_item()
-        .table_name(store.table())
-        .key(
-            "pk",
-            AttributeValue::S(format!("#{}/1", lease.token.to_hex())),
-        )
-        .send()
-        .await
-        .unwrap_or_else(|e| panic!("{e:?}"));
-    for got in [
-        store.acquire(&k, None, LONG).await.map(|_| ()),
-        store.get(&k).await.map(|_| ()),
-    ] {
-        assert!(
-            matches!(&got, Err(StoreError::Corrupt { key, .. }) if *key == k),
-            "{got:?}"
-        );
-    }
-}
-
-/// Items that do not decode are `Corrupt` (naming the key, not
-/// retryable) for `acquire` and `get`, never absent; `delete` clears
-/// each, even one whose fence is not a number.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn undecodable_items_are_corrupt_never_absent() {
-    let store = store().await;
-    let n = |v: &str| AttributeValue::N(v.into());
-    let s = |v: &str| AttributeValue::S(v.into());
-    let bin = |v: &[u8]| AttributeValue::B(Blob::new(v.to_vec()));
-    let far = "99999999999999";
-    let token = [7u8; 16];
-    let live = |extra: Vec<(&'static str, AttributeValue)>| {
-        let mut attrs = vec![
-            ("st", s("c")),
-            ("tk", bin(&token)),
-            ("fe", n("5")),
-            ("at", n("1")),
-            ("cr", n("1")),
-            ("co", n("1")),
-            ("ex", n(far)),
-            ("rv", n("3")),
-            ("rs", bin(b"r")),
-        ];
-        for (name, value) in extra {
-            attrs.retain(|(n, _)| *n != name);
-            attrs.push((name, value));
-        }
-        attrs
-    };
-    let cases: Vec<(&str, Vec<(&'static str, AttributeValue)>)> = vec![
-        ("unknown status", live(vec![("st", s("q"))])),
-        ("status as a number", live(vec![("st", n("1"))])),
-        ("token of 3 bytes", live(vec![("tk", bin(b"abc"))])),
-        ("attempt 0", live(vec![("at", n("0"))])),
-        ("attempt over u32", live(vec![("at", n("4294967296"))])),
-        ("response as a string", live(vec![("rs", s("r"))])),
-        ("fingerprint of 5 bytes", live(vec![("fp", bin(b"12345"))])),
-        ("fence as a string", live(vec![("fe", s("x"))])),
-        ("negative fence", live(vec![("fe", n("-1"))])),
-        (
-            "in progress with a response",
-            live(vec![("st", s("p")), ("le", n(far))]),
-        ),
-    ];
-    for (what, attrs) in cases {
-        let k = key("corrupt");
-        overwrite(&store, &k, &attrs).await;
-        let got = store.acquire(&k, None, LONG).await;
-        match &got {
-            Err(e @ StoreError::Corrupt { key, .. }) => {
-                assert_eq!(*key, k, "{what}");
-                assert!(!e.is_retryable(), "{what}");
-            }
-            other => panic!("{what}: acquire gave {other:?}"),
-        }
-        let got = store.get(&k).await;
-        assert!(
-            matches!(&got, Err(StoreError::Corrupt { .. })),
-            "{what}: get gave {got:?}"
-        );
-        assert!(
-            store
-                .delete(&k)
-                .await
-                .unwrap_or_else(|e| panic!("{what}: {e}")),
-            "{what}: delete found nothing"
-        );
-        let again = store.acquire(&k, None, LONG).await;
-        assert!(
-            matches!(again, Ok(Acquisition::Acquired(_))),
-            "{what}: after delete: {again:?}"
-        );
-    }
 }
 
 /// The executor settings of the fault storms: leases long enough to ride
@@ -594,5 +342,3 @@ async fn tiered_over_dynamodb() {
     assert!(tiered.delete(&k).await.unwrap_or_else(|e| panic!("{e}")));
     assert!(matches!(run(3).await, Ok(Processed::Executed(3))));
 }
-
-mod review17;

@@ -1,8 +1,9 @@
 //! Tenant isolation under load: 8 tenants use the same idempotency keys
 //! (and the same payloads) through two app instances, each with its own
 //! in-process moka tier, sharing a Redis cache tier and the PostgreSQL
-//! source of truth. Every response carries its author's tag; no tenant may
-//! ever get another's response, whatever tier answers.
+//! source of truth; over HTTP, and through the executor with no layer (a
+//! tenant as a scope). Every response carries its author's tag; no tenant
+//! may ever get another's response, whatever tier answers.
 
 use crate::support;
 
@@ -21,6 +22,8 @@ use idem::postgres::PgStore;
 use idem::tiered::{MokaCache, RedisCache, TieredStore};
 use idem::{IdemError, Idempotency, IdempotencyKey, Processed};
 use serde_json::{json, Value};
+
+use super::{api_key, spawn_server};
 
 const TENANTS: usize = 8;
 const KEYS: usize = 50;
@@ -93,25 +96,12 @@ async fn spawn_instance(app: App, scope: &str) -> String {
     let layer = IdempotencyLayer::new(Idempotency::new(tiered_store().await))
         .scope(scope)
         .unwrap_or_else(|e| panic!("{e}"))
-        .tenant(|req| {
-            req.headers
-                .get("x-api-key")
-                .and_then(|v| v.to_str().ok())
-                .map(str::to_owned)
-        });
+        .tenant(api_key);
     let router = Router::new()
         .route("/charges", post(charge))
         .layer(layer)
         .with_state(app);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let url = format!(
-        "http://{}/charges",
-        listener.local_addr().unwrap_or_else(|e| panic!("{e}"))
-    );
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    url
+    format!("{}/charges", spawn_server(router).await)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

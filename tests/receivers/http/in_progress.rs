@@ -1,0 +1,197 @@
+//! Duplicates while the first request runs: 409 with `Retry-After`, one
+//! execution, then the replay; a client that gives up and retries, with
+//! the handler detached (it runs on and records) and not (it is cut off
+//! and its key held until the lease ends).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::{Json, Router};
+use idem::Idempotency;
+use serde_json::{json, Value};
+
+use super::{layer_on, pg_store, post_json, post_until_done, serve, spawn_server};
+
+/// Posts `body` for tenant `t1` with `key` from a client that gives up
+/// after 500 ms, in a task of its own.
+fn post_and_give_up(
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let request = impatient
+        .post(url)
+        .header("idempotency-key", key)
+        .header("x-api-key", "t1")
+        .json(body);
+    tokio::spawn(request.send())
+}
+
+/// 16 identical requests at once: one runs, the 15 others get 409 with
+/// `Retry-After` while it runs, and a retry after it finished gets its
+/// replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_identical_requests_run_once() {
+    let server = serve().await;
+    let slow = format!("{}/slow", server.url);
+    let body = json!({ "amount": 500 });
+    let requests: Vec<_> = (0..16)
+        .map(|_| {
+            let (slow, body) = (slow.clone(), body.clone());
+            tokio::spawn(async move { post_json(&slow, Some("same"), "t1", &body).await })
+        })
+        .collect();
+    // Every request but the one running waits for nothing: they come back
+    // 409 while the handler holds the gate closed.
+    let mut replies = Vec::new();
+    let mut pending = requests;
+    while replies.len() < 15 {
+        let (done, _, rest) = futures::future::select_all(pending).await;
+        replies.push(done.unwrap_or_else(|e| panic!("{e}")));
+        pending = rest;
+    }
+    for r in &replies {
+        assert_eq!(r.status, 409, "{:?}", r.body);
+        assert_eq!(r.content_type(), "application/problem+json");
+        assert!(
+            r.headers.get("retry-after").is_some(),
+            "409 says when to retry"
+        );
+    }
+    server.app.gate.add_permits(1);
+    let last = pending
+        .pop()
+        .unwrap_or_else(|| panic!("one request is left"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((last.status, last.replayed()), (201, false));
+    assert_eq!(
+        server.app.effects.load(Ordering::SeqCst),
+        1,
+        "one execution"
+    );
+    server.app.gate.add_permits(16);
+    let r = post_json(&slow, Some("same"), "t1", &body).await;
+    assert_eq!((r.status, r.replayed()), (201, true));
+    assert_eq!(r.body, last.body);
+}
+
+/// A client that times out while its request runs, then retries with
+/// the same key: the handler runs once, the retry gets 409 while it runs,
+/// then the replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_gives_up_and_retries_does_not_run_the_handler_twice() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move |axum::Extension(context): axum::Extension<idem::Context>, Json(body): Json<Value>| async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (
+                StatusCode::CREATED,
+                Json(json!({
+                    "execution": n,
+                    "amount": body["amount"],
+                    "attempt": context.attempt,
+                    "fence": context.fence,
+                })),
+            )
+        }
+    };
+    // A short lease: a handler cut off with its client would be taken
+    // over (and run again) 2 s later.
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({ "amount": 42 });
+
+    let first = post_and_give_up(&url, "gives-up", &body);
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        gave_up.as_ref().is_err_and(|e| e.is_timeout()),
+        "the client timed out: {gave_up:?}"
+    );
+
+    let r = post_json(&url, Some("gives-up"), "t1", &body).await;
+    assert_eq!(r.status, 409, "still running: {:?}", r.body);
+    assert!(r.headers.get("retry-after").is_some());
+
+    // Enough permits for a second execution, so that one would show.
+    gate.add_permits(100);
+    let r = post_until_done(&url, "gives-up", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, true),
+        "the retry gets the replay: {:?}",
+        r.body
+    );
+    assert_eq!(r.body["execution"], 1);
+    assert_eq!(r.body["attempt"], 1, "the handler sees the idem Context");
+    // The fence the store gave the run (its value is the store's).
+    assert!(r.body["fence"].is_u64());
+    assert_eq!(executions.load(Ordering::SeqCst), 1, "one execution");
+}
+
+/// `.detached(false)`: the handler runs in the request's future, so a
+/// client that gives up cuts it off; its key is not released, but held
+/// until its lease ends, and only then does a retry run it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
+    let executions = Arc::new(AtomicU64::new(0));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let (executions, gate) = (executions.clone(), gate.clone());
+        move || async move {
+            let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
+            let _ = started_tx.send(());
+            let _permit = gate.acquire().await;
+            (StatusCode::CREATED, Json(json!({ "execution": n })))
+        }
+    };
+    let idem = Idempotency::new(pg_store().await).lease(std::time::Duration::from_secs(2));
+    let url = spawn_server(
+        Router::new()
+            .route("/slow", post(handler))
+            .layer(layer_on(idem).detached(false)),
+    )
+    .await;
+    let url = format!("{url}/slow");
+    let body = json!({});
+    let first = post_and_give_up(&url, "cut-off", &json!({}));
+    started_rx
+        .recv()
+        .await
+        .unwrap_or_else(|| panic!("the handler started"));
+    let gave_up = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(gave_up.as_ref().is_err_and(|e| e.is_timeout()));
+    let r = post_json(&url, Some("cut-off"), "t1", &body).await;
+    assert_eq!(r.status, 409, "not released: {:?}", r.body);
+    gate.add_permits(100);
+    let r = post_until_done(&url, "cut-off", "t1", &body).await;
+    assert_eq!(
+        (r.status, r.replayed()),
+        (201, false),
+        "after the lease, a takeover runs it again"
+    );
+    assert_eq!(r.body["execution"], 2);
+    assert_eq!(executions.load(Ordering::SeqCst), 2);
+}

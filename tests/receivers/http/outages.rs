@@ -1,0 +1,217 @@
+//! The store failing: unreachable before a run (503 with `Retry-After`,
+//! nothing runs), down or refusing completions after the handler ran (the
+//! response still reaches its caller, is recorded once the store is back
+//! with the run's own lease, and no retry runs the handler again), and
+//! store errors never echoed to the client.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use axum::routing::post;
+use axum::Router;
+use idem::http::IdempotencyLayer;
+use idem::postgres::PgStore;
+use idem::testkit::Tap;
+use idem::Idempotency;
+use serde_json::json;
+
+use super::{api_key, layer_on, post_json, post_raw, spawn_server};
+
+/// The store unreachable: 503 with `Retry-After` and a detail that names
+/// nothing of the store, and the handler never runs; once the store is
+/// back, the request runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_down_is_503_with_retry_after_and_runs_nothing() {
+    let redis = support::redis_server::RedisServer::start(&[]);
+    let store = idem::redis::RedisStore::connect(&redis.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .call_timeout(std::time::Duration::from_millis(300));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let effects = effects.clone();
+        move || async move {
+            effects.fetch_add(1, Ordering::SeqCst);
+            (StatusCode::CREATED, "created")
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(Idempotency::new(store)).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    redis.kill();
+    let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
+    assert_eq!(
+        (r.status, r.content_type()),
+        (503, "application/problem+json"),
+        "{:?}",
+        r.body
+    );
+    assert!(r.headers.get("retry-after").is_some());
+    let detail = r.body["detail"].as_str().unwrap_or("").to_lowercase();
+    for internal in [
+        "unavailable:",
+        "redis",
+        "connection",
+        "timed out",
+        "os error",
+        "refused",
+    ] {
+        assert!(
+            !detail.contains(internal),
+            "the store's error is not echoed: {detail}"
+        );
+    }
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        0,
+        "nothing runs without a reservation"
+    );
+    redis.start_again();
+    // The client honours Retry-After: the store's connection comes back
+    // in the background, and until it has, the answer is still 503.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    let r = loop {
+        let r = post_json(&url, Some("k-down"), "t1", &json!({})).await;
+        if r.status != 503 || tokio::time::Instant::now() > deadline {
+            break r;
+        }
+        assert_eq!(effects.load(Ordering::SeqCst), 0, "a 503 ran the handler");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(r.status, 201, "after the outage the request runs");
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+}
+
+/// The store goes away right after the handler's effect, for 3 s, three
+/// times the 1 s lease: the executor gives up recording the response
+/// (`IdemError::Unrecorded`). The client still gets the handler's 201; a
+/// retry meanwhile gets 409 from the layer itself; the layer writes the
+/// completion with the same lease once the store is back, so a retry then
+/// gets the replay, and the effect ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_twice() {
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                support::flaky::outage(&down, std::time::Duration::from_secs(3));
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // A retry while the response is still to be written: 409 from the
+    // layer itself, the store not asked (after the lease it would let the
+    // retry take the key over).
+    let during = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(during.status, 409, "{:?}", during.body);
+    // Once the store is back, the completion is written (awaited, 20 s).
+    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-outage")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        if !down.load(Ordering::SeqCst) {
+            if let Ok(Some(record)) = idem.get(&key).await {
+                if record.is_completed() {
+                    break;
+                }
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the response was never recorded after the store came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let again = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
+    assert_eq!(
+        (again.status, effects.load(Ordering::SeqCst)),
+        (201, 1),
+        "{:?}",
+        again.body
+    );
+    assert_eq!(again.body, first.body, "the retry gets the first response");
+}
+
+/// The first request's response cannot be recorded before the executor
+/// gives up (`Unrecorded`; its completions fail, the store stays
+/// reachable): the layer keeps the key finishing and answers its retries
+/// 409 itself. A request with the same key and a *different* body is not a
+/// retry: DESIGN 2 ("a later acquire of a live record with a different
+/// fingerprint is Mismatch, whatever the record's state") makes it a 422,
+/// which the layer answers without asking the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_different_body_while_the_response_is_finishing_is_422_not_409() {
+    let store = Arc::new(Tap::new(idem::MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone()).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, store) = (effects.clone(), store.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            // Every completion fails from now on.
+            store.fail_completes(usize::MAX);
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = post_json(&url, Some("k-rv16b"), "t1", &json!({ "amount": 1 })).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // What the store itself says to the other body (control).
+    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-rv16b")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        record.as_ref().is_some_and(|r| !r.is_completed()),
+        "the record is live and in progress: {record:?}"
+    );
+    let other = post_json(&url, Some("k-rv16b"), "t1", &json!({ "amount": 2 })).await;
+    store.fail_completes(0);
+    assert_eq!(
+        (other.status, effects.load(Ordering::SeqCst)),
+        (422, 1),
+        "a different body with the key of a response being finished: {:?}",
+        other.body
+    );
+}
+
+/// A 500 from the layer never echoes the store's error text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_errors_are_not_echoed_to_the_client() {
+    let pool = support::pg::pool(support::pg::shared_url(), 8).await;
+    // A table that was never migrated: every call fails with a database
+    // error naming it.
+    let store = PgStore::builder(pool)
+        .table("idem_secret_missing_table")
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let url = spawn_server(
+        Router::new()
+            .route("/x", post(|| async { "ran" }))
+            .layer(layer_on(Idempotency::new(store))),
+    )
+    .await;
+    let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
+    let text = String::from_utf8_lossy(&r.body);
+    assert!(r.status == 500 || r.status == 503, "{} {text}", r.status);
+    assert!(
+        !text.contains("idem_secret_missing_table") && !text.contains("relation"),
+        "internal text echoed: {text}"
+    );
+}

@@ -1,0 +1,210 @@
+//! Results that could not be recorded (`IdemError::Unrecorded`): the store
+//! down after the handler's effect, past the lease. The entry is kept and
+//! finished with the run's own lease once the store is back, then acked;
+//! a reclaim of it or a duplicate of its key meanwhile never runs the
+//! handler again, and a duplicate held back is settled once it finishes.
+
+use crate::support;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use idem::redis::streams::StreamEntry;
+use idem::Idempotency;
+
+use super::{consumer_on, pending, ran_and_nothing_pending, run_until, xadd, Check};
+
+/// A handler that counts its runs in `effects` and answers "charged"; its
+/// first run takes the store of `down` down right after its effect, for
+/// `outage` (or until the test brings it back).
+fn charging(
+    effects: &Arc<AtomicU64>,
+    down: &Arc<AtomicBool>,
+    outage: Option<Duration>,
+) -> impl Fn(StreamEntry) -> BoxFuture<'static, Result<String, std::io::Error>> + Send + Sync + 'static
+{
+    let (effects, down) = (effects.clone(), down.clone());
+    move |_e: StreamEntry| {
+        let (effects, down) = (effects.clone(), down.clone());
+        Box::pin(async move {
+            if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                match outage {
+                    Some(length) => support::flaky::outage(&down, length),
+                    None => down.store(true, Ordering::SeqCst),
+                }
+            }
+            Ok("charged".to_owned())
+        })
+    }
+}
+
+/// The store goes away right after the handler's effect, for 3 s, three
+/// times the 1 s lease: the executor gives up completing before the lease
+/// ends (`IdemError::Unrecorded`). The entry stays pending and comes back
+/// to this consumer (XAUTOCLAIM after 300 ms idle) while the lease is over:
+/// it does not run again. Its completion is written with the first run's
+/// lease once the store is back, then the entry is acked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_twice() {
+    let stream = format!("outage-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_millis(300));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    // The first run: the store goes down after the effect, for 3 s.
+    let handler = charging(&effects, &down, Some(Duration::from_secs(3)));
+    let stats = run_until(
+        &consumer,
+        handler,
+        Duration::from_secs(20),
+        ran_and_nothing_pending(&stream, &effects, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect ran twice: {stats:?}"
+    );
+    assert_eq!(stats.executed, 1, "{stats:?}");
+    let key = idem::IdempotencyKey::new(format!("stream.{stream}"), "m-1")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    let response = match record.map(|r| r.state) {
+        Some(idem::RecordState::Completed { response, .. }) => response,
+        other => panic!("the entry's record: {other:?}"),
+    };
+    assert_eq!(&response[..], b"\"charged\"", "the first run's result");
+}
+
+/// Entry A (`message_id` m-1) runs; the store goes down right after its
+/// effect, so its completion is not written before the 1 s lease ends
+/// (`Unrecorded`): A is kept, to be finished with its own lease. While the
+/// consumer waits in its `XREADGROUP BLOCK`, the store comes back and the
+/// producer sends the same message again (entry B, same `message_id`). B
+/// gets "in progress" or the replay of A, never a second effect: the
+/// unfinished key, not only A's entry ID, holds B back, even when B is read
+/// before A is finished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_entry_of_an_unfinished_key_never_runs_it_again() {
+    let stream = format!("unfinished-dup-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_secs(3))
+        .claim_idle(Duration::from_secs(60));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    // The first run: the store goes down after the effect (until the test
+    // brings it back).
+    let handler = charging(&effects, &down, None);
+    // The producer's retry, sent while the consumer blocks on its read,
+    // once the first run's lease is over and the store is back.
+    let retry = {
+        let (effects, down, stream) = (effects.clone(), down.clone(), stream.clone());
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while effects.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(1600)).await;
+            down.store(false, Ordering::SeqCst);
+            xadd(&stream, &[("message_id", "m-1")]).await;
+        })
+    };
+    let t0 = tokio::time::Instant::now();
+    let done = {
+        let effects = effects.clone();
+        move || {
+            let effects = effects.clone();
+            Box::pin(async move {
+                effects.load(Ordering::SeqCst) >= 2 || t0.elapsed() > Duration::from_secs(8)
+            }) as Check
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(30), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    retry.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect of m-1 ran twice (its duplicate entry took the unfinished key over): {stats:?}"
+    );
+}
+
+/// Entry A (m-1) runs; the store goes down right after its effect, so its
+/// completion is not written (`Unrecorded`, A kept to finish). While the
+/// store is still down the producer retries (entry B, same m-1): B is held
+/// back (its key is unfinished) and left pending in this consumer's PEL.
+/// The store comes back, A is finished and acked: B's key now has a
+/// recorded result, and B is settled soon after (its replay and its ack),
+/// not left pending until `claim_idle` (60 s here) passes or a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_held_back_by_an_unfinished_key_is_settled_once_it_finishes() {
+    let stream = format!("unfinished-held-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_secs(60));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    // The first run: the store goes down after the effect (until the test
+    // brings it back).
+    let handler = charging(&effects, &down, None);
+    let came_back = Arc::new(std::sync::Mutex::new(None::<tokio::time::Instant>));
+    let producer = {
+        let (effects, down, stream, came_back) = (
+            effects.clone(),
+            down.clone(),
+            stream.clone(),
+            came_back.clone(),
+        );
+        tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+            while effects.load(Ordering::SeqCst) == 0 && tokio::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // A's completion given up (Unrecorded) while the store is down.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            xadd(&stream, &[("message_id", "m-1")]).await;
+            // B read and held back, the store still down.
+            tokio::time::sleep(Duration::from_millis(1000)).await;
+            down.store(false, Ordering::SeqCst);
+            *came_back.lock().unwrap_or_else(|p| p.into_inner()) =
+                Some(tokio::time::Instant::now());
+        })
+    };
+    let t0 = tokio::time::Instant::now();
+    let done = {
+        let (stream, came_back) = (stream.clone(), came_back.clone());
+        move || {
+            let (stream, came_back) = (stream.clone(), came_back.clone());
+            Box::pin(async move {
+                let back = *came_back.lock().unwrap_or_else(|p| p.into_inner());
+                t0.elapsed() > Duration::from_secs(20)
+                    || back.is_some_and(|b| b.elapsed() > Duration::from_secs(10))
+                    || (back.is_some() && pending(&stream, "g").await == 0)
+            }) as Check
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(40), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    let left = pending(&stream, "g").await;
+    assert_eq!(
+        (effects.load(Ordering::SeqCst), left),
+        (1, 0),
+        "(effects, entries still pending) 10 s after the store came back and A was finished: {stats:?}"
+    );
+}
