@@ -10,7 +10,7 @@
 //! the `ryu-js` crate). The writer is this module's own single-pass
 //! serializer; these tests check it against RFC 8785's vectors and against
 //! the `serde_json_canonicalizer` crate on random values, and
-//! `tests/canonical.rs` against Python's `rfc8785`.
+//! `tests/stores/canonical.rs` against Python's `rfc8785`.
 //!
 //! Refused with an error (never a panic, never rounded), because JCS has
 //! no exact form for them and two different payloads would hash alike:

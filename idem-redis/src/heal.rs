@@ -3,7 +3,7 @@
 //! The `redis` crate's async cluster client (1.8) was seen to stop
 //! answering every call, on every shard, after a master was killed and its
 //! replica promoted, and never to recover by itself, while a new client
-//! worked at once (`tests/failover_redis.rs`, RELIABILITY.md). A store made
+//! worked at once (`tests/faults/failover/redis/`, RELIABILITY.md). A store made
 //! by [`RedisStore::connect_cluster`](crate::RedisStore::connect_cluster)
 //! therefore watches its calls: when calls have timed out for
 //! [`STALL_AFTER`] with no answer (a reply or an error) in between, either

@@ -273,7 +273,7 @@ where
     /// master without enough replicas then refuses writes at once
     /// (`NOREPLICAS`, answered [`StoreError::Unavailable`]), and replays
     /// and reads keep working (figures in the repository's RELIABILITY.md,
-    /// `tests/failover_redis.rs`).
+    /// `tests/faults/failover/redis/`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));
         self

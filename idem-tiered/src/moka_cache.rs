@@ -71,7 +71,7 @@ impl Expiry<IdempotencyKey, Arc<Entry>> for PerEntryTtl {
 /// and write order, per-entry expiry), the record's fields and the
 /// allocator's rounding. Measured on x86_64 Linux with glibc's allocator
 /// and moka 0.12 as the growth of resident memory per entry over 200,000
-/// entries (`tests/moka_memory.rs`, which checks the weight against it
+/// entries (`tests/stores/moka_weight.rs`, which checks the weight against it
 /// within 25%).
 ///
 /// ```
