@@ -255,6 +255,28 @@ mod tests {
         assert!(!keys.holds(&key("a"), &Fingerprint::of_bytes(b"x")));
     }
 
+    /// Two runs of one key finishing at once (the second took the key over
+    /// after the first's lease, and the store went away again): each holds
+    /// a guard. `hold` says the key is held "until the guard is dropped",
+    /// but the first guard's drop lets it go while the second run is still
+    /// finishing, so a duplicate is no longer kept waiting: it goes to the
+    /// store and, the lease being over, takes the key over and runs again.
+    #[test]
+    fn a_key_held_twice_stays_held_until_both_guards_are_dropped() {
+        let keys = Arc::new(FinishingKeys::new());
+        let first = Fingerprint::of_bytes(b"first");
+        let g1 = keys.hold(key("a"), Some(first));
+        let g2 = keys.hold(key("a"), Some(first));
+        drop(g1);
+        assert!(
+            keys.contains(&key("a")) && keys.holds(&key("a"), &first),
+            "the second guard still lives, but its key was let go"
+        );
+        assert_eq!(keys.len(), 1);
+        drop(g2);
+        assert!(keys.is_empty());
+    }
+
     #[test]
     fn pauses_never_shrink_below_the_first() {
         let p = Pauses::new(Duration::from_millis(500), Duration::from_millis(10));

@@ -1167,3 +1167,34 @@ async fn finish_until_stops_when_the_key_was_taken_over() {
         "the new holder's record was overwritten"
     );
 }
+
+/// `Pauses::new(Duration::ZERO, longest)` is accepted ("from `first`,
+/// doubled up to `longest`"), but zero doubled stays zero: `finish_until`
+/// then tries the store back to back for as long as it is away, without
+/// ever pausing: a hot loop that floods a store that is struggling (and,
+/// with tokio's clock paused, never lets a `sleep` given as `give_up`
+/// complete). Configuration is "validated or saturated": the pauses should
+/// grow toward `longest` (or a zero first pause be refused/raised).
+#[tokio::test(start_paused = true)]
+async fn finish_until_with_a_zero_first_pause_still_pauses_between_tries() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(2))
+        .heartbeat(false);
+    let k = key("m-finish-zero-pause");
+    // The store refuses the next 1,000 completions, then takes one.
+    let u = unrecorded_of(&store, &idem, &k, 1_000).await;
+    let before = store.completes();
+    let pauses = idem_core::Pauses::new(Duration::ZERO, Duration::from_millis(100));
+    let started = tokio::time::Instant::now();
+    let out = idem
+        .finish_until(&u, pauses, std::future::pending::<()>())
+        .await;
+    assert!(matches!(out, idem_core::Finished::Recorded), "{out:?}");
+    let tries = store.completes() - before;
+    assert!(
+        started.elapsed() >= Duration::from_millis(100),
+        "{tries} tries in {:?}: no pause between tries of a store that is away",
+        started.elapsed()
+    );
+}
