@@ -35,8 +35,9 @@ pub struct FinishingKeys {
     /// How many keys: lookups read this and take the lock only when it is
     /// not zero.
     count: AtomicUsize,
-    /// Each key with the fingerprint of the run being finished, if any.
-    keys: Mutex<HashMap<IdempotencyKey, Option<Fingerprint>>>,
+    /// Each key with the fingerprint of every run being finished (a key
+    /// may be held by two runs: one taken over, one of its new holder).
+    keys: Mutex<HashMap<IdempotencyKey, Vec<Option<Fingerprint>>>>,
 }
 
 impl FinishingKeys {
@@ -46,19 +47,23 @@ impl FinishingKeys {
     }
 
     /// Holds `key` (with the fingerprint of the run being finished, for
-    /// [`holds`](Self::holds)) until the guard is dropped.
+    /// [`holds`](Self::holds)) until the guard is dropped. A key held by
+    /// two guards stays held until both are dropped.
     pub fn hold(
         self: &Arc<Self>,
         key: IdempotencyKey,
         fingerprint: Option<Fingerprint>,
     ) -> FinishingGuard {
         let mut keys = lock(&self.keys);
-        if keys.insert(key.clone(), fingerprint).is_none() {
+        let holders = keys.entry(key.clone()).or_default();
+        if holders.is_empty() {
             self.count.fetch_add(1, Ordering::Release);
         }
+        holders.push(fingerprint);
         FinishingGuard {
             keys: self.clone(),
             key,
+            fingerprint,
         }
     }
 
@@ -74,7 +79,7 @@ impl FinishingKeys {
         self.count.load(Ordering::Acquire) > 0
             && lock(&self.keys)
                 .get(key)
-                .is_some_and(|held| held.as_ref() == Some(fingerprint))
+                .is_some_and(|held| held.contains(&Some(*fingerprint)))
     }
 
     /// How many keys are being finished.
@@ -87,8 +92,16 @@ impl FinishingKeys {
         self.len() == 0
     }
 
-    fn remove(&self, key: &IdempotencyKey) {
-        if lock(&self.keys).remove(key).is_some() {
+    fn remove(&self, key: &IdempotencyKey, fingerprint: &Option<Fingerprint>) {
+        let mut keys = lock(&self.keys);
+        let Some(holders) = keys.get_mut(key) else {
+            return;
+        };
+        if let Some(at) = holders.iter().position(|f| f == fingerprint) {
+            holders.swap_remove(at);
+        }
+        if holders.is_empty() {
+            keys.remove(key);
             self.count.fetch_sub(1, Ordering::Release);
         }
     }
@@ -100,6 +113,7 @@ impl FinishingKeys {
 pub struct FinishingGuard {
     keys: Arc<FinishingKeys>,
     key: IdempotencyKey,
+    fingerprint: Option<Fingerprint>,
 }
 
 impl FinishingGuard {
@@ -111,7 +125,7 @@ impl FinishingGuard {
 
 impl Drop for FinishingGuard {
     fn drop(&mut self) {
-        self.keys.remove(&self.key);
+        self.keys.remove(&self.key, &self.fingerprint);
     }
 }
 
@@ -150,9 +164,15 @@ pub struct Pauses {
     pub longest: Duration,
 }
 
+/// The shortest pause [`Idempotency::finish_until`] takes: a zero pause
+/// would retry back to back for as long as the store is away.
+pub const MIN_PAUSE: Duration = Duration::from_millis(1);
+
 impl Pauses {
-    /// Pauses from `first`, doubled up to `longest` (at least `first`).
+    /// Pauses from `first` (at least [`MIN_PAUSE`]), doubled up to
+    /// `longest` (at least `first`).
     pub fn new(first: Duration, longest: Duration) -> Self {
+        let first = first.max(MIN_PAUSE);
         Pauses {
             first,
             longest: longest.max(first),
@@ -184,7 +204,7 @@ where
     /// Writes an unrecorded completion ([`finish`](Self::finish)) until it
     /// is recorded, taken over, refused for good, or `give_up` completes
     /// while the store is still away; between two tries it waits
-    /// `pauses` (cut short by `give_up`). A `give_up` that has completed
+    /// `pauses` (never under [`MIN_PAUSE`]; cut short by `give_up`). A `give_up` that has completed
     /// before a try still lets that try run: the receiver gives up only
     /// after the store failed once more.
     pub async fn finish_until<G>(
@@ -199,7 +219,8 @@ where
         let give_up = std::pin::pin!(give_up);
         let mut give_up = futures::future::FutureExt::fuse(give_up);
         let mut gave_up = false;
-        let mut pause = pauses.first;
+        let longest = pauses.longest.max(MIN_PAUSE);
+        let mut pause = pauses.first.clamp(MIN_PAUSE, longest);
         loop {
             match self.try_finish(unrecorded).await {
                 Ok(settled) => return settled,
@@ -211,7 +232,7 @@ where
                 () = &mut give_up => gave_up = true,
                 () = tokio::time::sleep(pause) => {}
             }
-            pause = pause.saturating_mul(2).min(pauses.longest);
+            pause = pause.saturating_mul(2).min(longest);
         }
     }
 }
@@ -282,6 +303,6 @@ mod tests {
         let p = Pauses::new(Duration::from_millis(500), Duration::from_millis(10));
         assert_eq!(p.longest, Duration::from_millis(500));
         let p = Pauses::new(Duration::ZERO, Duration::MAX);
-        assert_eq!((p.first, p.longest), (Duration::ZERO, Duration::MAX));
+        assert_eq!((p.first, p.longest), (MIN_PAUSE, Duration::MAX));
     }
 }

@@ -4,7 +4,8 @@
 //! a quarter as many with 4,000-byte responses, and its own weight is compared with the
 //! growth of the process's resident memory (what an operator sees).
 //!
-//! One test in its own binary: the RSS reading sees this test alone.
+//! The test runs in a process of its own (`support::alone`): the RSS
+//! reading sees this test alone.
 
 use std::time::{Duration, SystemTime};
 
@@ -69,6 +70,11 @@ async fn fill(n: u64, size: usize) -> ((f64, f64), (MokaCache, Vec<CompletedReco
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_byte_budget_counts_what_entries_really_take() {
+    if !crate::support::alone::in_own_process(
+        "moka_weight::the_byte_budget_counts_what_entries_really_take",
+    ) {
+        return;
+    }
     // IDEM_MOKA_ENTRIES=1000000 for the README's figure (default 200,000).
     let n: u64 = std::env::var("IDEM_MOKA_ENTRIES")
         .ok()
