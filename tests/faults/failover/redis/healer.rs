@@ -177,10 +177,8 @@ async fn frozen_cluster_piles_nothing_up() {
 /// the connection every STALL_AFTER although nothing is wrong with it
 /// (measured, not asserted: one reconnect per 4 s, bounded). Then, once
 /// the cluster is fast again, the store must hold ONE connection: the ones
-/// it replaced are closed. It is not: `RedisStore::conn` keeps the first
-/// connection for the store's whole life (`connection()` reads the healer,
-/// but the field made by `RedisStore::new(conn.clone())` stays), so the
-/// stalled connection the healer meant to get rid of is never closed.
+/// it replaced are closed (the store keeps no handle on a replaced
+/// connection, which would keep it open for the store's whole life).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replaced_connection_is_closed() {
     let started = Instant::now();
@@ -280,11 +278,11 @@ async fn replaced_connection_is_closed() {
 /// One master frozen (SIGSTOP: a host that stops answering, as behind a
 /// network partition) in a cluster with replicas: the cluster promotes its
 /// replica after `cluster-node-timeout`. Calls for the frozen shard's keys
-/// time out, calls for the other shards answer. The healer looks at the
-/// whole connection ("no call had an answer for STALL_AFTER"), so it never
-/// replaces it; does the store reach the promoted replica for that shard
-/// (within 20 s of the promotion), or does the shard stay unavailable
-/// while the master stays frozen?
+/// time out, calls for the other shards answer, so the connection as a
+/// whole never goes silent: the healer watches each hash slot, and the
+/// store must reach the promoted replica for that shard within 20 s of the
+/// promotion (not leave the shard unavailable while the master stays
+/// frozen).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_master_shard_is_served_after_promotion() {
     use support::redis_replicas::{query, ReplicatedCluster};
