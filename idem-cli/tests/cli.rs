@@ -3,7 +3,10 @@
 //! tiered store) are inspected, listed, counted, deleted and purged by
 //! running the command as an operator would.
 
+// The facade's test support; its `feature = "postgres"` gate is the
+// facade's feature (off here: that module is not needed).
 #[path = "../../tests/support/mod.rs"]
+#[allow(unexpected_cfgs)]
 mod support;
 
 use std::process::{Command, Output};
