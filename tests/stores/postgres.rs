@@ -460,24 +460,6 @@ async fn insert_payment(
     .unwrap_or_else(|e| panic!("{e}"))
 }
 
-/// Waits until some session is blocked on a lock (a duplicate waiting for
-/// the first transaction), by asking the server, not by sleeping.
-async fn until_a_session_waits_on_a_lock(pool: &PgPool) {
-    for _ in 0..500 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-        if waiting > 0 {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("no session ever waited on the first transaction's lock");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_transaction_duplicates_racing_write_once_and_replay() {
     let store = PgHarness.store().await;
@@ -592,7 +574,7 @@ async fn in_transaction_rollback_lets_the_waiting_duplicate_run() {
             }
         })
     };
-    until_a_session_waits_on_a_lock(&pool).await;
+    support::pg::until_waiting_on_locks(&pool, 1).await;
     first.rollback().await.unwrap_or_else(|e| panic!("{e}"));
     let attempt = duplicate.await.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(attempt, 1, "a rolled-back reservation never existed");
@@ -952,23 +934,6 @@ async fn server_now(pool: &PgPool) -> std::time::SystemTime {
     std::time::UNIX_EPOCH + Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
-/// Waits until `n` sessions are blocked on a lock, asking the server.
-async fn until_sessions_wait_on_a_lock(pool: &PgPool, n: i64) {
-    for _ in 0..1_000 {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
-        )
-        .fetch_one(pool)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-        if waiting >= n {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("fewer than {n} sessions ever waited on a lock");
-}
-
 /// Item 1: a delivery waits on an in-transaction claim for two leases, then
 /// acquires; its lease starts when its row is written, so a redelivery
 /// while its handler runs is told "in progress" and the handler runs once.
@@ -1008,7 +973,7 @@ async fn a_lease_granted_after_a_lock_wait_starts_when_the_row_is_written() {
             .await
         })
     };
-    until_a_session_waits_on_a_lock(store.pool()).await;
+    support::pg::until_waiting_on_locks(store.pool(), 1).await;
     // ... for two leases (the length of the fault), then the transaction
     // rolls back.
     tokio::time::sleep(lease * 2).await;
@@ -1067,7 +1032,7 @@ async fn a_takeover_that_waited_on_a_row_lock_reports_a_live_lease() {
         let (store, k) = (store.clone(), k.clone());
         tokio::spawn(async move { store.acquire(&k, None, lease).await })
     };
-    until_a_session_waits_on_a_lock(store.pool()).await;
+    support::pg::until_waiting_on_locks(store.pool(), 1).await;
     tokio::time::sleep(lease * 2).await; // the lock is held for two leases
     locker.commit().await.unwrap_or_else(|e| panic!("{e}"));
 
@@ -1487,7 +1452,7 @@ async fn a_restart_with_warm_idle_connections_fails_no_call() {
         })
         .collect();
     let monitor = pg::pool(&server.url, 1).await;
-    until_sessions_wait_on_a_lock(&monitor, 8).await;
+    support::pg::until_waiting_on_locks(&monitor, 8).await;
     tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
     for w in waiting {
         let got = w.await.unwrap_or_else(|e| panic!("{e}"));
@@ -1801,7 +1766,7 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
         let (store, hog_key) = (store.clone(), hog_key.clone());
         tokio::spawn(async move { store.acquire(&hog_key, None, lease).await })
     };
-    until_sessions_wait_on_a_lock(&pool, 1).await;
+    support::pg::until_waiting_on_locks(&pool, 1).await;
 
     // The call under test: waits for the connection, then for T1.
     let started = Instant::now();
@@ -1813,7 +1778,7 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
     t0.rollback().await.unwrap_or_else(|e| panic!("{e}"));
     let hogged = hog.await.unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(hogged, Ok(Acquisition::Acquired(_))), "{hogged:?}");
-    until_sessions_wait_on_a_lock(&pool, 1).await;
+    support::pg::until_waiting_on_locks(&pool, 1).await;
     println!(
         "acquire sent at {:?} (send_by is 800 ms)",
         started.elapsed()
@@ -1834,7 +1799,7 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
             t2.rollback().await.unwrap_or_else(|e| panic!("{e}"));
         })
     };
-    until_sessions_wait_on_a_lock(&pool, 2).await;
+    support::pg::until_waiting_on_locks(&pool, 2).await;
 
     // T1 commits without completing (DESIGN: the key is left in progress
     // with its lease over, for the next delivery to take over).
@@ -2292,7 +2257,7 @@ async fn a_batch_that_waited_on_a_lock_gets_leases_counted_from_after_the_wait()
         let (store, ks) = (store.clone(), ks.clone());
         tokio::spawn(async move { store.acquire_many(&items(&ks), lease).await })
     };
-    until_a_session_waits_on_a_lock(store.pool()).await;
+    support::pg::until_waiting_on_locks(store.pool(), 1).await;
     tokio::time::sleep(lease * 2).await; // the fault: a lock held for two leases
     tx.rollback().await.unwrap_or_else(|e| panic!("{e}"));
     let got = batch

@@ -48,15 +48,6 @@ async fn tiered_store() -> TieredStore<PgStore> {
         )
 }
 
-fn report(scenario: &str, fields: &[(&str, String)], started: Instant) {
-    let mut line = format!("reliability scenario={scenario} backend=tiered");
-    for (k, v) in fields {
-        line.push_str(&format!(" {k}={v}"));
-    }
-    line.push_str(&format!(" duration_ms={}", started.elapsed().as_millis()));
-    println!("{line}");
-}
-
 /// Effects per (tenant, key), counted by the handler.
 type Effects = Arc<Mutex<HashMap<(String, String), u64>>>;
 
@@ -186,8 +177,9 @@ async fn eight_tenants_sharing_keys_over_http_never_see_each_others_responses() 
     for ((tenant, key), n) in &effects {
         assert_eq!(*n, 1, "{tenant} {key} ran {n} times");
     }
-    report(
+    support::report::report(
         "tenant_isolation_http",
+        "tiered",
         &[
             ("tenants", TENANTS.to_string()),
             ("shared_keys", KEYS.to_string()),
@@ -277,8 +269,9 @@ async fn eight_tenants_sharing_ids_in_the_tiered_store_never_see_each_others_res
     for ((tenant, id), n) in &effects {
         assert_eq!(*n, 1, "{tenant} {id} ran {n} times");
     }
-    report(
+    support::report::report(
         "tenant_isolation_tiered",
+        "tiered",
         &[
             ("tenants", TENANTS.to_string()),
             ("shared_ids", KEYS.to_string()),
