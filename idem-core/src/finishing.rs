@@ -158,10 +158,10 @@ pub enum Finished {
 /// back.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Pauses {
-    /// The pause after the first failed try.
-    pub first: Duration,
-    /// The longest pause.
-    pub longest: Duration,
+    /// The pause after the first failed try (at least [`MIN_PAUSE`]).
+    first: Duration,
+    /// The longest pause (at least `first`).
+    longest: Duration,
 }
 
 /// The shortest pause [`Idempotency::finish_until`] takes: a zero pause
@@ -204,7 +204,7 @@ where
     /// Writes an unrecorded completion ([`finish`](Self::finish)) until it
     /// is recorded, taken over, refused for good, or `give_up` completes
     /// while the store is still away; between two tries it waits
-    /// `pauses` (never under [`MIN_PAUSE`]; cut short by `give_up`). A `give_up` that has completed
+    /// `pauses` (cut short by `give_up`). A `give_up` that has completed
     /// before a try still lets that try run: the receiver gives up only
     /// after the store failed once more.
     pub async fn finish_until<G>(
@@ -219,8 +219,7 @@ where
         let give_up = std::pin::pin!(give_up);
         let mut give_up = futures::future::FutureExt::fuse(give_up);
         let mut gave_up = false;
-        let longest = pauses.longest.max(MIN_PAUSE);
-        let mut pause = pauses.first.clamp(MIN_PAUSE, longest);
+        let mut pause = pauses.first;
         loop {
             match self.try_finish(unrecorded).await {
                 Ok(settled) => return settled,
@@ -232,7 +231,7 @@ where
                 () = &mut give_up => gave_up = true,
                 () = tokio::time::sleep(pause) => {}
             }
-            pause = pause.saturating_mul(2).min(longest);
+            pause = pause.saturating_mul(2).min(pauses.longest);
         }
     }
 }
