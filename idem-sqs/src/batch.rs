@@ -201,15 +201,11 @@ where
         let mut delete = Vec::new();
         let mut left = Vec::new();
         let mut dead = Vec::new();
-        let mut done = Vec::new();
         let mut fatal = None;
         for ((message, receipt), outcome) in batch.drain(..).zip(settled) {
             let outcome = outcome.unwrap_or_else(|| {
                 Outcome::Fatal(StoreError::backend("a message of the batch got no outcome"))
             });
-            if !matches!(outcome, Outcome::Finish(_)) {
-                done.push(receipt.clone());
-            }
             match outcome {
                 Outcome::Delete => delete.push(receipt),
                 Outcome::Left => left.push(receipt),
@@ -250,19 +246,22 @@ where
         }
         // Unrecorded runs are in `unfinished` now: their keys may go.
         drop(claimed);
-        // Out of the heartbeat first: a visibility set below must not be
-        // undone by a renewal (one already under way may still extend a
-        // message once; it then comes back a little later).
-        {
-            let mut in_flight = lock(&shared.in_flight);
-            for r in &done {
-                in_flight.remove(r);
-            }
-        }
+        // The messages left go out of the heartbeat first: a visibility set
+        // below must not be undone by a renewal (one already under way may
+        // still extend a message once; it then comes back a little later).
+        // Those to delete or dead-letter stay in it until they are deleted:
+        // a dead letter or a delete slower than the visibility timeout must
+        // not let the message be received (and run, or dead-lettered)
+        // again meanwhile.
+        self.queue.settled(&left);
+        self.queue
+            .settling(delete.iter().chain(dead.iter().map(|(_, r, _)| r)));
         let (sent, not_sent) = self.queue.dead_letter(dead).await;
+        self.queue.settled(&not_sent);
         delete.extend(sent);
         left.extend(not_sent);
         self.queue.delete(&delete).await;
+        self.queue.settled(&delete);
         add(&shared.counters.left_for_redelivery, left.len());
         if let (Some(seconds), false) = (self.retry_visibility, left.is_empty()) {
             self.queue.change_visibility(&left, seconds).await;

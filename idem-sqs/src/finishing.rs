@@ -83,7 +83,8 @@ where
             let Some(u) = lock(&shared.unfinished).remove(&receipt) else {
                 continue;
             };
-            lock(&shared.in_flight).remove(&receipt);
+            // Those to delete or dead-letter stay in the heartbeat until
+            // they are deleted (a slow delete must not let them come back).
             match finished {
                 Finished::Recorded => {
                     add(&shared.counters.executed, 1);
@@ -91,6 +92,7 @@ where
                 }
                 Finished::TakenOver => {
                     tracing::warn!(queue = %self.queue.url, message_id = %u.message.message_id, "unfinished run taken over by another worker: left for redelivery");
+                    self.queue.settled(std::slice::from_ref(&receipt));
                     add(&shared.counters.left_for_redelivery, 1);
                 }
                 Finished::Refused(e) | Finished::GaveUp(e) => {
@@ -100,9 +102,13 @@ where
                 }
             }
         }
+        self.queue
+            .settling(delete.iter().chain(dead.iter().map(|(_, r, _)| r)));
         let (sent, not_sent) = self.queue.dead_letter(dead).await;
+        self.queue.settled(&not_sent);
         delete.extend(sent);
         add(&shared.counters.left_for_redelivery, not_sent.len());
         self.queue.delete(&delete).await;
+        self.queue.settled(&delete);
     }
 }

@@ -48,6 +48,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
         let shared = &self.shared;
         // Receipts of an earlier run whose future was dropped: stale.
         lock(&shared.in_flight).clear();
+        lock(&shared.settling).clear();
         let queue = Arc::new(Queue {
             client: self.client.clone(),
             url: self.queue_url.clone(),
@@ -190,6 +191,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             tracing::warn!(queue = %self.queue_url, messages = left, "handlers that ran are still unrecorded at shutdown: a later run finishes them; else their messages come back and, after the lease, run again");
         }
         lock(&shared.in_flight).clear();
+        lock(&shared.settling).clear();
         if failed.is_none() {
             if let Some(e) = lock(&shared.fatal).take() {
                 failed = Some(e.into());

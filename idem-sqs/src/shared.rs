@@ -15,6 +15,9 @@ pub(crate) struct Shared {
     /// Receipt handles of the messages in flight: the heartbeat keeps them
     /// invisible.
     pub(crate) in_flight: Mutex<HashSet<String>>,
+    /// Those of `in_flight` whose delete is on its way: a renewal SQS
+    /// refuses for them is no failure (the message may be gone already).
+    pub(crate) settling: Mutex<HashSet<String>>,
     /// Messages to finish, by receipt handle (kept in `in_flight`).
     pub(crate) unfinished: Mutex<HashMap<String, Unfinished>>,
     /// A batch found that nothing can succeed: `run` stops with this.

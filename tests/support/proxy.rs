@@ -7,10 +7,15 @@
 //! dropped and the connection is cut, as when a network failure strikes
 //! after the server ran the command. The client then sees a dropped
 //! connection and may resend the command, which the server runs again.
+//!
+//! Or hold requests back: a request that contains a given pattern reaches
+//! the server only after a delay (its reply comes that much later too), as
+//! over a slow link or to a server that answers late.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -20,6 +25,7 @@ pub struct CountingProxy {
     pub addr: SocketAddr,
     turns: Arc<AtomicU64>,
     loss: Arc<Loss>,
+    late: Arc<Late>,
     cut: Arc<AtomicBool>,
     pipes: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
     task: tokio::task::JoinHandle<()>,
@@ -38,6 +44,29 @@ struct Loss {
     seen: AtomicU64,
     /// Replies lost so far.
     dropped: AtomicU64,
+}
+
+/// Which requests to hold back, and how long.
+#[derive(Default)]
+struct Late {
+    /// Requests containing this are held back; empty: none.
+    pattern: Mutex<Vec<u8>>,
+    /// For how long.
+    delay: Mutex<Duration>,
+    /// Requests held back so far.
+    held: AtomicU64,
+}
+
+impl Late {
+    /// How long this request chunk is held back, if at all.
+    fn hit(&self, chunk: &[u8]) -> Option<Duration> {
+        let pattern = self.pattern.lock().unwrap_or_else(|p| p.into_inner());
+        if pattern.is_empty() || !chunk.windows(pattern.len()).any(|w| w == &pattern[..]) {
+            return None;
+        }
+        self.held.fetch_add(1, Ordering::SeqCst);
+        Some(*self.delay.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 impl Loss {
@@ -68,7 +97,8 @@ impl CountingProxy {
             .unwrap_or_else(|e| panic!("proxy addr: {e}"));
         let turns = Arc::new(AtomicU64::new(0));
         let loss = Arc::new(Loss::default());
-        let (counter, rule) = (turns.clone(), loss.clone());
+        let late = Arc::new(Late::default());
+        let (counter, rule, slow) = (turns.clone(), loss.clone(), late.clone());
         let cut = Arc::new(AtomicBool::new(false));
         let pipes: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
         let (is_cut, open) = (cut.clone(), pipes.clone());
@@ -83,7 +113,13 @@ impl CountingProxy {
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
-                let piped = tokio::spawn(pipe(client, server, counter.clone(), rule.clone()));
+                let piped = tokio::spawn(pipe(
+                    client,
+                    server,
+                    counter.clone(),
+                    rule.clone(),
+                    slow.clone(),
+                ));
                 let mut open = open.lock().unwrap_or_else(|p| p.into_inner());
                 open.retain(|p| !p.is_finished());
                 open.push(piped.abort_handle());
@@ -93,6 +129,7 @@ impl CountingProxy {
             addr,
             turns,
             loss,
+            late,
             cut,
             pipes,
             task,
@@ -111,6 +148,19 @@ impl CountingProxy {
         self.loss.every.store(every.max(1), Ordering::SeqCst);
         self.loss.budget.store(budget, Ordering::SeqCst);
         *self.loss.pattern.lock().unwrap_or_else(|p| p.into_inner()) = pattern.to_vec();
+    }
+
+    /// From now on, every request containing `pattern` (say
+    /// `b"AmazonSQS.SendMessage\r"`) reaches the server `delay` late, and
+    /// what follows it on its connection too.
+    pub fn delay_requests_to(&self, pattern: &[u8], delay: Duration) {
+        *self.late.delay.lock().unwrap_or_else(|p| p.into_inner()) = delay;
+        *self.late.pattern.lock().unwrap_or_else(|p| p.into_inner()) = pattern.to_vec();
+    }
+
+    /// Requests held back so far.
+    pub fn delayed(&self) -> u64 {
+        self.late.held.load(Ordering::SeqCst)
     }
 
     /// Cuts every connection through the proxy and closes new ones at
@@ -142,7 +192,13 @@ impl Drop for CountingProxy {
     }
 }
 
-async fn pipe(client: TcpStream, server: TcpStream, turns: Arc<AtomicU64>, loss: Arc<Loss>) {
+async fn pipe(
+    client: TcpStream,
+    server: TcpStream,
+    turns: Arc<AtomicU64>,
+    loss: Arc<Loss>,
+    late: Arc<Late>,
+) {
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
     let (mut client_read, mut client_write) = client.into_split();
@@ -170,6 +226,9 @@ async fn pipe(client: TcpStream, server: TcpStream, turns: Arc<AtomicU64>, loss:
                 }
                 if loss.hit(&buf[..n]) {
                     up_lose.store(true, Ordering::SeqCst);
+                }
+                if let Some(delay) = late.hit(&buf[..n]) {
+                    tokio::time::sleep(delay).await;
                 }
                 if server_write.write_all(&buf[..n]).await.is_err() {
                     break;

@@ -12,8 +12,8 @@ use idem::sqs::{SqsConsumer, SqsMessage};
 use idem::{Idempotency, MemoryStore};
 
 use super::{
-    client, client_at, create_queue, moto_addr, queue_empty, send, send_all, text, wait_until,
-    Effects, Running,
+    addr_of, client, client_at, create_queue, moto_addr, queue_empty, send, send_all, text,
+    wait_until, Effects, Running,
 };
 
 /// 1,000 messages (700 keys, 200 of them sent twice and 50 three times,
@@ -160,4 +160,51 @@ async fn a_lost_delete_reply_never_runs_the_handler_twice() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "{s:?}");
     assert_eq!((s.poison, s.dead_lettered), (0, 0), "{s:?}");
     assert!(proxy.lost() >= 1, "no reply was lost: {s:?}");
+}
+
+/// A DeleteMessageBatch that reaches SQS later than the visibility timeout
+/// (a slow link): the message is kept invisible until the delete is
+/// answered, so it is never received (nor replayed) again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_delete_slower_than_the_visibility_timeout_is_not_received_again() {
+    // A moto of its own: the shared one, busy with the other tests, may
+    // answer a renewal later than the visibility timeout.
+    let moto = support::moto::MotoServer::start();
+    let client = client_at(&moto.url);
+    let url = create_queue(&client, "idem-slowdel").await;
+    let proxy = support::proxy::CountingProxy::start(addr_of(&moto.url)).await;
+    proxy.delay_requests_to(b"AmazonSQS.DeleteMessageBatch\r", Duration::from_secs(9));
+    let through = client_at(&format!("http://{}", proxy.addr));
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let a = Running::start(
+        SqsConsumer::new(through, &url, Idempotency::new(MemoryStore::new()))
+            .key_attribute("key")
+            .visibility_timeout(Duration::from_secs(4))
+            .wait_time(Duration::from_secs(1))
+            .call_timeout(Duration::from_secs(30)),
+        move |m: SqsMessage| {
+            let r = r.clone();
+            async move {
+                r.fetch_add(1, Ordering::SeqCst);
+                Ok(m.body.len())
+            }
+        },
+    );
+    send(&client, &url, "x", &[("key", text("slow-del-1"))]).await;
+    wait_until("the queue empty", Duration::from_secs(60), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let s = a.stop_within(Duration::from_secs(40)).await;
+    assert!(
+        proxy.delayed() >= 1,
+        "no delete went through the proxy: {s:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{s:?}");
+    assert_eq!(
+        (s.received, s.executed, s.replayed, s.deleted),
+        (1, 1, 0, 1),
+        "received again while its delete was on its way: {s:?}"
+    );
 }

@@ -59,7 +59,11 @@ fn client() -> Client {
 
 /// The address of the shared moto server (for a proxy in front of it).
 fn moto_addr() -> SocketAddr {
-    let url = support::moto::shared_url();
+    addr_of(support::moto::shared_url())
+}
+
+/// The address of the moto server at `url`.
+fn addr_of(url: &str) -> SocketAddr {
     let hostport = url.trim_start_matches("http://").trim_end_matches('/');
     hostport.parse().unwrap()
 }
@@ -203,28 +207,46 @@ async fn take_dead(client: &Client, url: &str, n: usize) -> Vec<Message> {
             "{} of {n} dead letters after 60 s: {out:?}",
             out.len()
         );
-        let got = client
-            .receive_message()
+        out.extend(receive_dead(client, url).await);
+    }
+    out
+}
+
+/// Every message that reaches a dead-letter queue within `window` (each
+/// deleted): none, when nothing more is to come.
+async fn take_dead_within(client: &Client, url: &str, window: Duration) -> Vec<Message> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while start.elapsed() < window {
+        out.extend(receive_dead(client, url).await);
+    }
+    out
+}
+
+/// One receive (waiting up to 1 s) of a dead-letter queue; what it got is
+/// deleted.
+async fn receive_dead(client: &Client, url: &str) -> Vec<Message> {
+    let got = client
+        .receive_message()
+        .queue_url(url)
+        .max_number_of_messages(10)
+        .wait_time_seconds(1)
+        .message_attribute_names("All")
+        .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+        .send()
+        .await
+        .unwrap();
+    let messages = got.messages.unwrap_or_default();
+    for m in &messages {
+        client
+            .delete_message()
             .queue_url(url)
-            .max_number_of_messages(10)
-            .wait_time_seconds(1)
-            .message_attribute_names("All")
-            .message_system_attribute_names(MessageSystemAttributeName::ApproximateReceiveCount)
+            .receipt_handle(m.receipt_handle().unwrap())
             .send()
             .await
             .unwrap();
-        for m in got.messages.unwrap_or_default() {
-            client
-                .delete_message()
-                .queue_url(url)
-                .receipt_handle(m.receipt_handle().unwrap())
-                .send()
-                .await
-                .unwrap();
-            out.push(m);
-        }
     }
-    out
+    messages
 }
 
 fn attr<'a>(m: &'a Message, name: &str) -> Option<&'a str> {

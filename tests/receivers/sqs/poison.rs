@@ -13,9 +13,10 @@ use idem::sqs::{SqsConsumer, SqsMessage};
 use idem::{Idempotency, MemoryStore};
 
 use super::{
-    attr, client, create_queue, create_queue_with, dead_of, queue_empty, send, take_dead, text,
-    wait_until, Effects, Running,
+    addr_of, attr, client, client_at, create_queue, create_queue_with, dead_of, queue_empty, send,
+    take_dead, take_dead_within, text, wait_until, Effects, Running,
 };
+use crate::support;
 
 /// A message whose handler always fails is dead-lettered after
 /// `max_deliveries` receives, with the reason attributes and its own
@@ -31,7 +32,7 @@ async fn poison_dead_lettered_after_max_deliveries_and_a_mismatch_at_once() {
     let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
         .key_attribute("key")
         .max_deliveries(3)
-        .visibility_timeout(Duration::from_secs(2))
+        .visibility_timeout(Duration::from_secs(5))
         .retry_visibility(Duration::ZERO)
         .wait_time(Duration::from_secs(1))
         .dead_letter(&dlq);
@@ -95,7 +96,7 @@ async fn poison_dead_lettered_after_max_deliveries_and_a_mismatch_at_once() {
     assert_eq!(
         runs.lock().unwrap().get("poison"),
         Some(&3),
-        "the handler ran max_deliveries times"
+        "the handler ran max_deliveries times: {stats:?}"
     );
 
     let m = dead_of(&dead, &mismatch);
@@ -123,6 +124,58 @@ async fn poison_dead_lettered_after_max_deliveries_and_a_mismatch_at_once() {
         stats.left_for_redelivery, 2,
         "the poison's first two failures: {stats:?}"
     );
+}
+
+/// A dead letter that reaches the dead-letter queue later than the
+/// visibility timeout (a slow link): the message is kept invisible until it is
+/// deleted, so it is dead-lettered once and never received again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_dead_letter_slower_than_the_visibility_timeout_is_sent_once() {
+    // A moto of its own: the shared one, busy with the other tests, may
+    // answer a renewal later than the visibility timeout.
+    let moto = support::moto::MotoServer::start();
+    let client = client_at(&moto.url);
+    let url = create_queue(&client, "idem-slowdead").await;
+    let dlq = create_queue(&client, "idem-slowdead-dead").await;
+    let proxy = support::proxy::CountingProxy::start(addr_of(&moto.url)).await;
+    proxy.delay_requests_to(b"AmazonSQS.SendMessage\r", Duration::from_secs(9));
+    let through = client_at(&format!("http://{}", proxy.addr));
+    let runs: Effects = Arc::default();
+    let r = runs.clone();
+    let consumer = SqsConsumer::new(through, &url, Idempotency::new(MemoryStore::new()))
+        .key_attribute("key")
+        .max_deliveries(1)
+        .visibility_timeout(Duration::from_secs(4))
+        .wait_time(Duration::from_secs(1))
+        .call_timeout(Duration::from_secs(30))
+        .dead_letter(&dlq);
+    let running = Running::start(consumer, move |m: SqsMessage| {
+        let runs = r.clone();
+        async move {
+            *runs.lock().unwrap().entry(m.body.clone()).or_default() += 1;
+            Err("always fails".into())
+        }
+    });
+    let poison = send(&client, &url, "poison", &[("key", text("slow-1"))]).await;
+    let dead = take_dead(&client, &dlq, 1).await;
+    wait_until("the queue empty", Duration::from_secs(30), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(dead_of(&dead, &poison).body(), Some("poison"));
+    assert!(
+        proxy.delayed() >= 1,
+        "no dead letter went through the proxy"
+    );
+    assert_eq!(runs.lock().unwrap().get("poison"), Some(&1), "{stats:?}");
+    assert_eq!(
+        (stats.received, stats.poison, stats.dead_lettered),
+        (1, 1, 1),
+        "received again while its dead letter was on its way: {stats:?}"
+    );
+    let more = take_dead_within(&client, &dlq, Duration::from_secs(2)).await;
+    assert!(more.is_empty(), "a second dead letter: {more:?}");
 }
 
 /// Without a dead-letter queue, poison is left to the queue's redrive

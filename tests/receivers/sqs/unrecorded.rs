@@ -17,7 +17,7 @@ use idem::{Idempotency, IdempotencyKey, MemoryStore, RecordState};
 use super::{client, create_queue, depth, queue_empty, send, text, wait_until, BoxError, Running};
 
 /// A handler that counts its runs in `effects` and answers 7; its first
-/// run takes the store of `down` down right after the effect, for 3 s.
+/// run takes the store of `down` down right after the effect, for 4 s.
 fn taking_the_store_down(
     effects: &Arc<AtomicUsize>,
     down: &Arc<AtomicBool>,
@@ -28,17 +28,17 @@ fn taking_the_store_down(
         let (effects, down) = (effects.clone(), down.clone());
         Box::pin(async move {
             if effects.fetch_add(1, Ordering::SeqCst) == 0 {
-                support::flaky::outage(&down, Duration::from_secs(3));
+                support::flaky::outage(&down, Duration::from_secs(4));
             }
             Ok(7)
         })
     }
 }
 
-/// The store goes away right after the handler's effect, for 3 s, three
+/// The store goes away right after the handler's effect, for 4 s, four
 /// times the 1 s lease: the executor gives up completing before the lease
 /// ends (`IdemError::Unrecorded`). The message is kept invisible (past its
-/// 2 s visibility timeout) and never run again; a duplicate sent meanwhile
+/// 3 s visibility timeout) and never run again; a duplicate sent meanwhile
 /// is left for redelivery; once the store is back the completion is
 /// written with the first run's lease, the message deleted, and the
 /// duplicate replayed.
@@ -51,10 +51,10 @@ async fn a_store_outage_past_the_lease_never_runs_the_message_twice() {
     let effects = Arc::new(AtomicUsize::new(0));
     let consumer = SqsConsumer::new(client.clone(), &url, idem.clone())
         .key_attribute("key")
-        .visibility_timeout(Duration::from_secs(2))
+        .visibility_timeout(Duration::from_secs(3))
         .retry_visibility(Duration::from_secs(1))
         .wait_time(Duration::from_secs(1));
-    // The first run: the store goes down after the effect, for 3 s.
+    // The first run: the store goes down after the effect, for 4 s.
     let handler = taking_the_store_down(&effects, &down);
     let running = Running::start(consumer, handler);
     send(&client, &url, "charge", &[("key", text("k-1"))]).await;
@@ -105,7 +105,7 @@ async fn an_unrecorded_message_is_never_run_again_by_another_consumer_sharing_it
     let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let effects = Arc::new(AtomicUsize::new(0));
-    // The first run: the store goes down after the effect, for 3 s.
+    // The first run: the store goes down after the effect, for 4 s.
     let handler = taking_the_store_down(&effects, &down);
     // A: documented defaults but a short visibility (the heartbeat keeps
     // the unfinished message invisible).
@@ -113,7 +113,7 @@ async fn an_unrecorded_message_is_never_run_again_by_another_consumer_sharing_it
         SqsConsumer::new(client.clone(), &qa, idem.clone())
             .key_attribute("key")
             .scope("pay")
-            .visibility_timeout(Duration::from_secs(2)),
+            .visibility_timeout(Duration::from_secs(3)),
         handler.clone(),
     );
     send(&client, &qa, "charge", &[("key", text("k-1"))]).await;
@@ -134,7 +134,7 @@ async fn an_unrecorded_message_is_never_run_again_by_another_consumer_sharing_it
         SqsConsumer::new(client.clone(), &qb, idem.clone())
             .key_attribute("key")
             .scope("pay")
-            .visibility_timeout(Duration::from_secs(2))
+            .visibility_timeout(Duration::from_secs(3))
             .retry_visibility(Duration::ZERO)
             .wait_time(Duration::from_secs(1)),
         handler,
