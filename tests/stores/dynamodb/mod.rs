@@ -141,40 +141,44 @@ async fn proxied(url: &str) -> (DynamoDbStore, CountingProxy) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
     let base = store().await;
-    let margin = Duration::from_secs(1);
+    // Seconds, not milliseconds: a busy moto may take a second or more
+    // per request, and the windows below must outlast a few of them.
+    let margin = Duration::from_secs(10);
     let holder = base.clone().clock_skew_margin(margin);
-    let ahead = base.clone().clock_skew_margin(margin).clock_offset_ms(800);
+    let ahead = base.clone().clock_skew_margin(margin).clock_offset_ms(8_000);
     let ahead_no_margin = base
         .clone()
         .clock_skew_margin(Duration::ZERO)
-        .clock_offset_ms(800);
-    let behind = base.clone().clock_skew_margin(margin).clock_offset_ms(-800);
+        .clock_offset_ms(8_000);
+    let behind = base.clone().clock_skew_margin(margin).clock_offset_ms(-8_000);
 
-    // A 300 ms lease; the client 800 ms ahead asks at once.
+    // A 3 s lease; the client 8 s ahead asks at once: the holder's lease
+    // ends 5 s from now on its clock (3 + 10 - 8).
     let k = key("skew-lease");
-    let lease = acquired(&holder, &k, Duration::from_millis(300)).await;
+    let lease = acquired(&holder, &k, Duration::from_secs(3)).await;
     let got = ahead.acquire(&k, None, LONG).await;
     match got {
         Ok(Acquisition::InProgress { retry_after, .. }) => {
-            assert!(retry_after <= Duration::from_millis(600), "{retry_after:?}")
+            assert!(retry_after <= Duration::from_secs(6), "{retry_after:?}")
         }
         other => panic!("within the margin: expected InProgress, got {other:?}"),
     }
     // Without a margin the same client takes the live lease over.
     let k2 = key("skew-hazard");
-    match holder.acquire(&k2, None, Duration::from_millis(300)).await {
+    match holder.acquire(&k2, None, Duration::from_secs(3)).await {
         Ok(Acquisition::Acquired(_)) => {}
         other => panic!("{other:?}"),
     }
     let got = ahead_no_margin.acquire(&k2, None, LONG).await;
     assert!(
         matches!(got, Ok(Acquisition::Acquired(_))),
-        "without a margin a clock 800 ms ahead takes a 300 ms lease over at once: {got:?}"
+        "without a margin a clock 8 s ahead takes a 3 s lease over at once: {got:?}"
     );
-    // The holder completes with a 300 ms retention: the client ahead
-    // replays it, and the one behind too.
+    // The holder completes with a 3 s retention: the client ahead (past
+    // it on its own clock, within the margin) replays it, and the one
+    // behind too.
     holder
-        .complete(&lease, b"r", Duration::from_millis(300))
+        .complete(&lease, b"r", Duration::from_secs(3))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     for (who, s) in [("ahead", &ahead), ("behind", &behind)] {
@@ -195,7 +199,7 @@ async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
     let second = acquired(&behind, &k3, LONG).await;
     assert!(
         second.fence > first.fence,
-        "fence {} after a release, by a clock 800 ms behind, is not above {}",
+        "fence {} after a release, by a clock 8 s behind, is not above {}",
         second.fence,
         first.fence
     );
