@@ -145,12 +145,18 @@ async fn clock_skew_within_the_margin_never_takes_a_live_lease_over() {
     // per request, and the windows below must outlast a few of them.
     let margin = Duration::from_secs(10);
     let holder = base.clone().clock_skew_margin(margin);
-    let ahead = base.clone().clock_skew_margin(margin).clock_offset_ms(8_000);
+    let ahead = base
+        .clone()
+        .clock_skew_margin(margin)
+        .clock_offset_ms(8_000);
     let ahead_no_margin = base
         .clone()
         .clock_skew_margin(Duration::ZERO)
         .clock_offset_ms(8_000);
-    let behind = base.clone().clock_skew_margin(margin).clock_offset_ms(-8_000);
+    let behind = base
+        .clone()
+        .clock_skew_margin(margin)
+        .clock_offset_ms(-8_000);
 
     // A 3 s lease; the client 8 s ahead asks at once: the holder's lease
     // ends 5 s from now on its clock (3 + 10 - 8).
