@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use idem::sqs::aws_sdk_sqs::Client;
 use idem::sqs::{SqsConsumer, SqsMessage};
 use idem::{Idempotency, MemoryStore};
 
@@ -135,21 +136,11 @@ async fn a_lost_delete_reply_never_runs_the_handler_twice() {
     let proxy = support::proxy::CountingProxy::start(moto_addr()).await;
     proxy.lose_replies_to(b"DeleteMessageBatch", 1, 3);
     let through = client_at(&format!("http://{}", proxy.addr));
-    let runs = Arc::new(AtomicUsize::new(0));
-    let r = runs.clone();
-    let a = Running::start(
-        SqsConsumer::new(through, &url, Idempotency::new(MemoryStore::new()))
-            .key_attribute("key")
-            .visibility_timeout(Duration::from_secs(1))
-            .wait_time(Duration::from_secs(1))
-            .call_timeout(Duration::from_secs(1)),
-        move |m: SqsMessage| {
-            let r = r.clone();
-            async move {
-                r.fetch_add(1, Ordering::SeqCst);
-                Ok(m.body.len())
-            }
-        },
+    let (a, runs) = counting(
+        through,
+        &url,
+        Duration::from_secs(1),
+        Duration::from_secs(1),
     );
     send(&client, &url, "x", &[("key", text("d-1"))]).await;
     wait_until("the queue empty", Duration::from_secs(60), || {
@@ -175,21 +166,11 @@ async fn a_delete_slower_than_the_visibility_timeout_is_not_received_again() {
     let proxy = support::proxy::CountingProxy::start(addr_of(&moto.url)).await;
     proxy.delay_requests_to(b"AmazonSQS.DeleteMessageBatch\r", Duration::from_secs(9));
     let through = client_at(&format!("http://{}", proxy.addr));
-    let runs = Arc::new(AtomicUsize::new(0));
-    let r = runs.clone();
-    let a = Running::start(
-        SqsConsumer::new(through, &url, Idempotency::new(MemoryStore::new()))
-            .key_attribute("key")
-            .visibility_timeout(Duration::from_secs(4))
-            .wait_time(Duration::from_secs(1))
-            .call_timeout(Duration::from_secs(30)),
-        move |m: SqsMessage| {
-            let r = r.clone();
-            async move {
-                r.fetch_add(1, Ordering::SeqCst);
-                Ok(m.body.len())
-            }
-        },
+    let (a, runs) = counting(
+        through,
+        &url,
+        Duration::from_secs(4),
+        Duration::from_secs(30),
     );
     send(&client, &url, "x", &[("key", text("slow-del-1"))]).await;
     wait_until("the queue empty", Duration::from_secs(60), || {
@@ -207,4 +188,28 @@ async fn a_delete_slower_than_the_visibility_timeout_is_not_received_again() {
         (1, 1, 0, 1),
         "received again while its delete was on its way: {s:?}"
     );
+}
+
+/// A consumer of `url` through `client` whose handler counts its runs.
+fn counting(
+    client: Client,
+    url: &str,
+    visibility: Duration,
+    call_timeout: Duration,
+) -> (Running, Arc<AtomicUsize>) {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let consumer = SqsConsumer::new(client, url, Idempotency::new(MemoryStore::new()))
+        .key_attribute("key")
+        .visibility_timeout(visibility)
+        .wait_time(Duration::from_secs(1))
+        .call_timeout(call_timeout);
+    let running = Running::start(consumer, move |m: SqsMessage| {
+        let r = r.clone();
+        async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok(m.body.len())
+        }
+    });
+    (running, runs)
 }
