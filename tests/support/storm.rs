@@ -17,6 +17,23 @@ use std::time::{Duration, Instant};
 use idem::postgres::{Claim, PgStore};
 use idem::{IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
 
+/// Messages per redelivery storm (the storms of `tests/faults/storms`
+/// without a fault and the failover storms): 2,500, each delivered 1 to 8
+/// times by 64 workers, so a fault lands with the storm in full flow and
+/// thousands of deliveries come after it. `IDEM_STORM_MESSAGES` sets
+/// another size: the figures in docs/reliability.txt were measured with
+/// 10,000.
+pub fn messages() -> u64 {
+    match std::env::var("IDEM_STORM_MESSAGES") {
+        Ok(v) => v
+            .parse()
+            .ok()
+            .filter(|&n: &u64| n >= 100)
+            .unwrap_or_else(|| panic!("IDEM_STORM_MESSAGES={v:?}: give a count of at least 100")),
+        Err(_) => 2_500,
+    }
+}
+
 /// A fresh id for the keys of one run.
 pub fn run_id() -> String {
     format!("{:016x}", fastrand::u64(..))

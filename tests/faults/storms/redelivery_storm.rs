@@ -1,12 +1,12 @@
-//! A redelivery storm without a fault: 10,000 messages, each delivered 1 to
-//! 8 times by 64 workers; every message has its effect once, every replay
+//! A redelivery storm without a fault: `support::storm::messages()` (2,500)
+//! messages, each delivered 1 to 8 times by 64 workers; every message has its effect once, every replay
 //! is the recorded result.
 
 use super::*;
 
 async fn storm_scenario(backend: Backend) {
     let started = Instant::now();
-    let messages = 10_000;
+    let messages = support::storm::messages();
     let receiver = backend.receiver(Duration::from_secs(30)).await;
     let s = storm(backend, receiver, messages, 64, None).await;
     assert_eq!(

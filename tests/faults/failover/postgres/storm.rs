@@ -45,8 +45,6 @@ use support::storm::{deliver_all, plan, run_id, Delivery, Ledger, Receiver};
 
 use super::{key, ONE_AT_A_TIME, SCOPE};
 
-/// Messages per run (each delivered 1 to 8 times).
-const MESSAGES: u64 = 10_000;
 /// Concurrent workers per run.
 const WORKERS: usize = 64;
 
@@ -305,6 +303,7 @@ async fn storm(
 async fn failover_run(kind: Kind, replication: Replication) {
     let _one = ONE_AT_A_TIME.lock().await;
     let started = Instant::now();
+    let messages = support::storm::messages();
     let pair = Arc::new(tokio::task::block_in_place(|| {
         PgReplicaPair::start(replication)
     }));
@@ -360,7 +359,7 @@ async fn failover_run(kind: Kind, replication: Replication) {
 
     let s = tokio::time::timeout(
         Duration::from_secs(150),
-        storm(pair.clone(), receiver, source.clone(), MESSAGES),
+        storm(pair.clone(), receiver, source.clone(), messages),
     )
     .await
     .unwrap_or_else(|_| panic!("the storm did not end within 150 s"));
@@ -370,7 +369,7 @@ async fn failover_run(kind: Kind, replication: Replication) {
         Replication::Async => "async",
     };
     println!(
-        "reliability scenario=postgres-failover backend={} replication={mode} messages={MESSAGES} \
+        "reliability scenario=postgres-failover backend={} replication={mode} messages={messages} \
          deliveries={} unavailable={} lease_lost={} failed={} double_effects={} lost_completions={} \
          replay_mismatches={} not_completed={} unavailable_window_ms={} last_unavailable_ms={} \
          promoted_ms={} first_execution_ms={} switches={} duration_ms={}",

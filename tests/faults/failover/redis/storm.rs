@@ -1,7 +1,8 @@
 //! Redis Cluster failover under a redelivery storm.
 //!
 //! A cluster of 3 masters and 3 replicas (`cluster-node-timeout` 1 s, no
-//! persistence) started by the test; a storm of 10,000 messages delivered
+//! persistence) started by the test; a storm of `support::storm::messages()`
+//! (2,500) messages delivered
 //! 1 to 8 times each, in random order, by 64 workers through the executor
 //! (`Idempotency`, a 15 s lease, `InProgressPolicy::Reject`); a delivery
 //! that fails (`Unavailable`, in progress, fenced off) goes back to the end
@@ -47,7 +48,6 @@ use idem::{
 };
 use support::redis_replicas::ReplicatedCluster;
 
-const MESSAGES: u64 = 10_000;
 const WORKERS: usize = 64;
 const NODE_TIMEOUT: Duration = Duration::from_millis(1000);
 /// Longer than the outage (failover in 2-3 s, plus 2 s without a replica
@@ -153,7 +153,7 @@ struct Shared {
 
 impl Shared {
     fn new(run: String) -> Shared {
-        let n = MESSAGES as usize;
+        let n = support::storm::messages() as usize;
         let zeros = || (0..n).map(|_| AtomicU64::new(0)).collect::<Vec<_>>();
         Shared {
             t0: Instant::now(),
@@ -208,6 +208,11 @@ impl Shared {
             0 | u64::MAX => None,
             us => Some((us - 1) / 1000),
         }
+    }
+
+    /// Messages in this storm (`support::storm::messages()`).
+    fn messages(&self) -> u64 {
+        self.ledger.len() as u64
     }
 
     fn killed(&self, msg: u64) -> bool {
@@ -398,7 +403,7 @@ async fn failover(
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
-    for msg in 0..MESSAGES {
+    for msg in 0..shared.messages() {
         let s = slot(shared.redis_key(msg).as_bytes());
         if slots.iter().any(|&(a, b)| a <= s && s <= b) {
             shared.on_killed_shard[msg as usize].store(true, Ordering::SeqCst);
@@ -445,7 +450,7 @@ async fn failover(
     );
     let mut lost = Vec::new();
     let mut checked = 0;
-    for msg in 0..MESSAGES {
+    for msg in 0..shared.messages() {
         let done = shared.done_at[msg as usize].load(Ordering::SeqCst);
         if done == 0 || done > kill_at || !shared.killed(msg) {
             continue;
@@ -624,7 +629,7 @@ async fn failover_storm(
     // stalled client can be replaced (see `stall_watch`).
     let current = Arc::new(Mutex::new(idem));
 
-    let mut deliveries: Vec<u64> = (0..MESSAGES)
+    let mut deliveries: Vec<u64> = (0..shared.messages())
         .flat_map(|m| std::iter::repeat_n(m, fastrand::usize(1..=8)))
         .collect();
     fastrand::shuffle(&mut deliveries);
@@ -723,7 +728,7 @@ async fn failover_storm(
     // Every record, as the cluster has it at the end.
     let mut not_completed_at_end = 0;
     let mut lost_completions = 0;
-    for msg in 0..MESSAGES {
+    for msg in 0..shared.messages() {
         let key = shared.key(msg);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
         let record = loop {
@@ -756,7 +761,7 @@ async fn failover_storm(
         .collect();
     let double_effects = effects.iter().filter(|&&n| n > 1).count();
     let never_executed = effects.iter().filter(|&&n| n == 0).count();
-    let reexecuted: Vec<u64> = (0..MESSAGES)
+    let reexecuted: Vec<u64> = (0..shared.messages())
         .filter(|&m| shared.reexecuted[m as usize].load(Ordering::SeqCst))
         .collect();
     let kill_at = shared.kill_at.load(Ordering::SeqCst);
@@ -788,7 +793,7 @@ async fn failover_storm(
         .iter()
         .filter(|&&(m, v)| shared.results[m as usize].load(Ordering::SeqCst) != v)
         .count();
-    let killed_shard = (0..MESSAGES).filter(|&m| shared.killed(m)).count();
+    let killed_shard = (0..shared.messages()).filter(|&m| shared.killed(m)).count();
     let n = |a: &AtomicU64| a.load(Ordering::SeqCst).to_string();
     let replaced: u64 = shared
         .stores
@@ -807,7 +812,7 @@ async fn failover_storm(
     );
     let fields: Vec<(&str, String)> = vec![
         ("setting", setting.to_owned()),
-        ("messages", MESSAGES.to_string()),
+        ("messages", shared.messages().to_string()),
         ("killed_shard_messages", killed_shard.to_string()),
         ("deliveries", n(&shared.attempted)),
         ("unavailable", n(&shared.unavailable)),
