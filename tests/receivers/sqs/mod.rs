@@ -40,7 +40,8 @@ mod poison;
 mod unrecorded;
 mod visibility;
 
-/// A client of the SQS at `url`.
+/// A client of the SQS at `url`, over plain HTTP (idem turns the SDK's
+/// default HTTPS clients off; moto needs none).
 fn client_at(url: &str) -> Client {
     support::logs::init();
     let config = aws_sdk_sqs::Config::builder()
@@ -48,6 +49,7 @@ fn client_at(url: &str) -> Client {
         .region(Region::new("us-east-1"))
         .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "static"))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
         .build();
     Client::from_conf(config)
 }
