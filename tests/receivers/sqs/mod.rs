@@ -81,18 +81,24 @@ async fn create_queue_with(
     attributes: &[(QueueAttributeName, String)],
 ) -> String {
     let name = format!("{prefix}-{:016x}", fastrand::u64(..));
-    let mut request = client.create_queue().queue_name(&name);
-    for (k, v) in attributes {
-        request = request.attributes(k.clone(), v);
+    // CreateQueue with the same name and attributes returns the same
+    // queue, so a request whose connection was closed under it (a busy
+    // moto drops kept-alive connections) is sent again.
+    let mut attempt = 1;
+    loop {
+        let mut request = client.create_queue().queue_name(&name);
+        for (k, v) in attributes {
+            request = request.attributes(k.clone(), v);
+        }
+        match request.send().await {
+            Ok(out) => return out.queue_url().unwrap().to_owned(),
+            Err(aws_sdk_sqs::error::SdkError::DispatchFailure(_)) if attempt < 3 => attempt += 1,
+            Err(e) => panic!(
+                "moto did not create queue {name}: {}",
+                aws_sdk_sqs::error::DisplayErrorContext(&e)
+            ),
+        }
     }
-    let out = request.send().await.unwrap_or_else(|e| {
-        panic!(
-            "moto at {} did not create a queue: {}",
-            support::moto::shared_url(),
-            aws_sdk_sqs::error::DisplayErrorContext(&e)
-        )
-    });
-    out.queue_url().unwrap().to_owned()
 }
 
 fn text(value: &str) -> MessageAttributeValue {
