@@ -16,11 +16,9 @@ use crate::error::map_sdk;
 use crate::item;
 
 /// A client for a local DynamoDB endpoint (moto, DynamoDB Local,
-/// LocalStack) over plain HTTP: region `us-east-1`, static dummy
-/// credentials, the SDK's latest behaviour version. For AWS itself, build
-/// the client from `aws-config` (its HTTPS client comes with it: idem
-/// turns off the SDK's default features, so it picks no TLS stack for
-/// you).
+/// LocalStack): region `us-east-1`, static dummy credentials, the SDK's
+/// latest behaviour version. For AWS itself, build the client from
+/// `aws-config`.
 ///
 /// ```
 /// let client = idem_dynamodb::local_client("http://127.0.0.1:5000");
@@ -33,7 +31,6 @@ pub fn local_client(endpoint_url: &str) -> Client {
         .region(Region::new("us-east-1"))
         .endpoint_url(endpoint_url)
         .credentials_provider(Credentials::new("idem", "idem", None, None, "idem-static"))
-        .http_client(aws_smithy_http_client::Builder::new().build_http())
         .build();
     Client::from_conf(config)
 }

@@ -40,8 +40,7 @@ mod poison;
 mod unrecorded;
 mod visibility;
 
-/// A client of the SQS at `url`, over plain HTTP (idem turns the SDK's
-/// default HTTPS clients off; moto needs none).
+/// A client of the SQS at `url`.
 fn client_at(url: &str) -> Client {
     support::logs::init();
     let config = aws_sdk_sqs::Config::builder()
@@ -49,7 +48,6 @@ fn client_at(url: &str) -> Client {
         .region(Region::new("us-east-1"))
         .endpoint_url(url)
         .credentials_provider(Credentials::new("test", "test", None, None, "static"))
-        .http_client(aws_smithy_http_client::Builder::new().build_http())
         .build();
     Client::from_conf(config)
 }
