@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Makes a generated workspace build its dependencies as the repository does.
 
-scripts/check-snippets (the README's snippets) and scripts/check-package
-(the crates as packaged) check crates in workspaces of their own, in the
+scripts/check-snippets (the README's snippets) checks crates in a
+workspace of its own, in the
 repository's target directory. A dependency is reused from clippy's build
 only if it resolves to the same features and profile there; otherwise
 cargo checks it again (and everything above it: a different `tokio` means
