@@ -12,7 +12,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use idem_core::{Codec, IdemError, IdempotencyKey, IdempotencyStore, JsonCodec, Processed};
+use idem_core::{
+    Codec, Fingerprint, FinishingKeys, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    JsonCodec, Processed, Unrecorded,
+};
 
 use crate::fingerprint::fingerprint;
 use crate::finishing::finish_later;
@@ -281,21 +284,72 @@ where
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
         return Ok(render(&config, problem));
     }
-    let outcome = if config.detached {
-        config
-            .idem
-            .process_with_detached(&key, Some(fingerprint), handler)
-            .await
+    let run = if config.detached {
+        // The whole run, the start of the finisher included, is one task
+        // that the request only awaits: a client that goes away does not
+        // stop the recording of what its handler did.
+        let (idem, finishing, key) = (config.idem.clone(), config.finishing.clone(), key.clone());
+        let task = async move {
+            match idem.process_with(&key, Some(fingerprint), handler).await {
+                Err(IdemError::Unrecorded(unrecorded)) => {
+                    let cause = unrecorded.cause().to_string();
+                    finish_in_background(&finishing, &idem, key, fingerprint, unrecorded);
+                    Run::Finishing { cause }
+                }
+                outcome => Run::Done(outcome),
+            }
+        };
+        match tokio::spawn(task).await {
+            Ok(run) => run,
+            // `process_with` catches the handler's panics; this is the
+            // runtime shutting down under the task, or a panic in the store.
+            Err(e) => Run::Done(Err(IdemError::Panicked {
+                message: if e.is_panic() {
+                    "the request's task panicked".to_owned()
+                } else {
+                    "the request's task was cancelled (the runtime is shutting down)".to_owned()
+                },
+            })),
+        }
     } else {
-        config
+        match config
             .idem
             .process_with(&key, Some(fingerprint), handler)
             .await
+        {
+            Err(IdemError::Unrecorded(unrecorded)) => {
+                let cause = unrecorded.cause().to_string();
+                finish_in_background(
+                    &config.finishing,
+                    &config.idem,
+                    key.clone(),
+                    fingerprint,
+                    unrecorded,
+                );
+                Run::Finishing { cause }
+            }
+            outcome => Run::Done(outcome),
+        }
     };
 
     // The handler ran in this call: its caller gets its response as it
     // is, whether it was recorded or not.
     let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
+    let outcome = match run {
+        Run::Done(outcome) => outcome,
+        // The store was away until the lease ended: the response is
+        // written later with the same lease (a retry meanwhile gets 409),
+        // never by running the handler again.
+        Run::Finishing { cause } => {
+            tracing::warn!(key = %key, %cause, "idempotency layer: the handler ran while the store was away; its response is recorded once the store is back");
+            return Ok(live.unwrap_or_else(|| {
+                // Cannot happen: the handler puts its response before it
+                // ends well.
+                tracing::error!(key = %key, "idempotency layer: the handler ran but left no response");
+                render(&config, Problem::new(ProblemKind::Internal))
+            }));
+        }
+    };
     if let Some(live) = live {
         match &outcome {
             Ok(Processed::Executed(_)) | Err(IdemError::Handler(NotRecorded::Status(_))) => {}
@@ -308,26 +362,6 @@ where
                 // response; a duplicate gets 409 until the lease ends.
                 if let Err(e) = &outcome {
                     tracing::error!(key = %key, error = %e, "idempotency layer: the handler ran but its response was not recorded");
-                }
-            }
-        }
-        // The store was away until the lease ended: the response is
-        // written later with the same lease (a retry meanwhile gets 409),
-        // never by running the handler again.
-        if let Err(IdemError::Unrecorded(unrecorded)) = outcome {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => {
-                    // Out of the set however the task ends (a panic, or
-                    // its runtime shutting down, included).
-                    let guard = config.finishing.hold(key.clone(), Some(fingerprint));
-                    let idem = config.idem.clone();
-                    runtime.spawn(async move {
-                        finish_later(idem, unrecorded).await;
-                        drop(guard);
-                    });
-                }
-                Err(_) => {
-                    tracing::error!(key = %key, "idempotency layer: no tokio runtime to record the response later; after its lease a retry runs the handler again");
                 }
             }
         }
@@ -369,6 +403,44 @@ where
         }
     };
     Ok(render(&config, problem))
+}
+
+/// How a run ended, seen from the request that made it.
+enum Run<T, E> {
+    /// Its outcome.
+    Done(Result<Processed<T>, IdemError<E>>),
+    /// The handler ran while the store was away past the lease
+    /// (`IdemError::Unrecorded`): its response is being written later, its
+    /// key held finishing.
+    Finishing {
+        /// The last store error of the completion.
+        cause: String,
+    },
+}
+
+/// Holds `key` finishing (a retry with the same payload gets 409 without
+/// asking the store) and writes the completion of `unrecorded` in a task
+/// of its own, which lets the key go when it ends however it ends.
+fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
+    finishing: &Arc<FinishingKeys>,
+    idem: &Idempotency<S, C>,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    unrecorded: Box<Unrecorded>,
+) {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            let guard = finishing.hold(key, Some(fingerprint));
+            let idem = idem.clone();
+            runtime.spawn(async move {
+                finish_later(idem, unrecorded).await;
+                drop(guard);
+            });
+        }
+        Err(_) => {
+            tracing::error!(key = %key, "idempotency layer: no tokio runtime to record the response later; after its lease a retry runs the handler again");
+        }
+    }
 }
 
 /// How far the request body is: not read yet, or buffered.

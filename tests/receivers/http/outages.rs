@@ -146,6 +146,75 @@ async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_tw
     assert_eq!(again.body, first.body, "the retry gets the first response");
 }
 
+/// The same outage, but the client gives up after 200 ms, long before the
+/// executor does: its request's future is dropped while the handler's
+/// detached task still tries to record. The task itself holds the key
+/// finishing and writes the completion once the store is back, so every
+/// retry afterwards gets 409 or the replay of the one run, never a second
+/// run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_gone_before_an_unrecorded_response_never_gets_the_handler_run_twice() {
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                support::flaky::outage(&down, std::time::Duration::from_secs(3));
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let gone = tokio::time::timeout(
+        std::time::Duration::from_millis(200),
+        post_json(&url, Some("k-gone"), "t1", &json!({})),
+    )
+    .await;
+    assert!(
+        gone.is_err(),
+        "the client was to give up first: {:?}",
+        gone.map(|r| r.status)
+    );
+    // Retries as a client would, through the outage and after it, until
+    // one is answered with the run's response.
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let replay = loop {
+        let r = post_json(&url, Some("k-gone"), "t1", &json!({})).await;
+        assert_eq!(
+            effects.load(Ordering::SeqCst),
+            1,
+            "a retry ran the handler again: {} {:?}",
+            r.status,
+            r.body
+        );
+        if r.status == 201 {
+            break r;
+        }
+        assert!(
+            matches!(r.status, 409 | 503),
+            "a retry while finishing: {} {:?}",
+            r.status,
+            r.body
+        );
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the response was never recorded after the store came back"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    assert_eq!(
+        replay.body,
+        json!("payment 1"),
+        "the replay is the one run's"
+    );
+}
+
 /// The first request's response cannot be recorded before the executor
 /// gives up (`Unrecorded`; its completions fail, the store stays
 /// reachable): the layer keeps the key finishing and answers its retries
