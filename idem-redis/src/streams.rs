@@ -40,7 +40,7 @@
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acknowledged |
 //! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
-//! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | left pending and never run again: this consumer writes its completion with the run's own lease ([`Idempotency::finish`]) once the store is back, then acknowledges it (a consumer that stops first leaves it pending: after the lease its next owner takes the key over and runs it) |
+//! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | left pending and kept from the other consumers (claimed again every `claim_idle / 4`, see below): this consumer writes its completion with the run's own lease ([`Idempotency::finish`]) once the store is back, then acknowledges it. A consumer that stops first leaves it pending: after `claim_idle` another consumer reclaims it and, the lease being over, takes the key over and runs it again (the window of an outage longer than the lease, DESIGN 4) |
 //! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
 //! | a field name that is not UTF-8, or that appears twice in the entry | dead-lettered at once, its fields copied byte for byte; the handler never runs ([`StreamEntry::fields`] is a map by `String` name: such names would be merged) |
@@ -73,6 +73,16 @@
 //! handler must be `Send + Sync + 'static`. A process that dies takes its
 //! handlers with it: their keys stay in progress until their leases end,
 //! then a redelivery takes them over (with a higher attempt and fence).
+//!
+//! While `run` runs, the entries whose handlers run and those it is
+//! finishing are claimed again every `claim_idle / 4` (`XCLAIM ... 0 ...
+//! JUSTID`: their idle time back to 0, their delivery counts unchanged;
+//! one round trip to Redis, not to the store), so no other consumer of the
+//! group reclaims an entry its holder is still working on, however long
+//! the handler runs or the store stays away. Give every consumer of a
+//! group the same `claim_idle`: a consumer reclaims after its own. A
+//! consumer that dies stops claiming; its entries go idle and are
+//! reclaimed after `claim_idle`.
 //!
 //! Deliveries of one key in the same batch run one after the other: the
 //! later ones wait for the first and get its replay (or run again if it
@@ -111,6 +121,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::{map_error, millis, CallTimeout, UnexpectedReply};
+
+mod keeper;
 
 /// One stream entry, as the handler gets it.
 ///
@@ -262,6 +274,9 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     /// An unfinished key was settled: read this consumer's pending
     /// entries again (those of the key held back meanwhile).
     reread_own: Arc<std::sync::atomic::AtomicBool>,
+    /// The entries in flight and the unfinished ones, kept claimed while
+    /// `run` runs (see [`keeper`]).
+    held: Arc<keeper::Held>,
 }
 
 impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
@@ -335,8 +350,9 @@ where
     /// Defaults: key from the field `id`, scope `stream.{stream}` (when
     /// valid, else `stream:` and a hash of the name: [`default_scope`]),
     /// batches of 32, 8 entries at once, reads
-    /// blocking for 500 ms, entries reclaimed after 30 s idle (set
-    /// `claim_idle` longer than your handler's longest run), 5 s call
+    /// blocking for 500 ms, entries reclaimed after 30 s idle (entries
+    /// in this consumer's hands are claimed again every `claim_idle / 4`
+    /// meanwhile, so a long handler keeps its entry), 5 s call
     /// timeout, dead-lettered to `{stream}:dead` after
     /// [`DEFAULT_MAX_DELIVERIES`] deliveries.
     pub async fn new(
@@ -364,6 +380,7 @@ where
             dead_letter: format!("{stream}:dead"),
             counters: Arc::default(),
             unfinished: Arc::default(),
+            held: Arc::default(),
             reread_own: Arc::default(),
         };
         let mut create = redis::cmd("XGROUP");
@@ -427,7 +444,12 @@ where
     }
 
     /// How long an entry must have been pending with another consumer
-    /// before this one takes it over (default 30 s). `Duration::MAX` (or
+    /// before this one takes it over (default 30 s); while `run` runs, the
+    /// entries in this consumer's hands (in flight, or being finished after
+    /// a store outage) are claimed again every quarter of it, so they
+    /// never reach it. Give every consumer of a group the same value.
+    /// `Duration::ZERO`: any pending entry may be taken at once, nothing is
+    /// kept. `Duration::MAX` (or
     /// anything longer than [`MAX_DURATION`](idem_core::MAX_DURATION)) is
     /// saturated: in effect, never.
     pub fn claim_idle(mut self, idle: Duration) -> Self {
@@ -499,6 +521,21 @@ where
         // round trip per batch saved on the hot path.
         let mut cursor = "0-0".to_owned();
         let mut next_sweep = tokio::time::Instant::now();
+        let keep_every = keeper::period(self.claim_idle);
+        let _keeper = keep_every.map(|every| {
+            keeper::AbortOnDrop(tokio::spawn(
+                keeper::Keeper {
+                    conn: self.conn.clone(),
+                    stream: self.stream.clone(),
+                    group: self.group.clone(),
+                    consumer: self.consumer.clone(),
+                    held: self.held.clone(),
+                    every,
+                    call_timeout: self.call_timeout,
+                }
+                .run(),
+            ))
+        });
         loop {
             if (&mut shutdown).now_or_never().is_some() {
                 break;
@@ -524,11 +561,16 @@ where
             }
             if entries.is_empty() {
                 let until_sweep = next_sweep.saturating_duration_since(tokio::time::Instant::now());
-                let block = if self.block.is_zero() {
+                let mut block = if self.block.is_zero() {
                     until_sweep
                 } else {
                     self.block.min(until_sweep)
                 };
+                // The keeper's claims queue behind a blocking read on this
+                // connection: while it holds entries, reads are short.
+                if let Some(every) = keep_every.filter(|_| !self.held.is_empty()) {
+                    block = block.min(every);
+                }
                 entries = self.read_new(block).await?;
             }
             self.process_batch(entries, &handler).await?;
@@ -566,9 +608,13 @@ where
                 Ok(Finished::Recorded) => {
                     self.counters.executed.fetch_add(1, Ordering::Relaxed);
                     self.reread_own.store(true, Ordering::SeqCst);
+                    self.held.let_go([id.as_str()]);
                     ack.push(id);
                 }
-                Ok(Finished::TakenOver) => self.reread_own.store(true, Ordering::SeqCst),
+                Ok(Finished::TakenOver) => {
+                    self.held.let_go([id.as_str()]);
+                    self.reread_own.store(true, Ordering::SeqCst)
+                }
                 Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
@@ -577,6 +623,7 @@ where
                         first: false,
                         unusable: None,
                     };
+                    self.held.let_go([id.as_str()]);
                     dead.push((delivery, 0, reason));
                     self.reread_own.store(true, Ordering::SeqCst);
                 }
@@ -773,6 +820,13 @@ where
             };
             settled.push(outcome);
         }
+        // Kept claimed while they run and their completions are written;
+        // those left to finish stay held until they are.
+        let in_flight: Vec<String> = item_of
+            .iter()
+            .map(|&i| deliveries[i].entry.id.clone())
+            .collect();
+        self.held.hold(in_flight.iter().map(String::as_str));
         // `concurrency` handlers at once; one whose lease may have ended
         // while it waited for its turn does not run (the entry stays
         // pending: its redelivery gets the replay, or takes the key over).
@@ -866,6 +920,15 @@ where
         }
         ack.extend(self.dead_letter_all(dead).await);
         self.ack(&ack).await;
+        {
+            let unfinished = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
+            self.held.let_go(
+                in_flight
+                    .iter()
+                    .map(String::as_str)
+                    .filter(|id| !unfinished.contains_key(*id)),
+            );
+        }
         match fatal {
             Some(e) => Err(e),
             None => Ok(()),

@@ -208,3 +208,60 @@ async fn a_duplicate_held_back_by_an_unfinished_key_is_settled_once_it_finishes(
         "(effects, entries still pending) 10 s after the store came back and A was finished: {stats:?}"
     );
 }
+
+/// Consumer A's handler runs; A's link to the store is cut right after the
+/// effect, for 4 s, four times the 1 s lease (`Unrecorded`), while Redis
+/// itself stays reachable. Consumer B of the same group (its own link to
+/// the store is fine) reclaims entries idle for 1 s. A keeps its entry
+/// claimed the whole time (in flight, then while it finishes), so B never
+/// reclaims it, never takes the expired lease over, never runs it again;
+/// A finishes and acks once its store is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_consumer_never_reclaims_an_entry_its_holder_is_finishing() {
+    let stream = format!("unfinished-reclaim-{:08x}", fastrand::u32(..));
+    let records = idem::MemoryStore::new();
+    let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
+    let idem_a = Idempotency::new(store_a).lease(Duration::from_secs(1));
+    let idem_b = Idempotency::new(records).lease(Duration::from_secs(1));
+    let a = consumer_on(&stream, "a", idem_a)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_secs(1));
+    let b = consumer_on(&stream, "b", idem_b)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_secs(1));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler_a = charging(&effects, &down, Some(Duration::from_secs(4)));
+    let handler_b = charging(&effects, &Arc::new(AtomicBool::new(false)), None);
+    let run_a = {
+        let effects = effects.clone();
+        async move {
+            run_until(
+                &a,
+                handler_a,
+                Duration::from_secs(30),
+                ran_and_nothing_pending(&stream, &effects, 1),
+            )
+            .await
+        }
+    };
+    let run_b = async {
+        // B starts once A's handler ran.
+        while effects.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let stop = tokio::time::sleep(Duration::from_secs(8));
+        b.run(handler_b, stop).await
+    };
+    let (stats_a, stats_b) = tokio::join!(run_a, run_b);
+    let stats_b = stats_b.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "B reclaimed the entry A was finishing and ran it again: A {stats_a:?}, B {stats_b:?}"
+    );
+    let stats_a = stats_a.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stats_a.executed, 1, "A finished it: {stats_a:?}");
+}
