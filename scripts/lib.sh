@@ -232,7 +232,8 @@ server_moto() {
   mkdir -p "$dir"
   "$bin" -H 127.0.0.1 -p "$port" >"$dir/server.log" 2>&1 &
   track_pid $!
-  wait_until 60 "moto_server on port $port" moto_up "$port"
+  # moto imports much of boto at start: tens of seconds on a loaded machine.
+  wait_until 180 "moto_server on port $port" moto_up "$port"
   export IDEM_MOTO_URL="http://127.0.0.1:$port" IDEM_MOTO_BIN="$bin"
   echo "moto ($bin) on $IDEM_MOTO_URL"
 }

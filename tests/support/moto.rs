@@ -68,11 +68,13 @@ impl MotoServer {
             url: format!("http://127.0.0.1:{port}"),
             child: Mutex::new(Some(child)),
         };
-        let deadline = Instant::now() + Duration::from_secs(60);
+        // moto imports much of boto at start: tens of seconds on a loaded
+        // machine.
+        let deadline = Instant::now() + Duration::from_secs(180);
         while TcpStream::connect(("127.0.0.1", port)).is_err() {
             assert!(
                 Instant::now() < deadline,
-                "moto_server did not listen on {port} within 60 s. {HOW_TO}"
+                "moto_server did not listen on {port} within 180 s. {HOW_TO}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
