@@ -186,7 +186,7 @@ async fn with_idem(
     .concurrency(concurrency)
     .partition_concurrency(concurrency)
     .batch(batch)
-    .scope(format!("rate.{group}"));
+    .scope(format!("rate.{group}"))?;
     let started: Arc<Mutex<Option<Instant>>> = Arc::default();
     let finished: Arc<Mutex<Option<Instant>>> = Arc::default();
     let records = args.records;

@@ -6,7 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::{saturate, Codec, Idempotency, IdempotencyStore, JsonCodec};
+use idem_core::{
+    saturate, Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, KeyError,
+};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
 use rdkafka::producer::FutureProducer;
@@ -18,6 +20,11 @@ use crate::record::default_scope;
 use crate::record::KeySource;
 use crate::shared::Shared;
 use crate::stats::Counters;
+
+/// The most records `concurrency`, `partition_concurrency` and `batch` let
+/// be in flight or acquired together (1,048,576): larger settings are
+/// clamped to it (a semaphore cannot hold `usize::MAX` permits).
+pub const MAX_IN_FLIGHT: usize = 1 << 20;
 
 /// The default of [`KafkaConsumer::max_deliveries`].
 pub const DEFAULT_MAX_DELIVERIES: u32 = 10;
@@ -205,10 +212,14 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     }
 
     /// One scope for the keys of every topic (default: [`default_scope`]
-    /// of each record's topic).
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = Some(scope.into());
-        self
+    /// of each record's topic). A scope that is not valid (DESIGN 2: 1 to
+    /// 64 bytes of `[A-Za-z0-9._:-]`) is refused here, before any record
+    /// is read: every record's key would be refused.
+    pub fn scope(mut self, scope: impl Into<String>) -> Result<Self, KeyError> {
+        let scope = scope.into();
+        IdempotencyKey::new(scope.clone(), "-")?;
+        self.scope = Some(scope);
+        Ok(self)
     }
 
     /// Records of one partition acquired together (default 1: each record
@@ -220,21 +231,22 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// settles when its batch returns, so a slow record holds up the
     /// others of its batch. Records that need a retry go on on their own.
     pub fn batch(mut self, n: usize) -> Self {
-        self.batch = n.max(1);
+        self.batch = n.clamp(1, MAX_IN_FLIGHT);
         self
     }
 
     /// Records in flight at once, all partitions together (default 64; at
-    /// least 1).
+    /// least 1, at most [`MAX_IN_FLIGHT`]).
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.concurrency = n.clamp(1, MAX_IN_FLIGHT);
         self
     }
 
     /// Records of one partition in flight at once (default 16; at least
-    /// 1). 1 runs a partition's records one after the other.
+    /// 1, at most [`MAX_IN_FLIGHT`]). 1 runs a partition's records one
+    /// after the other.
     pub fn partition_concurrency(mut self, n: usize) -> Self {
-        self.partition_concurrency = n.max(1);
+        self.partition_concurrency = n.clamp(1, MAX_IN_FLIGHT);
         self
     }
 

@@ -140,7 +140,7 @@ mod stats;
 mod track;
 mod work;
 
-pub use consumer::{KafkaConsumer, DEFAULT_MAX_DELIVERIES};
+pub use consumer::{KafkaConsumer, DEFAULT_MAX_DELIVERIES, MAX_IN_FLIGHT};
 #[doc(hidden)]
 pub use context::IdemContext;
 pub use error::KafkaConsumerError;

@@ -113,7 +113,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use idem_core::{
     saturate, Codec, Context, Fingerprint, Finished, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, Processed, StoreError, Unrecorded,
+    IdempotencyStore, JsonCodec, KeyError, Processed, StoreError, Unrecorded,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Value};
@@ -215,6 +215,10 @@ struct Counters {
     left_pending: AtomicU64,
     dead_lettered: AtomicU64,
 }
+
+/// The most entries `batch` reads at once (10,000): larger settings are
+/// clamped to it, so a read never asks Redis for an unbounded `COUNT`.
+pub const MAX_BATCH: usize = 10_000;
 
 /// The default of [`StreamConsumer::max_deliveries`].
 ///
@@ -415,21 +419,29 @@ where
     /// The scope of the keys (default `stream.{stream}`, or
     /// `stream:{hash}` for a stream name that is not a valid scope: see
     /// [`default_scope`]).
-    pub fn scope(mut self, scope: impl Into<String>) -> Self {
-        self.scope = scope.into();
-        self
+    ///
+    /// A scope that is not valid (DESIGN 2: 1 to 64 bytes of
+    /// `[A-Za-z0-9._:-]`) is refused here, before any entry is read:
+    /// every entry's key would be refused.
+    pub fn scope(mut self, scope: impl Into<String>) -> Result<Self, KeyError> {
+        let scope = scope.into();
+        IdempotencyKey::new(scope.clone(), "-")?;
+        self.scope = scope;
+        Ok(self)
     }
 
-    /// Entries read per `XREADGROUP` / `XAUTOCLAIM` (default 32).
+    /// Entries read per `XREADGROUP` / `XAUTOCLAIM` (default 32; at least
+    /// 1, at most [`MAX_BATCH`]).
     pub fn batch(mut self, n: usize) -> Self {
-        self.batch = n.max(1);
+        self.batch = n.clamp(1, MAX_BATCH);
         self
     }
 
-    /// Handlers running at once (default 8). The whole batch is acquired
-    /// and recorded together whatever this is.
+    /// Handlers running at once (default 8; at least 1, at most
+    /// [`MAX_BATCH`]: no more can run than a batch holds). The whole batch
+    /// is acquired and recorded together whatever this is.
     pub fn concurrency(mut self, n: usize) -> Self {
-        self.concurrency = n.max(1);
+        self.concurrency = n.clamp(1, MAX_BATCH);
         self
     }
 

@@ -7,6 +7,7 @@
 //!   completion within a partition;
 //! - `rebalance`: members joining while records run, short revoke waits;
 //! - `poison`: dead letters, `max_deliveries`, input no handler can use;
+//! - `settings`: settings at their extremes, scopes that cannot be keys;
 //! - `shutdown`: a bounded shutdown, a record cut off by it;
 //! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
 //!   the result finished later, across a shutdown and a restart.
@@ -37,6 +38,7 @@ use serde::Serialize;
 mod delivery;
 mod poison;
 mod rebalance;
+mod settings;
 mod shutdown;
 mod unrecorded;
 

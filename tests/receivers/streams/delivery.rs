@@ -432,6 +432,7 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
         )
         .await
         .scope(scope)
+        .unwrap_or_else(|e| panic!("{e}"))
         .batch(2)
         .concurrency(1)
         .block(Duration::from_millis(50))

@@ -141,6 +141,56 @@ async fn claim_idle_of_duration_max_is_saturated_not_an_error() {
     assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
 }
 
+/// `batch` and `concurrency` of `usize::MAX` are clamped to `MAX_BATCH`:
+/// reads ask Redis for a `COUNT` it takes (before, `COUNT
+/// 18446744073709551615` failed the first read and `run` with it), and
+/// `run` processes and acks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_and_concurrency_of_usize_max_are_clamped_not_an_error() {
+    let stream = format!("batch-max-{:08x}", fastrand::u32(..));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .block(Duration::from_millis(50))
+        .batch(usize::MAX)
+        .concurrency(usize::MAX);
+    let debug = format!("{consumer:?}");
+    assert!(
+        debug.contains(&format!("batch: {}", idem::redis::streams::MAX_BATCH)),
+        "{debug}"
+    );
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        counting(&runs),
+        Duration::from_secs(10),
+        ran_and_nothing_pending(&stream, &runs, 1),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((stats.executed, stats.acked), (1, 1), "{stats:?}");
+}
+
+/// A scope that is not a valid key scope is refused when the consumer is
+/// built (before, every entry was dead-lettered with "no usable key").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_scope_is_refused_when_the_consumer_is_built() {
+    let stream = format!("scope-bad-{:08x}", fastrand::u32(..));
+    for bad in ["orders v2", "", &"s".repeat(65)] {
+        let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await)).await;
+        match consumer.scope(bad) {
+            Err(
+                idem::KeyError::EmptyScope
+                | idem::KeyError::ScopeTooLong { .. }
+                | idem::KeyError::InvalidScopeChar { .. },
+            ) => {}
+            other => panic!("scope {bad:?}: {:?}", other.map(|_| "accepted")),
+        }
+    }
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await)).await;
+    assert!(consumer.scope("orders.v2").is_ok());
+}
+
 /// A consumer over a connection of yours: a
 /// `MultiplexedConnection` (made without a response timeout) and a Redis
 /// Cluster connection. Both process, dead-letter and acknowledge.
