@@ -274,7 +274,8 @@ where
 
     /// How long to keep retrying the completion after the handler succeeded
     /// when the store is briefly unavailable (a restart, a failover), with
-    /// backoff from 10 ms to 1 s. Default: half the lease. The heartbeat
+    /// backoff from 10 ms to 1 s or an eighth of the lease, whichever is
+    /// shorter. Default: half the lease. The heartbeat
     /// keeps running meanwhile, and the retry never goes past the end of
     /// the lease as last renewed (after it another worker may take the key
     /// over). Giving up leaves the key in progress; after the lease another
@@ -774,7 +775,10 @@ where
     ) -> Result<(), StoreError> {
         let budget = self.complete_retry.unwrap_or(self.lease / 2);
         let give_up = later(Instant::now(), budget);
-        let mut pause = Duration::from_millis(10);
+        // Pauses stay well inside the lease (an eighth of it at most), so
+        // the retry lasts as long as the heartbeat keeps the lease.
+        let longest = (self.lease / 8).clamp(Duration::from_millis(1), Duration::from_secs(1));
+        let mut pause = Duration::from_millis(10).min(longest);
         loop {
             let call = self.store.complete(lease, response, self.retention);
             match timed(self.store.backend_name(), StoreOperation::Complete, call).await {
@@ -787,7 +791,7 @@ where
                     }
                     tracing::warn!(key = %lease.key, error = %e, "completion failed; retrying");
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
+                    pause = (pause * 2).min(longest);
                 }
                 other => return other,
             }

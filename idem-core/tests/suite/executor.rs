@@ -928,6 +928,29 @@ async fn heartbeat_keeps_running_during_the_completion_retry() {
     );
 }
 
+/// A short lease (600 ms) and a long retry budget (6 s), the heartbeat on:
+/// completions refused for a while are retried with pauses that stay well
+/// inside the lease (at most an eighth of it), so the retry goes on as
+/// long as the heartbeat renews the lease and the store answers in the
+/// end. (The pause doubled to 640 ms, past the lease, and the retry gave
+/// up after 0.65 s with `Unrecorded`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_retry_pauses_stay_inside_a_short_lease() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_millis(600))
+        .complete_retry(Duration::from_secs(6));
+    let k = key("m-retry-short-lease");
+    store.fail_completes(12);
+    let out = idem
+        .process(&k, 1u8, |_| async { Ok::<_, Declined>(7u8) })
+        .await;
+    assert!(
+        matches!(out, Ok(Processed::Executed(7))),
+        "12 refused completions under a renewed 600 ms lease: {out:?}"
+    );
+}
+
 /// DESIGN 4: configuration never panics: a zero lease is refused before
 /// anything is stored; `Duration::MAX` everywhere works (saturated).
 #[tokio::test(start_paused = true)]
