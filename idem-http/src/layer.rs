@@ -368,7 +368,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// A request whose tenant is not known (no tenant function, or it
     /// returns `None` or an empty string) is refused with `401
     /// Unauthorized` before anything runs or is stored, unless
-    /// [`allow_anonymous`](Self::allow_anonymous) is on.
+    /// [`allow_anonymous`](Self::allow_anonymous) is on. A tenant
+    /// function that panics is answered `500` (nothing runs, the panic
+    /// text is not sent), like a key function that panics.
     ///
     /// ```
     /// use axum::{body::Body, routing::post, Router};

@@ -168,8 +168,22 @@ where
             .await
             .map(box_response);
     }
-    let tenant = match config.tenant.as_ref().and_then(|f| f(&parts)) {
-        Some(tenant) if !tenant.is_empty() => tenant,
+    // The user's tenant function, caught like the key extractors: a panic
+    // is a clean 500, never a connection cut.
+    let tenant = match config
+        .tenant
+        .as_ref()
+        .map(|f| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&parts))))
+    {
+        Some(Err(_)) => {
+            tracing::error!("idempotency layer: the tenant function panicked");
+            return Ok(render(
+                &config,
+                Problem::new(ProblemKind::Internal)
+                    .with_detail("The request could not be processed. It did not run."),
+            ));
+        }
+        Some(Ok(Some(tenant))) if !tenant.is_empty() => tenant,
         _ if config.allow_anonymous => String::new(),
         _ => return Ok(render(&config, Problem::new(ProblemKind::CallerUnknown))),
     };

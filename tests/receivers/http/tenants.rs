@@ -120,3 +120,55 @@ async fn anonymous_callers_are_refused_unless_allowed() {
     );
     assert_eq!(executions.load(Ordering::SeqCst), 3);
 }
+
+/// A tenant function that panics is answered with a clean 500 problem
+/// (before, the panic killed the connection: the client saw an incomplete
+/// message); the handler never runs, and the server goes on serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_tenant_function_is_a_500_and_runs_nothing() {
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let effects = effects.clone();
+        move || async move {
+            effects.fetch_add(1, Ordering::SeqCst);
+            "ran"
+        }
+    };
+    let layer = IdempotencyLayer::new(Idempotency::new(idem::MemoryStore::new())).tenant(
+        |parts: &axum::http::request::Parts| -> Option<String> {
+            if parts.headers.contains_key("x-boom") {
+                panic!("the tenant lookup failed");
+            }
+            Some("t1".to_owned())
+        },
+    );
+    let url = format!(
+        "{}/payments",
+        spawn_server(Router::new().route("/payments", post(handler)).layer(layer)).await
+    );
+    let client = reqwest::Client::new();
+    let r = client
+        .post(&url)
+        .header("idempotency-key", "k-boom")
+        .header("x-boom", "1")
+        .body("{}")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("the connection was cut: {e}"));
+    assert_eq!(r.status().as_u16(), 500);
+    let text = r.text().await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        !text.contains("tenant lookup"),
+        "the panic is not echoed: {text}"
+    );
+    assert_eq!(effects.load(Ordering::SeqCst), 0);
+    let r = client
+        .post(&url)
+        .header("idempotency-key", "k-ok")
+        .body("{}")
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(effects.load(Ordering::SeqCst), 1);
+}
