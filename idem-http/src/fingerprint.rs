@@ -7,10 +7,11 @@ use idem_core::Fingerprint;
 use crate::json;
 
 /// The fingerprint of a request: SHA-256 over its method, its path and
-/// query, the essence of its media type (`application/json`, without
-/// parameters such as `charset`), and its body: the canonical JSON of a
-/// JSON body (`application/json` or `+json`), so that field order and
-/// whitespace never make a mismatch, or else the body's bytes. A JSON body
+/// query, its media type, and its body: the canonical JSON of a JSON body
+/// (`application/json` or `+json`, whose parameters such as `charset` do
+/// not count: JSON is UTF-8), so that field order and whitespace never
+/// make a mismatch, or else the body's bytes with the media type's
+/// parameters (the same bytes under another `charset` are another text). A JSON body
 /// keeps its numbers' exact text (see the `json` module): two requests that
 /// differ only in a digit never share a fingerprint.
 pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
@@ -18,11 +19,19 @@ pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerpr
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
-    let media = media_type(&parts.headers);
-    let canonical = is_json(&media).then(|| json::canonical(body)).flatten();
+    let essence = media_type(&parts.headers);
+    let json = is_json(&essence);
+    let canonical = json.then(|| json::canonical(body)).flatten();
     let (form, body) = match &canonical {
         Some(canonical) => (&b"json"[..], canonical.as_slice()),
         None => (&b"bytes"[..], body),
+    };
+    // Bytes mean another text under another charset: for a body other than
+    // JSON (which is UTF-8 whatever it says), the parameters count.
+    let media = if json {
+        essence
+    } else {
+        with_parameters(essence, &parts.headers)
     };
     // Method, target and media type hold no newline (HTTP forbids it).
     let mut bytes = Vec::with_capacity(body.len() + target.len() + media.len() + 32);
@@ -60,6 +69,45 @@ fn media_type(headers: &http::HeaderMap) -> Vec<u8> {
     };
     let essence = value.as_bytes().split(|&b| b == b';').next().unwrap_or(b"");
     essence.trim_ascii().to_ascii_lowercase()
+}
+
+/// `essence` followed by the parameters of `Content-Type`, normalized as
+/// media types compare: names lowercased, values unquoted (and lowercased
+/// for `charset`, whose values have no case), sorted by name.
+fn with_parameters(mut essence: Vec<u8>, headers: &http::HeaderMap) -> Vec<u8> {
+    let Some(value) = headers.get(CONTENT_TYPE) else {
+        return essence;
+    };
+    let mut parameters: Vec<(Vec<u8>, Vec<u8>)> = value
+        .as_bytes()
+        .split(|&b| b == b';')
+        .skip(1)
+        .filter_map(|p| {
+            let at = p.iter().position(|&b| b == b'=')?;
+            let name = p[..at].trim_ascii().to_ascii_lowercase();
+            let raw = p[at + 1..].trim_ascii();
+            let raw = raw
+                .strip_prefix(b"\"")
+                .and_then(|r| r.strip_suffix(b"\""))
+                .unwrap_or(raw);
+            let value = if name == b"charset" {
+                raw.to_ascii_lowercase()
+            } else {
+                raw.to_vec()
+            };
+            (!name.is_empty()).then_some((name, value))
+        })
+        .collect();
+    parameters.sort();
+    for (name, value) in parameters {
+        // `;` and `=` end a token; a value holding one was quoted, and a
+        // length prefix keeps two parameter lists from reading alike.
+        essence.extend_from_slice(format!(";{}:", value.len()).as_bytes());
+        essence.extend_from_slice(&name);
+        essence.push(b'=');
+        essence.extend_from_slice(&value);
+    }
+    essence
 }
 
 /// `application/json` or a `+json` structured syntax suffix.
@@ -129,5 +177,35 @@ mod tests {
         );
         // An invalid JSON body never equals a canonical one.
         assert_ne!(fp(json, "[1,]"), fp(json, "[1]"));
+    }
+
+    /// Bytes mean another text under another charset: the same bytes as
+    /// `iso-8859-1` and as `koi8-r` are two requests. Parameters are
+    /// compared as media types are: names and charset values without case,
+    /// in any order, quoted or not. JSON is UTF-8 whatever it says.
+    #[test]
+    fn media_type_parameters_count_for_bodies_hashed_as_bytes() {
+        let body = "\u{e9}t\u{e9}";
+        assert_ne!(
+            fp("text/plain; charset=iso-8859-1", body),
+            fp("text/plain; charset=koi8-r", body)
+        );
+        assert_ne!(
+            fp("text/plain; charset=koi8-r", body),
+            fp("text/plain", body)
+        );
+        assert_eq!(
+            fp("text/plain; charset=KOI8-R; format=flowed", body),
+            fp("Text/Plain;Format=flowed ;CHARSET=\"koi8-r\"", body)
+        );
+        assert_ne!(
+            fp("text/plain; format=flowed", body),
+            fp("text/plain; format=Flowed", body),
+            "values other than charset keep their case"
+        );
+        assert_eq!(
+            fp("application/json; charset=utf-8", r#"{"a":1}"#),
+            fp("application/json", r#"{"a":1}"#)
+        );
     }
 }

@@ -38,7 +38,8 @@
 //! | same key, same request, completed | the recorded status, headers and body, with `Idempotent-Replayed: true` |
 //! | same key while the first still runs | `409 Conflict` with `Retry-After` (or, with `InProgressPolicy::Wait` on the executor, the replay once it completes) |
 //! | same key, completed, but its response was not recorded (streamed, over `max_response_bytes`, refused by the store) | `409 Conflict`, no `Retry-After`, title "The original response was not recorded": it ran and will not run again for this key |
-//! | same key, different body (or method, path, media type) | `422 Unprocessable Content` |
+//! | same key, different body or media type (or, with route templates, another path of the route) | `422 Unprocessable Content` |
+//! | the same key value on another method or path | another key (both are part of it): runs on its own |
 //! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
 //! | a malformed key, or the key header sent twice | `400 Bad Request` |

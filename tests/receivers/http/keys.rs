@@ -570,3 +570,53 @@ async fn an_invalid_scope_is_refused_when_the_layer_is_built() {
     let r = post_raw(&format!("{url}/x"), "k", Some("t1"), "text/plain", "").await;
     assert_eq!((r.status, r.body.as_slice()), (200, &b"ran"[..]));
 }
+
+/// The method and the path are part of the key: the same `Idempotency-Key`
+/// value on another method or another path (without route templates) is
+/// another key and runs on its own, never a 422 and never a replay of the
+/// other request; the same body under another media type is a 422.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_key_value_on_another_method_or_path_is_another_key() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || async move {
+            (
+                StatusCode::CREATED,
+                runs.fetch_add(1, Ordering::SeqCst).to_string(),
+            )
+        }
+    };
+    let router = Router::new()
+        .route("/a", post(handler.clone()).patch(handler.clone()))
+        .route("/b", post(handler))
+        .layer(layer_on(Idempotency::new(idem::MemoryStore::new())));
+    let url = spawn_server(router).await;
+    let h = [("x-api-key", "t1"), ("idempotency-key", "same")];
+    let ct = "application/json";
+    let first = send(&format!("{url}/a"), &h, ct, "{}").await;
+    let other_path = send(&format!("{url}/b"), &h, ct, "{}").await;
+    let mut patch = client()
+        .patch(format!("{url}/a"))
+        .header("content-type", ct)
+        .body("{}");
+    for (name, value) in h {
+        patch = patch.header(name, value);
+    }
+    let other_method = patch.send().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        (
+            first.status,
+            other_path.status,
+            other_method.status().as_u16()
+        ),
+        (201, 201, 201)
+    );
+    assert!(!other_path.replayed());
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "each ran on its own");
+    let other_media = send(&format!("{url}/a"), &h, "text/plain", "{}").await;
+    assert_eq!(other_media.status, 422);
+    let again = send(&format!("{url}/a"), &h, ct, "{}").await;
+    assert!(again.replayed() && again.body == first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}
