@@ -38,6 +38,9 @@ pub struct FinishingKeys {
     /// Each key with the fingerprint of every run being finished (a key
     /// may be held by two runs: one taken over, one of its new holder).
     keys: Mutex<HashMap<IdempotencyKey, Vec<Option<Fingerprint>>>>,
+    /// Wakes the finishers pausing between two tries
+    /// ([`store_answered`](Self::store_answered)).
+    answered: tokio::sync::Notify,
 }
 
 impl FinishingKeys {
@@ -80,6 +83,17 @@ impl FinishingKeys {
             && lock(&self.keys)
                 .get(key)
                 .is_some_and(|held| held.contains(&Some(*fingerprint)))
+    }
+
+    /// The store answered a call (a request or another finisher got
+    /// through): every finisher pausing between two tries in
+    /// [`Idempotency::finish_until_woken`] tries again at once, so the
+    /// completions go in as soon as the store is back rather than after
+    /// their pauses. Cheap when no key is held.
+    pub fn store_answered(&self) {
+        if !self.is_empty() {
+            self.answered.notify_waiters();
+        }
     }
 
     /// How many keys are being finished.
@@ -216,19 +230,65 @@ where
     where
         G: Future<Output = ()>,
     {
+        self.finish_until_inner(unrecorded, pauses, give_up, None)
+            .await
+    }
+
+    /// [`finish_until`](Self::finish_until), with each pause cut short
+    /// when `keys` hears that the store answered
+    /// ([`FinishingKeys::store_answered`]); a completion written tells
+    /// `keys` too, so the other finishers of the receiver try at once.
+    pub async fn finish_until_woken<G>(
+        &self,
+        unrecorded: &Unrecorded,
+        pauses: Pauses,
+        give_up: G,
+        keys: &FinishingKeys,
+    ) -> Finished
+    where
+        G: Future<Output = ()>,
+    {
+        self.finish_until_inner(unrecorded, pauses, give_up, Some(keys))
+            .await
+    }
+
+    async fn finish_until_inner<G>(
+        &self,
+        unrecorded: &Unrecorded,
+        pauses: Pauses,
+        give_up: G,
+        keys: Option<&FinishingKeys>,
+    ) -> Finished
+    where
+        G: Future<Output = ()>,
+    {
         let give_up = std::pin::pin!(give_up);
         let mut give_up = futures::future::FutureExt::fuse(give_up);
         let mut gave_up = false;
         let mut pause = pauses.first;
         loop {
+            // Registered before the try, so a wake-up during it is kept.
+            let woken = keys.map(|k| k.answered.notified());
             match self.try_finish(unrecorded).await {
-                Ok(settled) => return settled,
+                Ok(settled) => {
+                    if let Some(keys) = keys {
+                        keys.store_answered();
+                    }
+                    return settled;
+                }
                 Err(e) if gave_up => return Finished::GaveUp(e),
                 Err(_) => {}
             }
+            let woken = async {
+                match woken {
+                    Some(woken) => woken.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 () = &mut give_up => gave_up = true,
+                () = woken => {}
                 () = tokio::time::sleep(pause) => {}
             }
             pause = pause.saturating_mul(2).min(pauses.longest);

@@ -7,25 +7,31 @@
 
 use std::time::Duration;
 
-use idem_core::{Codec, Finished, Idempotency, IdempotencyStore, Pauses};
+use idem_core::{Codec, Finished, FinishingKeys, Idempotency, IdempotencyStore, Pauses};
 
 /// How long [`finish_later`] keeps trying.
 pub(crate) const FINISH_FOR: Duration = Duration::from_secs(3600);
 
+/// The longest pause between two tries of [`finish_later`]: a client
+/// retry at another instance after the lease takes the key over and runs
+/// again, so the completion must go in soon after the store is back.
+pub(crate) const LONGEST_PAUSE: Duration = Duration::from_millis(100);
+
 /// Writes the completion of a handler that ran while the store was away
 /// (`IdemError::Unrecorded`), with its own lease, retrying with a backoff
-/// (10 ms to 500 ms: a client retry after the lease may take the key
-/// over, so the completion goes in soon after the store is back) until it
-/// is written, another worker took the key over, the store refuses it for
-/// good, or an hour passed.
+/// (10 ms to [`LONGEST_PAUSE`], cut short as soon as a request of this
+/// layer or another finisher gets an answer from the store: `keys`) until
+/// it is written, another worker took the key over, the store refuses it
+/// for good, or an hour passed.
 pub(crate) async fn finish_later<S: IdempotencyStore + ?Sized, C: Codec>(
     idem: Idempotency<S, C>,
     unrecorded: Box<idem_core::Unrecorded>,
+    keys: &FinishingKeys,
 ) {
     let key = &unrecorded.lease().key;
-    let pauses = Pauses::new(Duration::from_millis(10), Duration::from_millis(500));
+    let pauses = Pauses::new(Duration::from_millis(10), LONGEST_PAUSE);
     match idem
-        .finish_until(&unrecorded, pauses, tokio::time::sleep(FINISH_FOR))
+        .finish_until_woken(&unrecorded, pauses, tokio::time::sleep(FINISH_FOR), keys)
         .await
     {
         Finished::Recorded => {

@@ -346,6 +346,17 @@ where
         }
     };
 
+    // The store answered this request: the completions waiting for it go
+    // in now.
+    let store_away = match &run {
+        Run::Finishing { .. } => true,
+        Run::Done(Err(IdemError::Store(e))) => e.is_retryable(),
+        Run::Done(_) => false,
+    };
+    if !store_away {
+        config.finishing.store_answered();
+    }
+
     // The handler ran in this call: its caller gets its response as it
     // is, whether it was recorded or not.
     let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -445,9 +456,9 @@ fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             let guard = finishing.hold(key, Some(fingerprint));
-            let idem = idem.clone();
+            let (idem, finishing) = (idem.clone(), finishing.clone());
             runtime.spawn(async move {
-                finish_later(idem, unrecorded).await;
+                finish_later(idem, unrecorded, &finishing).await;
                 drop(guard);
             });
         }

@@ -1125,6 +1125,41 @@ async fn finish_until_writes_the_completion_once_the_store_is_back() {
     assert_eq!(again.ok(), Some(Processed::Replayed(7)));
 }
 
+/// `finish_until_woken`: a finisher pausing 10 s between tries tries again
+/// as soon as its receiver hears that the store answered
+/// (`FinishingKeys::store_answered`), not after the pause; nothing wakes it
+/// while no key is held.
+#[tokio::test(start_paused = true)]
+async fn a_finisher_tries_again_as_soon_as_the_store_answers() {
+    let store = Arc::new(Tap::new(MemoryStore::new()));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(2))
+        .heartbeat(false);
+    let k = key("m-finish-woken");
+    let u = unrecorded_of(&store, &idem, &k, 1).await;
+    let keys = Arc::new(idem_core::FinishingKeys::new());
+    let _held = keys.hold(k.clone(), None);
+    let pauses = idem_core::Pauses::new(Duration::from_secs(10), Duration::from_secs(10));
+    let started = tokio::time::Instant::now();
+    let waker = {
+        let keys = keys.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            keys.store_answered();
+        })
+    };
+    let out = idem
+        .finish_until_woken(&u, pauses, std::future::pending::<()>(), &keys)
+        .await;
+    assert!(matches!(out, idem_core::Finished::Recorded), "{out:?}");
+    assert_eq!(
+        started.elapsed(),
+        Duration::from_millis(300),
+        "tried again when the store answered"
+    );
+    waker.await.unwrap_or_else(|e| panic!("{e}"));
+}
+
 /// `finish_until` gives up only when told to and after one more failed
 /// try, returning the last error; the key is then still in progress (its
 /// lease not released: the handler ran).

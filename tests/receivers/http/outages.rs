@@ -215,6 +215,63 @@ async fn a_client_gone_before_an_unrecorded_response_never_gets_the_handler_run_
     );
 }
 
+/// Two instances of a service over one store. Instance A's handler runs
+/// and the store goes away for 3.2 s, past the 1 s lease: A answers its
+/// client and writes the completion once the store is back. A retry
+/// that reaches instance B 250 ms after the store came back (B's layer
+/// knows nothing of A's finishing) finds the completion written and gets
+/// the replay: A's finisher pauses at most 100 ms between tries (it paused
+/// up to 500 ms, and B took the expired lease over and ran it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_at_another_instance_soon_after_the_store_is_back_gets_the_replay() {
+    let records = idem::MemoryStore::new();
+    let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down) = (effects.clone(), down.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                support::flaky::outage(&down, std::time::Duration::from_millis(3200));
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let instance = |idem| {
+        Router::new()
+            .route("/payments", post(handler.clone()))
+            .layer(IdempotencyLayer::new(idem).tenant(api_key))
+    };
+    let lease = std::time::Duration::from_secs(1);
+    let a = spawn_server(instance(
+        Idempotency::new(Arc::new(store_a) as Arc<dyn idem::IdempotencyStore>).lease(lease),
+    ))
+    .await;
+    let b = spawn_server(instance(
+        Idempotency::new(Arc::new(records) as Arc<dyn idem::IdempotencyStore>).lease(lease),
+    ))
+    .await;
+    let first = post_json(&format!("{a}/payments"), Some("k-two"), "t1", &json!({})).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    while down.load(Ordering::SeqCst) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the outage never ended"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    let retry = post_json(&format!("{b}/payments"), Some("k-two"), "t1", &json!({})).await;
+    assert_eq!(
+        (retry.status, effects.load(Ordering::SeqCst)),
+        (201, 1),
+        "the retry at instance B: {:?}",
+        retry.body
+    );
+    assert_eq!(retry.body, first.body, "the replay of the one run");
+}
+
 /// The first request's response cannot be recorded before the executor
 /// gives up (`Unrecorded`; its completions fail, the store stays
 /// reachable): the layer keeps the key finishing and answers its retries
