@@ -533,6 +533,13 @@ where
         // round trip per batch saved on the hot path.
         let mut cursor = "0-0".to_owned();
         let mut next_sweep = tokio::time::Instant::now();
+        // Kept from an earlier `run` whose future was dropped: only the
+        // entries still to finish (the others are read again below, from
+        // this consumer's own pending entries, or were reclaimed).
+        {
+            let unfinished = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
+            self.held.retain(|id| unfinished.contains_key(id));
+        }
         let keep_every = keeper::period(self.claim_idle);
         let _keeper = keep_every.map(|every| {
             keeper::AbortOnDrop(tokio::spawn(
@@ -620,11 +627,11 @@ where
                 Ok(Finished::Recorded) => {
                     self.counters.executed.fetch_add(1, Ordering::Relaxed);
                     self.reread_own.store(true, Ordering::SeqCst);
-                    self.held.let_go([id.as_str()]);
+                    self.held.let_go(&id);
                     ack.push(id);
                 }
                 Ok(Finished::TakenOver) => {
-                    self.held.let_go([id.as_str()]);
+                    self.held.let_go(&id);
                     self.reread_own.store(true, Ordering::SeqCst)
                 }
                 Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
@@ -635,7 +642,7 @@ where
                         first: false,
                         unusable: None,
                     };
-                    self.held.let_go([id.as_str()]);
+                    self.held.let_go(&id);
                     dead.push((delivery, 0, reason));
                     self.reread_own.store(true, Ordering::SeqCst);
                 }
@@ -832,13 +839,23 @@ where
             };
             settled.push(outcome);
         }
-        // Kept claimed while they run and their completions are written;
-        // those left to finish stay held until they are.
-        let in_flight: Vec<String> = item_of
-            .iter()
-            .map(|&i| deliveries[i].entry.id.clone())
-            .collect();
-        self.held.hold(in_flight.iter().map(String::as_str));
+        // Kept claimed while they run and their completions are written
+        // (let go however this batch ends, its future dropped included);
+        // those left to finish are kept until they are, and so are the
+        // entries held back for an unfinished key. An entry that runs now
+        // is no longer held back.
+        let _in_flight = self.held.in_flight(
+            item_of
+                .iter()
+                .map(|&i| deliveries[i].entry.id.clone())
+                .collect(),
+        );
+        for (delivery, outcome) in deliveries.iter().zip(&settled) {
+            match outcome {
+                Some(Outcome::Pending) => self.held.keep(&delivery.entry.id),
+                _ => self.held.let_go(&delivery.entry.id),
+            }
+        }
         // `concurrency` handlers at once; one whose lease may have ended
         // while it waited for its turn does not run (the entry stays
         // pending: its redelivery gets the replay, or takes the key over).
@@ -883,6 +900,7 @@ where
                 }
                 Outcome::Finish(u) => {
                     self.counters.left_pending.fetch_add(1, Ordering::Relaxed);
+                    self.held.keep(&delivery.entry.id);
                     self.unfinished
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -932,15 +950,6 @@ where
         }
         ack.extend(self.dead_letter_all(dead).await);
         self.ack(&ack).await;
-        {
-            let unfinished = self.unfinished.lock().unwrap_or_else(|p| p.into_inner());
-            self.held.let_go(
-                in_flight
-                    .iter()
-                    .map(String::as_str)
-                    .filter(|id| !unfinished.contains_key(*id)),
-            );
-        }
         match fatal {
             Some(e) => Err(e),
             None => Ok(()),

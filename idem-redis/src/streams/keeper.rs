@@ -20,39 +20,76 @@ use redis::Value;
 
 use crate::{map_error, millis};
 
-/// The entry IDs this consumer keeps claimed.
+/// The entry IDs this consumer keeps claimed: those of the batch in
+/// flight (held by an [`InFlight`] guard, so a batch whose future is
+/// dropped lets them go) and those it keeps across batches (the entries it
+/// is finishing, and the duplicates of their keys it holds back).
 #[derive(Debug, Default)]
 pub(crate) struct Held {
-    ids: Mutex<HashSet<String>>,
+    ids: Mutex<Ids>,
+}
+
+#[derive(Debug, Default)]
+struct Ids {
+    in_flight: HashSet<String>,
+    kept: HashSet<String>,
 }
 
 impl Held {
-    /// Keeps `ids` claimed until [`let_go`](Self::let_go).
-    pub(crate) fn hold<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
-        let mut held = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-        held.extend(ids.into_iter().map(str::to_owned));
+    /// Keeps `ids` claimed while the guard lives.
+    pub(crate) fn in_flight(self: &Arc<Self>, ids: Vec<String>) -> InFlight {
+        lock(&self.ids).in_flight.extend(ids.iter().cloned());
+        InFlight {
+            held: self.clone(),
+            ids,
+        }
     }
 
-    /// Stops keeping `ids` claimed.
-    pub(crate) fn let_go<'a>(&self, ids: impl IntoIterator<Item = &'a str>) {
-        let mut held = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-        for id in ids {
-            held.remove(id);
-        }
+    /// Keeps `id` claimed until [`let_go`](Self::let_go).
+    pub(crate) fn keep(&self, id: &str) {
+        lock(&self.ids).kept.insert(id.to_owned());
+    }
+
+    /// Stops keeping `id` claimed across batches.
+    pub(crate) fn let_go(&self, id: &str) {
+        lock(&self.ids).kept.remove(id);
+    }
+
+    /// Keeps across batches only the IDs `still` accepts.
+    pub(crate) fn retain(&self, still: impl Fn(&str) -> bool) {
+        lock(&self.ids).kept.retain(|id| still(id));
     }
 
     /// Whether any entry is held.
     pub(crate) fn is_empty(&self) -> bool {
-        self.ids
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        let ids = lock(&self.ids);
+        ids.in_flight.is_empty() && ids.kept.is_empty()
     }
 
     fn snapshot(&self) -> Vec<String> {
-        let held = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-        held.iter().cloned().collect()
+        let ids = lock(&self.ids);
+        ids.in_flight.union(&ids.kept).cloned().collect()
     }
+}
+
+/// The entries of a batch in flight, kept claimed until dropped (the batch
+/// settled, or its future was dropped).
+pub(crate) struct InFlight {
+    held: Arc<Held>,
+    ids: Vec<String>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut ids = lock(&self.held.ids);
+        for id in &self.ids {
+            ids.in_flight.remove(id);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 /// How often the held entries are claimed again: a quarter of

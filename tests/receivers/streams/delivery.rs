@@ -7,18 +7,19 @@
 use crate::support;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use idem::redis::redis;
 use idem::redis::streams::{StreamConsumer, StreamEntry};
 use idem::redis::RedisStore;
 use idem::{Idempotency, IdempotencyStore};
 
 use super::{
-    conn, consumer_on, counting, entries_of, nothing_pending, pending, ran_and_nothing_pending,
-    redis_store, run_until, xadd,
+    conn, consumer_on, counting, entries_of, nothing_pending, pending, pending_of,
+    ran_and_nothing_pending, redis_store, run_until, xadd,
 };
 
 /// Counts an effect of `entry`'s message (its `message_id` field).
@@ -590,5 +591,90 @@ async fn two_streams_whose_names_are_not_scopes_never_share_keys() {
         vec![2, 2],
         "each stream has two distinct messages; the refunds' handler ran {} times",
         runs[1]
+    );
+}
+
+/// A's `run` future is dropped (a task aborted at shutdown) while entry
+/// E's handler runs detached. While A is down, B (same group) reclaims E
+/// after `claim_idle`, gets "in progress" (the handler still runs) and
+/// leaves it pending in B's list. A's `run` is started again. E is no
+/// longer in A's hands (its batch was dropped): A's keeper does not claim
+/// it back, so B replays and acks it once the handler recorded. (Before,
+/// A's keeper kept claiming E into A's list, which A never read again: E
+/// stayed pending as long as A ran.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_restarted_after_its_run_was_dropped_strands_no_entry() {
+    let stream = format!("review-restart-{:08x}", fastrand::u32(..));
+    let idem = Idempotency::new(idem::MemoryStore::new()).lease(Duration::from_secs(20));
+    let claim_idle = Duration::from_millis(500);
+    let a = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(claim_idle);
+    let b = consumer_on(&stream, "b", idem.clone())
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(claim_idle);
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let started = Arc::new(AtomicBool::new(false));
+    let handler = {
+        let (effects, started) = (effects.clone(), started.clone());
+        move |_e: StreamEntry| {
+            let (effects, started) = (effects.clone(), started.clone());
+            Box::pin(async move {
+                started.store(true, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                effects.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, std::io::Error>("ok".to_owned())
+            }) as BoxFuture<'static, _>
+        }
+    };
+    // A's first run, dropped 100 ms after the handler started.
+    {
+        let started = started.clone();
+        tokio::select! {
+            r = a.run(handler.clone(), std::future::pending::<()>()) => panic!("run ended: {r:?}"),
+            _ = async move {
+                while !started.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            } => {}
+        }
+    }
+    let t0 = tokio::time::Instant::now();
+    let run_b = b.run(handler.clone(), tokio::time::sleep(Duration::from_secs(14)));
+    let rest = async {
+        // B reclaimed E and left it pending (in progress).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while pending_of(&stream, "b").await < 1 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "B never reclaimed E"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // A starts again.
+        let stop =
+            tokio::time::sleep(Duration::from_secs(12) - t0.elapsed().min(Duration::from_secs(11)));
+        let run_a = a.run(handler.clone(), stop);
+        let watch = async {
+            // Well after the handler ended and recorded (at ~2 s).
+            tokio::time::sleep(Duration::from_secs(8)).await;
+            (
+                effects.load(Ordering::SeqCst),
+                pending(&stream, "g").await,
+                pending_of(&stream, "a").await,
+                pending_of(&stream, "b").await,
+            )
+        };
+        tokio::join!(run_a, watch)
+    };
+    let (stats_b, (stats_a, (ran, pending_all, with_a, with_b))) = tokio::join!(run_b, rest);
+    assert_eq!(
+        (ran, pending_all),
+        (1, 0),
+        "8 s after the restart E is still pending (with A: {with_a}, with B: {with_b}); A {stats_a:?}, B {stats_b:?}"
     );
 }

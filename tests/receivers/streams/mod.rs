@@ -60,6 +60,36 @@ async fn pending(stream: &str, group: &str) -> i64 {
     }
 }
 
+/// Pending entries of consumer `name` in group `g`.
+async fn pending_of(stream: &str, name: &str) -> i64 {
+    let reply: redis::Value = redis::cmd("XPENDING")
+        .arg(stream)
+        .arg("g")
+        .query_async(&mut conn().await)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let redis::Value::Array(items) = reply else {
+        panic!("XPENDING: {reply:?}")
+    };
+    let Some(redis::Value::Array(consumers)) = items.get(3) else {
+        return 0;
+    };
+    for c in consumers {
+        if let redis::Value::Array(pair) = c {
+            let n = match (&pair[0], &pair[1]) {
+                (redis::Value::BulkString(who), redis::Value::BulkString(n))
+                    if who.as_slice() == name.as_bytes() =>
+                {
+                    String::from_utf8_lossy(n).parse::<i64>().unwrap_or(0)
+                }
+                _ => continue,
+            };
+            return n;
+        }
+    }
+    0
+}
+
 /// Adds an entry of `fields` to `stream`; its ID.
 async fn xadd(stream: &str, fields: &[(&str, &str)]) -> String {
     let mut cmd = redis::cmd("XADD");

@@ -11,10 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
+use idem::redis::redis;
 use idem::redis::streams::StreamEntry;
 use idem::Idempotency;
 
-use super::{consumer_on, pending, ran_and_nothing_pending, run_until, xadd, Check};
+use super::{
+    conn, consumer_on, pending, pending_of, ran_and_nothing_pending, run_until, xadd, Check,
+};
 
 /// A handler that counts its runs in `effects` and answers "charged"; its
 /// first run takes the store of `down` down right after its effect, for
@@ -264,4 +267,121 @@ async fn another_consumer_never_reclaims_an_entry_its_holder_is_finishing() {
     );
     let stats_a = stats_a.unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(stats_a.executed, 1, "A finished it: {stats_a:?}");
+}
+
+/// A runs entry E1 (m-1); its store goes away after the effect for 6 s,
+/// past the 1 s lease (`Unrecorded`): A keeps E1 claimed while it finishes.
+/// The producer sends m-1 again (E2); A reads it and holds it back
+/// (pending in A's list, "never run" while the key is unfinished). Only
+/// then does B (same group, same `claim_idle`, store link fine) start.
+/// A keeps E2 claimed too, so B never reclaims it and never runs m-1
+/// again (it did, the lease being over, when only E1 was kept).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_held_back_for_an_unfinished_key_is_kept_from_other_consumers() {
+    let stream = format!("review-heldback-{:08x}", fastrand::u32(..));
+    let records = idem::MemoryStore::new();
+    let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
+    let idem_a = Idempotency::new(store_a).lease(Duration::from_secs(1));
+    let idem_b = Idempotency::new(records).lease(Duration::from_secs(1));
+    let claim_idle = Duration::from_secs(1);
+    let a = consumer_on(&stream, "a", idem_a)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(claim_idle);
+    let b = consumer_on(&stream, "b", idem_b)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(claim_idle);
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler_a = charging(&effects, &down, Some(Duration::from_secs(6)));
+    let handler_b = charging(&effects, &Arc::new(AtomicBool::new(false)), None);
+    let run_a = {
+        let effects = effects.clone();
+        let stream = stream.clone();
+        async move {
+            run_until(
+                &a,
+                handler_a,
+                Duration::from_secs(30),
+                ran_and_nothing_pending(&stream, &effects, 1),
+            )
+            .await
+        }
+    };
+    let b_started = Arc::new(AtomicBool::new(false));
+    let run_b = {
+        let (effects, stream, b_started) = (effects.clone(), stream.clone(), b_started.clone());
+        async move {
+            while effects.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // Past the lease: A's run is unfinished by now.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            xadd(&stream, &[("message_id", "m-1")]).await;
+            // A read the duplicate (two entries pending with A).
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+            while pending_of(&stream, "a").await < 2 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "A never read the duplicate"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            b_started.store(true, Ordering::SeqCst);
+            let stop = tokio::time::sleep(Duration::from_secs(6));
+            b.run(handler_b, stop).await
+        }
+    };
+    let (stats_a, stats_b) = tokio::join!(run_a, run_b);
+    assert!(b_started.load(Ordering::SeqCst));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "B reclaimed the duplicate A held back for its unfinished key and ran m-1 again: A {stats_a:?}, B {stats_b:?}"
+    );
+}
+
+/// An entry A is finishing is deleted from the stream (XDEL) while A holds
+/// it: A finishes, nothing stays pending, the handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unfinished_entry_deleted_from_the_stream_leaves_nothing_stuck() {
+    let stream = format!("review-xdel-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let a = consumer_on(&stream, "a", idem.clone())
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_millis(200));
+    let id = xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = charging(&effects, &down, Some(Duration::from_secs(3)));
+    let deleter = {
+        let (effects, stream) = (effects.clone(), stream.clone());
+        tokio::spawn(async move {
+            while effects.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            let n: i64 = redis::cmd("XDEL")
+                .arg(&stream)
+                .arg(&id)
+                .query_async(&mut conn().await)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            n
+        })
+    };
+    let stats = run_until(
+        &a,
+        handler,
+        Duration::from_secs(20),
+        ran_and_nothing_pending(&stream, &effects, 1),
+    )
+    .await;
+    let deleted = deleter.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(deleted, 1);
+    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "{stats:?}");
+    assert_eq!(pending(&stream, "g").await, 0);
 }
