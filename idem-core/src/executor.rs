@@ -14,6 +14,7 @@ use tracing::Instrument;
 use crate::codec::{Codec, JsonCodec};
 use crate::error::{CodecError, IdemError, StoreError, Unrecorded};
 use crate::fingerprint::Fingerprint;
+use crate::finishing::FinishingKeys;
 use crate::key::IdempotencyKey;
 use crate::record::{
     not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, Record, NOT_REPLAYABLE,
@@ -147,6 +148,9 @@ pub struct Idempotency<S: ?Sized, C = JsonCodec> {
     heartbeat_every: Option<Duration>,
     complete_retry: Option<Duration>,
     batch_concurrency: Option<usize>,
+    /// Keys a receiver is finishing: a wait for one of them does not ask
+    /// the store ([`waits_for_finishing`](Self::waits_for_finishing)).
+    finishing: Option<Arc<FinishingKeys>>,
 }
 
 impl<S: ?Sized, C> Clone for Idempotency<S, C> {
@@ -161,6 +165,7 @@ impl<S: ?Sized, C> Clone for Idempotency<S, C> {
             heartbeat_every: self.heartbeat_every,
             complete_retry: self.complete_retry,
             batch_concurrency: self.batch_concurrency,
+            finishing: self.finishing.clone(),
         }
     }
 }
@@ -193,6 +198,7 @@ where
             heartbeat_every: None,
             complete_retry: None,
             batch_concurrency: None,
+            finishing: None,
         }
     }
 }
@@ -269,6 +275,7 @@ where
             heartbeat_every: self.heartbeat_every,
             complete_retry: self.complete_retry,
             batch_concurrency: self.batch_concurrency,
+            finishing: self.finishing.clone(),
         }
     }
 
@@ -284,6 +291,18 @@ where
     /// compare-and-set on the lease token.
     pub fn complete_retry(mut self, budget: Duration) -> Self {
         self.complete_retry = Some(saturate(budget));
+        self
+    }
+
+    /// The keys a receiver is finishing ([`FinishingKeys`]: results that
+    /// could not be recorded before their lease ended, written later with
+    /// that lease). Under [`InProgressPolicy::Wait`], a call that waits
+    /// for such a key (with the same fingerprint, or any when the call has
+    /// none) waits without asking the store, which would let it take the
+    /// key over (the lease is over) and run the handler again, until the
+    /// key is let go; then it gets the replay. The HTTP layer sets its own.
+    pub fn waits_for_finishing(mut self, keys: Arc<FinishingKeys>) -> Self {
+        self.finishing = Some(keys);
         self
     }
 
@@ -814,6 +833,25 @@ where
             InProgressPolicy::Reject => Duration::ZERO,
         };
         loop {
+            // A key this receiver is finishing: wait here, never ask the
+            // store (after the lease it would hand the key over).
+            if let (InProgressPolicy::Wait { max_wait, poll }, Some(keys)) =
+                (self.in_progress, &self.finishing)
+            {
+                let held = match fingerprint {
+                    Some(fingerprint) => keys.holds(key, fingerprint),
+                    None => keys.contains(key),
+                };
+                if held {
+                    let waited = first_sent.get_or_insert_with(Instant::now).elapsed();
+                    if waited >= max_wait {
+                        return Err(IdemError::WaitTimeout { waited });
+                    }
+                    tokio::time::sleep(poll.max(Duration::from_millis(1)).min(max_wait - waited))
+                        .await;
+                    continue;
+                }
+            }
             let sent_at = Instant::now();
             let started = *first_sent.get_or_insert(sent_at);
             let call = self.store.acquire(key, fingerprint, self.lease);

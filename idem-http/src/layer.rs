@@ -203,9 +203,12 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// # let _ = layer;
     /// ```
     pub fn new(idem: Idempotency<S, C>) -> Self {
+        // A request waiting on a key this layer is finishing waits here,
+        // never taking the key over at the store after its lease.
+        let finishing: Arc<FinishingKeys> = Arc::default();
         IdempotencyLayer {
             config: Arc::new(Config {
-                idem,
+                idem: idem.waits_for_finishing(finishing.clone()),
                 scope: "http".to_owned(),
                 required: true,
                 methods: vec![Method::POST, Method::PATCH],
@@ -220,7 +223,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 route_template: false,
                 on_replay: None,
                 render: None,
-                finishing: Arc::default(),
+                finishing,
             }),
         }
     }

@@ -3,6 +3,8 @@
 //! the handler detached (it runs on and records) and not (it is cut off
 //! and its key held until the lease ends).
 
+use crate::support;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -12,7 +14,7 @@ use axum::{Json, Router};
 use idem::Idempotency;
 use serde_json::{json, Value};
 
-use super::{layer_on, pg_store, post_json, post_until_done, serve, spawn_server};
+use super::{api_key, layer_on, pg_store, post_json, post_until_done, serve, spawn_server};
 
 /// Posts `body` for tenant `t1` with `key` from a client that gives up
 /// after 500 ms, in a task of its own.
@@ -194,4 +196,64 @@ async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
     );
     assert_eq!(r.body["execution"], 2);
     assert_eq!(executions.load(Ordering::SeqCst), 2);
+}
+
+/// The executor waits on in-progress keys (`idem::InProgressPolicy::Wait`, the
+/// configuration the layer's docs show). Request R1 runs; its completions
+/// fail (the store stays reachable, as in `outages::a_different_body_...`)
+/// until its 1 s lease ends: `Unrecorded`, the key goes into the layer's
+/// finishing set and its finisher keeps trying. R2, the same request sent
+/// while R1 ran, passed the finishing check before the key was held and
+/// is in the executor's wait: it waits without asking the store while the
+/// key is held (its first poll after the lease took the key over and ran
+/// the handler a second time, on the same instance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_on_a_key_being_finished_gets_its_replay_never_a_second_run() {
+    let redis = idem::redis::RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let store = Arc::new(idem::testkit::Tap::new(redis));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(std::time::Duration::from_secs(1))
+        .on_in_progress(idem::InProgressPolicy::Wait {
+            max_wait: std::time::Duration::from_secs(10),
+            poll: std::time::Duration::from_millis(100),
+        });
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, store) = (effects.clone(), store.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                // Every completion fails from now on (until the test ends).
+                store.fail_completes(usize::MAX);
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new().route("/payments", post(handler)).layer(
+        idem::http::IdempotencyLayer::new(idem.clone())
+            .scope(format!("http.{:08x}", fastrand::u32(..)))
+            .unwrap_or_else(|e| panic!("{e}"))
+            .tenant(api_key),
+    );
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move { post_json(&url, Some("k-wait"), "t1", &json!({"amount": 1})).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let second = post_json(&url, Some("k-wait"), "t1", &json!({"amount": 1})).await;
+    let first = first.await.unwrap_or_else(|e| panic!("{e}"));
+    store.fail_completes(0);
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the handler ran twice on one instance: first {} {:?}, second {} {:?}",
+        first.status,
+        first.body,
+        second.status,
+        second.body
+    );
 }
