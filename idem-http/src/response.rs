@@ -60,6 +60,14 @@ pub fn default_record_status(status: StatusCode) -> bool {
 /// A problem as the layer's renderer makes it: the custom one if set
 /// (the default if that panics), with `Retry-After` when it has one.
 pub(crate) fn render<S: ?Sized, C>(config: &Config<S, C>, problem: Problem) -> Response<LayerBody> {
+    let mut response = render_problem(config, problem);
+    response
+        .extensions_mut()
+        .insert(crate::service::LayerAnswer);
+    response
+}
+
+fn render_problem<S: ?Sized, C>(config: &Config<S, C>, problem: Problem) -> Response<LayerBody> {
     let Some(custom) = &config.render else {
         return problem.to_response();
     };

@@ -240,6 +240,18 @@ where
             ));
         }
     };
+    // An idem layer further out runs this very key: its run is this one
+    // (nested layers computing the same key); pass the request through.
+    if parts
+        .extensions
+        .get::<HeldByLayers>()
+        .is_some_and(|held| held.0.contains(&key))
+    {
+        return inner
+            .call(Request::from_parts(parts, ReqBody::from(body)))
+            .await
+            .map(box_response);
+    }
     let fingerprint = fingerprint(&parts, &body);
 
     let request = Request::from_parts(parts, ReqBody::from(body));
@@ -251,10 +263,27 @@ where
         let record = config.record.clone();
         let skip = config.skip_headers.clone();
         let limit = config.max_response_bytes;
+        let key = key.clone();
         move |context: idem_core::Context| async move {
             let mut request = request;
             request.extensions_mut().insert(context);
+            let mut held = request
+                .extensions_mut()
+                .remove::<HeldByLayers>()
+                .unwrap_or_default();
+            held.0.push(key);
+            request.extensions_mut().insert(held);
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
+            // An answer an idem layer further in made itself (a 400, 409,
+            // 422...): its handler did not run; never recorded here.
+            if response.extensions().get::<LayerAnswer>().is_some() {
+                let status = response.status();
+                put(
+                    &live,
+                    response.map(|b| b.map_err(Into::into).boxed_unsync()),
+                );
+                return Err(NotRecorded::Status(status));
+            }
             let (parts, body) = response.into_parts();
             let body = body.map_err(Into::into).boxed_unsync();
             // The handler ran: if the policy itself panics, record (the
@@ -429,6 +458,17 @@ where
     };
     Ok(render(&config, problem))
 }
+
+/// The keys the idem layers a request went through are running it under
+/// (a request extension): a nested layer that computes one of them passes
+/// the request through.
+#[derive(Clone, Debug, Default)]
+struct HeldByLayers(Vec<IdempotencyKey>);
+
+/// Marks a response an idem layer made itself (a problem: 400, 409,
+/// 422...), so that a layer further out never records it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct LayerAnswer;
 
 /// How a run ended, seen from the request that made it.
 enum Run<T, E> {

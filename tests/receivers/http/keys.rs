@@ -620,3 +620,76 @@ async fn the_same_key_value_on_another_method_or_path_is_another_key() {
     assert!(again.replayed() && again.body == first.body);
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
+
+/// A layer on the app and a clone of it on a nested router compute the
+/// same key for one request. The inner layer passes the request through
+/// (the outer one already holds the key): the handler runs once and its
+/// response is recorded and replayed. (The inner one answered 409 "in
+/// progress", which the outer recorded as the response for the whole
+/// retention: the handler never ran.) An answer an idem layer makes
+/// itself is never recorded by another: an inner layer of another scope
+/// refusing a request (a missing key here) releases the outer key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nested_layers_run_the_handler_once_and_never_record_each_others_answers() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move || async move {
+            (
+                StatusCode::CREATED,
+                format!("run {}", runs.fetch_add(1, Ordering::SeqCst) + 1),
+            )
+        }
+    };
+    let layer = layer_on(Idempotency::new(idem::MemoryStore::new()));
+    let inner = Router::new()
+        .route("/pay", post(handler.clone()))
+        .layer(layer.clone());
+    let other_scope = IdempotencyLayer::new(Idempotency::new(idem::MemoryStore::new()))
+        .scope("http.inner")
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key)
+        .header_name(axum::http::HeaderName::from_static("x-inner-key"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let refusing = Router::new()
+        .route("/pay", post(handler))
+        .layer(other_scope);
+    let app = Router::new()
+        .nest("/v1", inner)
+        .nest("/v2", refusing)
+        .layer(layer);
+    let url = spawn_server(app).await;
+    let h = [("x-api-key", "t1"), ("idempotency-key", "k-nested")];
+    let first = send(&format!("{url}/v1/pay"), &h, "application/json", "{}").await;
+    assert_eq!(
+        (
+            first.status,
+            String::from_utf8_lossy(&first.body).into_owned()
+        ),
+        (201, "run 1".to_owned())
+    );
+    let again = send(&format!("{url}/v1/pay"), &h, "application/json", "{}").await;
+    assert!(
+        again.replayed() && again.body == first.body,
+        "{}",
+        again.status
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    // The inner layer (its own scope and key header) refuses: 400, not
+    // recorded by the outer one, so the request with the inner key runs.
+    let refused = send(&format!("{url}/v2/pay"), &h, "application/json", "{}").await;
+    assert_eq!(refused.status, 400);
+    let h2 = [
+        ("x-api-key", "t1"),
+        ("idempotency-key", "k-nested"),
+        ("x-inner-key", "i-1"),
+    ];
+    let ran = send(&format!("{url}/v2/pay"), &h2, "application/json", "{}").await;
+    assert_eq!(
+        (ran.status, ran.replayed()),
+        (201, false),
+        "{}",
+        String::from_utf8_lossy(&ran.body)
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
