@@ -75,14 +75,17 @@ impl FinishingKeys {
         self.count.load(Ordering::Acquire) > 0 && lock(&self.keys).contains_key(key)
     }
 
-    /// Whether `key` is being finished for a run with this fingerprint. A
-    /// delivery with another payload is not held: it goes on to the store,
-    /// which answers the mismatch whatever the record's state.
+    /// Whether `key` is being finished for a run with this fingerprint, or
+    /// for a run without one (whose record cannot tell payloads apart, so
+    /// it holds every payload). A delivery with another payload than a
+    /// fingerprinted run's is not held: it goes on to the store, which
+    /// answers the mismatch whatever the record's state.
     pub fn holds(&self, key: &IdempotencyKey, fingerprint: &Fingerprint) -> bool {
         self.count.load(Ordering::Acquire) > 0
-            && lock(&self.keys)
-                .get(key)
-                .is_some_and(|held| held.contains(&Some(*fingerprint)))
+            && lock(&self.keys).get(key).is_some_and(|held| {
+                held.iter()
+                    .any(|f| f.is_none() || f.as_ref() == Some(fingerprint))
+            })
     }
 
     /// The store answered a call (a request or another finisher got
@@ -327,12 +330,16 @@ mod tests {
         assert!(!keys.contains(&key("a")) && keys.is_empty());
     }
 
+    /// A run without a fingerprint: its record cannot tell payloads
+    /// apart (the store would answer no mismatch), so every payload is
+    /// held.
     #[test]
-    fn a_key_without_a_fingerprint_holds_no_payload() {
+    fn a_key_held_without_a_fingerprint_holds_every_payload() {
         let keys = Arc::new(FinishingKeys::new());
         let _guard = keys.hold(key("a"), None);
         assert!(keys.contains(&key("a")));
-        assert!(!keys.holds(&key("a"), &Fingerprint::of_bytes(b"x")));
+        assert!(keys.holds(&key("a"), &Fingerprint::of_bytes(b"x")));
+        assert!(!keys.holds(&key("b"), &Fingerprint::of_bytes(b"x")));
     }
 
     /// Two runs of one key finishing at once (the second took the key over

@@ -72,42 +72,93 @@ fn media_type(headers: &http::HeaderMap) -> Vec<u8> {
 }
 
 /// `essence` followed by the parameters of `Content-Type`, normalized as
-/// media types compare: names lowercased, values unquoted (and lowercased
-/// for `charset`, whose values have no case), sorted by name.
+/// media types compare: names lowercased, quoted values unquoted (a `;`
+/// inside quotes stays in the value, `\x` is `x`), `charset` values
+/// lowercased (they have no case), sorted by name. A piece without `=`
+/// is kept as it is, never dropped. Each name and value is written with
+/// its length, so two parameter lists never read alike.
 fn with_parameters(mut essence: Vec<u8>, headers: &http::HeaderMap) -> Vec<u8> {
     let Some(value) = headers.get(CONTENT_TYPE) else {
         return essence;
     };
-    let mut parameters: Vec<(Vec<u8>, Vec<u8>)> = value
-        .as_bytes()
-        .split(|&b| b == b';')
+    let mut parameters: Vec<(Vec<u8>, Vec<u8>)> = split_parameters(value.as_bytes())
+        .into_iter()
         .skip(1)
-        .filter_map(|p| {
-            let at = p.iter().position(|&b| b == b'=')?;
-            let name = p[..at].trim_ascii().to_ascii_lowercase();
-            let raw = p[at + 1..].trim_ascii();
-            let raw = raw
-                .strip_prefix(b"\"")
-                .and_then(|r| r.strip_suffix(b"\""))
-                .unwrap_or(raw);
+        .filter(|(name, value)| !(name.is_empty() && value.is_empty()))
+        .map(|(name, value)| {
+            let name = name.to_ascii_lowercase();
             let value = if name == b"charset" {
-                raw.to_ascii_lowercase()
+                value.to_ascii_lowercase()
             } else {
-                raw.to_vec()
+                value
             };
-            (!name.is_empty()).then_some((name, value))
+            (name, value)
         })
         .collect();
     parameters.sort();
     for (name, value) in parameters {
-        // `;` and `=` end a token; a value holding one was quoted, and a
-        // length prefix keeps two parameter lists from reading alike.
-        essence.extend_from_slice(format!(";{}:", value.len()).as_bytes());
+        essence.extend_from_slice(format!(";{}:", name.len()).as_bytes());
         essence.extend_from_slice(&name);
-        essence.push(b'=');
+        essence.extend_from_slice(format!("={}:", value.len()).as_bytes());
         essence.extend_from_slice(&value);
     }
     essence
+}
+
+/// The `;`-separated pieces of a header value as (name, value), a quoted
+/// value unquoted: a `;` or `=` inside quotes belongs to the value, and a
+/// backslash takes the next byte as it is. A piece without `=` is its
+/// trimmed text as the name, with an empty value. The first piece is the
+/// media type itself.
+fn split_parameters(raw: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let mut pieces = Vec::new();
+    let (mut name, mut value) = (Vec::new(), Vec::new());
+    // In the value; inside its quotes; after a backslash there; the value
+    // was quoted (kept as it is, whitespace after the quote dropped).
+    let (mut in_value, mut quoted, mut escaped, mut was_quoted) = (false, false, false, false);
+    for &b in raw {
+        if quoted {
+            if escaped {
+                value.push(b);
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                quoted = false;
+            } else {
+                value.push(b);
+            }
+            continue;
+        }
+        match b {
+            b';' => {
+                pieces.push(finish_piece(&mut name, &mut value, was_quoted));
+                (in_value, was_quoted) = (false, false);
+            }
+            b'=' if !in_value => in_value = true,
+            b'"' if in_value && !was_quoted && value.iter().all(u8::is_ascii_whitespace) => {
+                value.clear();
+                (quoted, was_quoted) = (true, true);
+            }
+            _ if was_quoted && b.is_ascii_whitespace() => {}
+            _ if in_value => value.push(b),
+            _ => name.push(b),
+        }
+    }
+    pieces.push(finish_piece(&mut name, &mut value, was_quoted));
+    pieces
+}
+
+fn finish_piece(name: &mut Vec<u8>, value: &mut Vec<u8>, was_quoted: bool) -> (Vec<u8>, Vec<u8>) {
+    let n = std::mem::take(name).trim_ascii().to_vec();
+    let v = std::mem::take(value);
+    // An unquoted value is trimmed; a quoted one is kept as it is.
+    let v = if was_quoted {
+        v
+    } else {
+        v.trim_ascii().to_vec()
+    };
+    (n, v)
 }
 
 /// `application/json` or a `+json` structured syntax suffix.
@@ -206,6 +257,33 @@ mod tests {
         assert_eq!(
             fp("application/json; charset=utf-8", r#"{"a":1}"#),
             fp("application/json", r#"{"a":1}"#)
+        );
+        // A `;` or `=` inside a quoted value belongs to it.
+        assert_ne!(
+            fp(r#"text/plain; note="a;b""#, body),
+            fp(r#"text/plain; note="a;c""#, body)
+        );
+        assert_ne!(
+            fp(r#"multipart/form-data; boundary="x;1""#, body),
+            fp(r#"multipart/form-data; boundary="x;2""#, body)
+        );
+        assert_ne!(
+            fp(r#"text/plain; a="b=c""#, body),
+            fp(r#"text/plain; a="b=d""#, body)
+        );
+        assert_eq!(
+            fp(r#"text/plain; a="b\"c""#, body),
+            fp(r#"text/plain; a="b\"c" "#, body)
+        );
+        assert_ne!(
+            fp(r#"text/plain; a=" b""#, body),
+            fp(r#"text/plain; a="b""#, body),
+            "whitespace inside quotes counts"
+        );
+        // A piece without `=` is kept, never dropped.
+        assert_ne!(
+            fp("text/plain; flowed", body),
+            fp("text/plain; fixed", body)
         );
     }
 }

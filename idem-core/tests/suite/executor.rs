@@ -1256,3 +1256,55 @@ async fn finish_until_with_a_zero_first_pause_still_pauses_between_tries() {
         started.elapsed()
     );
 }
+
+/// A key a receiver is finishing, held without a fingerprint (as
+/// `FinishingKeys::hold(key, None)` allows, and as the Kafka consumer
+/// holds its keys), its run acquired without one: a waiting call that
+/// carries a fingerprint waits without asking the store. (It went to the
+/// store and, the lease being over and the record carrying no fingerprint,
+/// no mismatch possible, took the key over and ran the handler a second
+/// time while the first run's result was still being written.)
+#[tokio::test(start_paused = true)]
+async fn a_waiting_call_with_a_fingerprint_waits_for_a_key_finishing_without_one() {
+    let store = Arc::new(MemoryStore::new());
+    let k = IdempotencyKey::new("finishing.wait", "k1").unwrap_or_else(|e| panic!("{e}"));
+    // The first run: acquired without a fingerprint; its handler ran, the
+    // store went away past its lease: the receiver is finishing it.
+    let Acquisition::Acquired(_first) = store
+        .acquire(&k, None, Duration::from_secs(1))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    else {
+        panic!("not acquired")
+    };
+    let keys = Arc::new(idem_core::FinishingKeys::new());
+    let _held = keys.hold(k.clone(), None);
+    tokio::time::sleep(Duration::from_secs(2)).await; // the lease is over
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(Duration::from_secs(1))
+        .heartbeat(false)
+        .on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(5),
+            poll: Duration::from_millis(50),
+        })
+        .waits_for_finishing(keys.clone());
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = runs.clone();
+    let out = idem
+        .process(&k, &serde_json::json!({"amount": 1}), |_| async move {
+            r.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::convert::Infallible>(1u32)
+        })
+        .await;
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        0,
+        "the handler ran again while the key was held finishing: {:?}",
+        out.as_ref().map(|_| ()).map_err(|e| e.to_string())
+    );
+    assert!(
+        matches!(out, Err(IdemError::WaitTimeout { .. })),
+        "{:?}",
+        out.map(|_| ()).map_err(|e| e.to_string())
+    );
+}
