@@ -929,8 +929,18 @@ impl<S: IdempotencyStore> IdempotencyStore for TieredStore<S> {
     /// be reached, the source is deleted all the same and the error says
     /// the key may still replay from that tier.
     async fn delete(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
-        let deleted = self.source.delete(key).await?;
-        self.invalidate_after_delete(key).await.map(|()| deleted)
+        match self.source.delete(key).await {
+            Ok(deleted) => self.invalidate_after_delete(key).await.map(|()| deleted),
+            // The delete may have gone through with its reply lost: no tier
+            // may go on replaying what the source may no longer hold. The
+            // caller gets the source's error (it may retry the delete).
+            Err(e) => {
+                if let Err(tiers) = self.invalidate_after_delete(key).await {
+                    tracing::warn!(key = %key, error = %tiers, "tiered store: the source's delete failed and a tier could not be tombstoned");
+                }
+                Err(e)
+            }
+        }
     }
 
     async fn purge_expired(&self, max: usize) -> Result<u64, StoreError> {
@@ -953,10 +963,10 @@ impl<S: IdempotencyStore> TieredStore<S> {
         // refuse everything until the tombstone expires (a completion
         // acquired after the delete is then answered by the source, not
         // the caches: slower, never wrong).
+        // The source unreadable: refuse everything (the safe side).
         let fence = match self.source.get(key).await {
             Ok(Some(record)) => record.fence.saturating_sub(1),
-            Ok(None) | Err(StoreError::Corrupt { .. }) => u64::MAX,
-            Err(e) => return Err(e),
+            Ok(None) | Err(_) => u64::MAX,
         };
         self.tombstone_everywhere(key, fence).await
     }

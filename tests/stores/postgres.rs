@@ -1863,7 +1863,7 @@ async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
 
 /// The shared server's address, and a URL to it through a new proxy that
 /// can lose replies.
-async fn proxied_shared_server() -> (support::proxy::CountingProxy, String) {
+pub(crate) async fn proxied_shared_server() -> (support::proxy::CountingProxy, String) {
     let url = pg::shared_url();
     let host_port = url
         .split('@')
@@ -2060,7 +2060,7 @@ async fn a_resent_complete_past_a_short_retention_is_not_lease_lost() {
 
 /// A PgStore with one connection of its own, over a pool of one, on `url`
 /// (a proxied server in the resend tests).
-async fn one_connection_store(url: &str) -> PgStore {
+pub(crate) async fn one_connection_store(url: &str) -> PgStore {
     PgStore::builder(pg::pool(url, 1).await)
         .connections(1)
         .build()

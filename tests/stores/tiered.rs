@@ -940,3 +940,46 @@ async fn a_batch_asks_each_tier_once_and_the_source_once() {
     assert_eq!(moka.hits() - m1, 1, "moka was filled from redis");
     assert_eq!(store.source().acquire_batches(), 2);
 }
+
+/// The source's delete went through but its reply was lost (the caller
+/// gets a retryable error): the tiers are tombstoned all the same, so no
+/// cache replays a record the source no longer holds. (No tier was
+/// tombstoned: moka and Redis replayed the deleted record.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_delete_whose_reply_was_lost_still_tombstones_every_tier() {
+    let (proxy, url) = super::postgres::proxied_shared_server().await;
+    let source = super::postgres::one_connection_store(&url).await;
+    let redis = redis_server::RedisServer::start(&[]);
+    let store = TieredStore::new(source)
+        .with_cache(moka())
+        .with_cache(redis_cache(&redis.url).await);
+    let key = testkit::unique_key("delete-reply-lost");
+    let lease = acquire_lease(&store, &key, "p").await;
+    store
+        .complete(&lease, b"r", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Filled into both tiers.
+    assert!(matches!(
+        store.acquire(&key, Some(&fp("p")), Duration::from_secs(30)).await,
+        Ok(Acquisition::Completed(_))
+    ));
+    // The request that runs the delete carries the key (its parameters).
+    proxy.lose_replies_to(key.id().as_bytes(), 1, 1);
+    let deleted = store.delete(&key).await;
+    assert_eq!(proxy.lost(), 1, "no reply was lost: proves nothing");
+    assert!(
+        matches!(&deleted, Err(e) if e.is_retryable()),
+        "the lost reply is a retryable error: {deleted:?}"
+    );
+    let direct = postgres().await;
+    let source_now = direct.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(source_now.is_none(), "the delete did not go through: {source_now:?}");
+    let next = store
+        .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+        .await;
+    assert!(
+        matches!(next, Ok(Acquisition::Acquired(_))),
+        "a cache replayed the record the source deleted: {next:?}"
+    );
+}
