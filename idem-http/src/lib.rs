@@ -40,6 +40,7 @@
 //! | same key, completed, but its response was not recorded (streamed, over `max_response_bytes`, refused by the store) | `409 Conflict`, no `Retry-After`, title "The original response was not recorded": it ran and will not run again for this key |
 //! | same key, different body or media type (or, with route templates, another path of the route) | `422 Unprocessable Content` |
 //! | the same key value on another method or path | another key (both are part of it): runs on its own |
+//! | completed, but the response varies (`Vary`) on a header this request sends otherwise | `422 Unprocessable Content` (`Vary: *`: not replayable, 409) |
 //! | a caller the tenant function does not know (it returns `None` or `""`, or there is no tenant function) | `401 Unauthorized`, before anything runs; unless `.allow_anonymous(true)`: then all anonymous callers share one key space |
 //! | no key where one is required | `400 Bad Request` |
 //! | a malformed key, or the key header sent twice | `400 Bad Request` |

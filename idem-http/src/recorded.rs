@@ -24,6 +24,43 @@ pub(crate) struct Recorded {
     pub(crate) status: u16,
     pub(crate) headers: Vec<(String, Blob)>,
     pub(crate) body: Blob,
+    /// The request headers the response varies on (`Vary`), each with the
+    /// values the recorded request sent (none: it did not send it): a
+    /// duplicate is replayed only if it sends the same.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) vary: Vec<(String, Option<Blob>)>,
+}
+
+/// The request headers a response varies on (lowercased), or `None` for
+/// `Vary: *` (it varies on more than headers: never replayed).
+pub(crate) fn varies_on(response: &HeaderMap) -> Option<Vec<String>> {
+    let mut names = Vec::new();
+    for value in response.get_all(http::header::VARY) {
+        for name in value.as_bytes().split(|&b| b == b',') {
+            let name = String::from_utf8_lossy(name.trim_ascii()).to_ascii_lowercase();
+            if name == "*" {
+                return None;
+            }
+            if !name.is_empty() && !names.contains(&name) {
+                names.push(name);
+            }
+        }
+    }
+    Some(names)
+}
+
+/// The values a request sent for `name`, joined as one (`None`: not sent).
+fn values_of(request: &HeaderMap, name: &str) -> Option<Blob> {
+    let mut values = request.get_all(name).iter().peekable();
+    values.peek()?;
+    let mut joined = Vec::new();
+    for (i, value) in values.enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b", ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+    }
+    Some(Blob(Bytes::from(joined)))
 }
 
 impl Recorded {
@@ -34,6 +71,8 @@ impl Recorded {
         headers: &HeaderMap,
         body: Bytes,
         skip: &[HeaderName],
+        vary: &[String],
+        request: &HeaderMap,
     ) -> Recorded {
         let named_in_connection: Vec<String> = headers
             .get_all(CONNECTION)
@@ -58,7 +97,19 @@ impl Recorded {
                 })
                 .collect(),
             body: Blob(body),
+            vary: vary
+                .iter()
+                .map(|name| (name.clone(), values_of(request, name)))
+                .collect(),
         }
+    }
+
+    /// Whether `request` sends what the recorded request sent for every
+    /// header the response varies on.
+    pub(crate) fn matches(&self, request: &HeaderMap) -> bool {
+        self.vary
+            .iter()
+            .all(|(name, sent)| values_of(request, name) == *sent)
     }
 
     /// The headers to replay; a name or value that does not parse (only a
@@ -359,6 +410,7 @@ mod tests {
             status: 201,
             headers: vec![("x".into(), Blob(Bytes::from_static(b"\xe9")))],
             body: Blob(Bytes::from_static(b"ok")),
+            vary: Vec::new(),
         });
         let encoded = codec.encode(&recorded).unwrap_or_default();
         let decoded: Option<Outcome> = codec.decode(&encoded).ok();
@@ -387,7 +439,14 @@ mod tests {
             http::header::DATE,
             http::header::CONNECTION,
         ];
-        let recorded = Recorded::of(StatusCode::OK, &headers, Bytes::new(), &skip);
+        let recorded = Recorded::of(
+            StatusCode::OK,
+            &headers,
+            Bytes::new(),
+            &skip,
+            &[],
+            &HeaderMap::new(),
+        );
         let names: Vec<&str> = recorded.headers.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(names, vec!["x-kept"]);
     }

@@ -253,6 +253,8 @@ where
             .map(box_response);
     }
     let fingerprint = fingerprint(&parts, &body);
+    // A replay must match the headers its response varies on.
+    let request_headers = parts.headers.clone();
 
     let request = Request::from_parts(parts, ReqBody::from(body));
     // The response for this caller, put here by the handler (detached, it
@@ -273,6 +275,8 @@ where
                 .unwrap_or_default();
             held.0.push(key);
             request.extensions_mut().insert(held);
+            // What a response that varies (`Vary`) is recorded against.
+            let request_headers = request.headers().clone();
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
             // An answer an idem layer further in made itself (a 400, 409,
             // 422...): its handler did not run; never recorded here.
@@ -296,13 +300,24 @@ where
                 put(&live, Response::from_parts(parts, body));
                 return Err(NotRecorded::Status(status));
             }
+            let vary = recorded::varies_on(&parts.headers);
             let (body, outcome) = if is_event_stream(&parts.headers) {
                 let why = "a text/event-stream response is streamed, not recorded";
+                (body, Outcome::NotRecordable(why.to_owned()))
+            } else if vary.is_none() {
+                let why = "a response with `Vary: *` varies on more than the request's headers";
                 (body, Outcome::NotRecordable(why.to_owned()))
             } else {
                 match recorded::buffer(body, limit).await {
                     Buffered::Complete(bytes) => {
-                        let copy = Recorded::of(parts.status, &parts.headers, bytes.clone(), &skip);
+                        let copy = Recorded::of(
+                            parts.status,
+                            &parts.headers,
+                            bytes.clone(),
+                            &skip,
+                            vary.as_deref().unwrap_or_default(),
+                            &request_headers,
+                        );
                         (full(bytes), Outcome::Recorded(copy))
                     }
                     Buffered::Streamed { read, rest, why } => (
@@ -422,6 +437,15 @@ where
         return Ok(live);
     }
     let problem = match outcome {
+        // A response that varies on a header this request sends otherwise
+        // (another `Accept-Encoding`...) is not this request's answer.
+        Ok(Processed::Replayed(Outcome::Recorded(recorded)))
+            if !recorded.matches(&request_headers) =>
+        {
+            Problem::new(ProblemKind::Mismatch).with_detail(
+                "This request differs from the first one with this key in a header its response varies on (Vary).",
+            )
+        }
         Ok(Processed::Replayed(Outcome::Recorded(recorded))) => {
             return Ok(replay(&config, &key, recorded))
         }

@@ -17,7 +17,8 @@ use idem::Idempotency;
 use serde_json::json;
 
 use super::{
-    assert_not_replayable, layer_on, pg_store, post_json, post_raw, serve, spawn_server, RawReply,
+    assert_not_replayable, layer_on, pg_store, post_json, post_raw, send, serve, spawn_server,
+    RawReply,
 };
 
 /// Each outcome's status: 400 without a key or with a malformed one, the
@@ -449,4 +450,71 @@ async fn a_builder_method_on_a_clone_changes_the_clone_only() {
     let _ = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
     let r = post_raw(&at("/strict"), "c", Some("t1"), "text/plain", "").await;
     assert_eq!((r.status, r.replayed()), (404, false), "the clone does not");
+}
+
+/// A response that varies on a request header (`Vary: Accept-Encoding`)
+/// is replayed only to a duplicate that sends the same value: one asking
+/// for another encoding gets 422 (never a gzip body it cannot read), and
+/// a response with `Vary: *` is not replayable (409, never run again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_that_varies_is_replayed_only_to_a_request_that_matches_it() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let negotiated = {
+        let runs = runs.clone();
+        move |headers: HeaderMap| {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let gzip = headers
+                    .get("accept-encoding")
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.contains("gzip"));
+                let encoding = if gzip { "gzip" } else { "identity" };
+                (
+                    StatusCode::CREATED,
+                    [("vary", "Accept-Encoding"), ("x-encoding", encoding)],
+                    encoding.to_owned(),
+                )
+            }
+        }
+    };
+    let everything = {
+        let runs = runs.clone();
+        move || {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                (StatusCode::CREATED, [("vary", "*")], "any")
+            }
+        }
+    };
+    let router = Router::new()
+        .route("/negotiated", post(negotiated))
+        .route("/everything", post(everything))
+        .layer(layer_on(Idempotency::new(idem::MemoryStore::new())));
+    let url = spawn_server(router).await;
+    let with = |encoding: &'static str| {
+        [
+            ("x-api-key", "t1"),
+            ("idempotency-key", "k-vary"),
+            ("accept-encoding", encoding),
+        ]
+    };
+    let ct = "application/json";
+    let first = send(&format!("{url}/negotiated"), &with("gzip"), ct, "{}").await;
+    assert_eq!((first.status, first.body.as_slice()), (201, &b"gzip"[..]));
+    let other = send(&format!("{url}/negotiated"), &with("identity"), ct, "{}").await;
+    assert_eq!(
+        other.status,
+        422,
+        "replayed to a caller that did not negotiate it: {}",
+        String::from_utf8_lossy(&other.body)
+    );
+    let same = send(&format!("{url}/negotiated"), &with("gzip"), ct, "{}").await;
+    assert!(same.replayed() && same.body == first.body);
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let first = send(&format!("{url}/everything"), &with("gzip"), ct, "{}").await;
+    let again = send(&format!("{url}/everything"), &with("gzip"), ct, "{}").await;
+    assert_eq!((first.status, again.status), (201, 409));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
