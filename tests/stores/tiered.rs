@@ -961,7 +961,9 @@ async fn a_source_delete_whose_reply_was_lost_still_tombstones_every_tier() {
         .unwrap_or_else(|e| panic!("{e}"));
     // Filled into both tiers.
     assert!(matches!(
-        store.acquire(&key, Some(&fp("p")), Duration::from_secs(30)).await,
+        store
+            .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
+            .await,
         Ok(Acquisition::Completed(_))
     ));
     // The request that runs the delete carries the key (its parameters).
@@ -974,7 +976,10 @@ async fn a_source_delete_whose_reply_was_lost_still_tombstones_every_tier() {
     );
     let direct = postgres().await;
     let source_now = direct.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
-    assert!(source_now.is_none(), "the delete did not go through: {source_now:?}");
+    assert!(
+        source_now.is_none(),
+        "the delete did not go through: {source_now:?}"
+    );
     let next = store
         .acquire(&key, Some(&fp("p")), Duration::from_secs(30))
         .await;
