@@ -41,6 +41,7 @@
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acknowledged |
 //! | the key is in progress with another consumer, or the store is unavailable | left pending: delivered again after `claim_idle` (never dead-lettered: the lease ends, the store comes back) |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | left pending and kept from the other consumers (claimed again every `claim_idle / 4`, see below): this consumer writes its completion with the run's own lease ([`Idempotency::finish`]) once the store is back, then acknowledges it. A consumer that stops first leaves it pending: after `claim_idle` another consumer reclaims it and, the lease being over, takes the key over and runs it again (the window of an outage longer than the lease, DESIGN 4) |
+//! | the handler ran but the store refuses its completion for good (a non-retryable error while finishing) | dead-lettered; every later entry of its key this consumer reads is dead-lettered too, never run (the handler ran; its lease is over) |
 //! | the handler failed or panicked | left pending, until it was delivered [`max_deliveries`](StreamConsumer::max_deliveries) times: then dead-lettered |
 //! | can never succeed ([`IdemError::is_retryable`] is false: no usable key, payload mismatch, lease lost, corrupt record, a response that does not decode) | dead-lettered at once |
 //! | a field name that is not UTF-8, or that appears twice in the entry | dead-lettered at once, its fields copied byte for byte; the handler never runs ([`StreamEntry::fields`] is a map by `String` name: such names would be merged) |
@@ -281,6 +282,9 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     /// The entries in flight and the unfinished ones, kept claimed while
     /// `run` runs (see [`keeper`]).
     held: Arc<keeper::Held>,
+    /// Keys whose handler ran but whose completion the store refused for
+    /// good: their later entries are dead-lettered, never run.
+    refused: Arc<std::sync::Mutex<HashSet<IdempotencyKey>>>,
 }
 
 impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
@@ -385,6 +389,7 @@ where
             counters: Arc::default(),
             unfinished: Arc::default(),
             held: Arc::default(),
+            refused: Arc::default(),
             reread_own: Arc::default(),
         };
         let mut create = redis::cmd("XGROUP");
@@ -635,6 +640,13 @@ where
                     self.reread_own.store(true, Ordering::SeqCst)
                 }
                 Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
+                    // The handler ran for this key: no later entry of it
+                    // runs again at this consumer (its lease is over, a
+                    // run would take the key over).
+                    self.refused
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(u.lease().key.clone());
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
                     let delivery = Delivery {
@@ -812,6 +824,11 @@ where
                 map.values().map(|(_, u)| u.lease().key.clone()).collect(),
             )
         };
+        let refused = self
+            .refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         for (i, delivery) in deliveries.iter().enumerate() {
             let outcome = match &delivery.unusable {
                 // Its handler ran: only its completion is left to write
@@ -826,6 +843,10 @@ where
                 None => match self.key_of(&delivery.entry) {
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                     Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Pending),
+                    Ok(key) if refused.contains(&key) => Some(Outcome::Dead(
+                        "the handler of this key ran but the store refused its result for good: never run again"
+                            .to_owned(),
+                    )),
                     Ok(key) => {
                         let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
                         let (handler, entry) = (handler.clone(), delivery.entry.clone());

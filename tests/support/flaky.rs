@@ -21,6 +21,10 @@ use idem::{Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Re
 pub struct FlakyStore<S> {
     pub inner: S,
     pub down: Arc<AtomicBool>,
+    /// While set (and the store is up), completions are refused for good
+    /// (a non-retryable `Backend` error): a result the store will never
+    /// take.
+    pub refuse_completes: Arc<AtomicBool>,
 }
 
 impl<S> FlakyStore<S> {
@@ -31,6 +35,7 @@ impl<S> FlakyStore<S> {
             FlakyStore {
                 inner,
                 down: down.clone(),
+                refuse_completes: Arc::default(),
             },
             down,
         )
@@ -87,6 +92,9 @@ impl<S: IdempotencyStore> IdempotencyStore for FlakyStore<S> {
         retention: Duration,
     ) -> Result<(), StoreError> {
         self.check()?;
+        if self.refuse_completes.load(Ordering::SeqCst) {
+            return Err(StoreError::backend("completions refused for good (test)"));
+        }
         self.inner.complete(lease, response, retention).await
     }
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {

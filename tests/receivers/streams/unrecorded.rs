@@ -385,3 +385,65 @@ async fn an_unfinished_entry_deleted_from_the_stream_leaves_nothing_stuck() {
     assert_eq!(effects.load(Ordering::SeqCst), 1, "{stats:?}");
     assert_eq!(pending(&stream, "g").await, 0);
 }
+
+/// Entry E1 (m-1) runs; the store goes away past the 1 s lease
+/// (`Unrecorded`); a duplicate E2 (m-1 again) is read and held back. When
+/// the store comes back it refuses E1's completion for good: E1 is
+/// dead-lettered (its handler ran). E2, and any later entry of the key
+/// this consumer reads, is dead-lettered too, never run: the handler
+/// already ran for the key. (E2 was read again, took the expired lease
+/// over and ran the handler a second time.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_of_a_key_whose_completion_was_refused_never_run() {
+    let stream = format!("unfinished-refused-{:08x}", fastrand::u32(..));
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = consumer_on(&stream, "a", idem)
+        .await
+        .block(Duration::from_millis(100))
+        .claim_idle(Duration::from_secs(60));
+    xadd(&stream, &[("message_id", "m-1")]).await;
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        move |_e: StreamEntry| {
+            let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+            Box::pin(async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    refuse.store(true, Ordering::SeqCst);
+                    support::flaky::outage(&down, Duration::from_secs(3));
+                }
+                Ok::<_, std::io::Error>("charged".to_owned())
+            }) as BoxFuture<'static, _>
+        }
+    };
+    let producer = {
+        let (effects, stream) = (effects.clone(), stream.clone());
+        tokio::spawn(async move {
+            while effects.load(Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            // Past the lease, the store still down: E2 is held back.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            xadd(&stream, &[("message_id", "m-1")]).await;
+        })
+    };
+    let dead = format!("{stream}:dead");
+    let done = {
+        let dead = dead.clone();
+        move || {
+            let dead = dead.clone();
+            Box::pin(async move { super::entries_of(&dead).await.len() >= 2 }) as Check
+        }
+    };
+    let stats = run_until(&consumer, handler, Duration::from_secs(30), done).await;
+    producer.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the duplicate ran the handler again after its key's completion was refused: {stats:?}"
+    );
+    stats.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(pending(&stream, "g").await, 0);
+}
