@@ -19,7 +19,8 @@ pub struct Report {
 
 /// Delivers each of `key_count` keys from `tasks` tasks until processed;
 /// runs `fault` once a third of the keys ran, and `recover` (if any) once a
-/// call failed with `Unavailable` after the fault. Panics unless every key
+/// call failed with `Unavailable` after the fault (a `process`, or the
+/// `finish` of an `Unrecorded` run: every task may be finishing). Panics unless every key
 /// ran exactly once and every replay returned that run's value.
 pub async fn storm_through_fault<S>(
     idem: Idempotency<S>,
@@ -130,6 +131,11 @@ where
                                         break;
                                     }
                                     Err(e) if e.is_retryable() => {
+                                        // The outage seen here counts too:
+                                        // every task may be finishing.
+                                        if faulted.load(Ordering::SeqCst) {
+                                            saw_outage.notify_one();
+                                        }
                                         assert!(
                                             since.elapsed() < Duration::from_secs(60),
                                             "key {i}: the store never came back to finish \
