@@ -700,7 +700,10 @@ async fn dynamodb_store(args: &Args) -> Result<idem::dynamodb::DynamoDbStore, Bo
         .ok_or("this backend needs --dynamodb-url (or IDEM_MOTO_URL)")?;
     let client = idem::dynamodb::local_client(url);
     idem::dynamodb::create_table(&client, DYNAMODB_TABLE).await?;
-    Ok(idem::dynamodb::DynamoDbStore::new(client, DYNAMODB_TABLE))
+    // A load command measures slow answers rather than failing on them:
+    // moto on a loaded machine took over the default 2 s for one call.
+    Ok(idem::dynamodb::DynamoDbStore::new(client, DYNAMODB_TABLE)
+        .call_timeout(std::time::Duration::from_secs(30)))
 }
 
 #[cfg(feature = "redis")]
