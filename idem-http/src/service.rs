@@ -253,8 +253,10 @@ where
             .map(box_response);
     }
     let fingerprint = fingerprint(&parts, &body);
-    // A replay must match the headers its response varies on.
-    let request_headers = parts.headers.clone();
+    // The request's headers, one copy shared by the handler (a response
+    // that varies, `Vary`, is recorded against them) and the replay (which
+    // must match them).
+    let request_headers = Arc::new(parts.headers.clone());
 
     let request = Request::from_parts(parts, ReqBody::from(body));
     // The response for this caller, put here by the handler (detached, it
@@ -266,6 +268,7 @@ where
         let skip = config.skip_headers.clone();
         let limit = config.max_response_bytes;
         let key = key.clone();
+        let request_headers = request_headers.clone();
         move |context: idem_core::Context| async move {
             let mut request = request;
             request.extensions_mut().insert(context);
@@ -275,8 +278,6 @@ where
                 .unwrap_or_default();
             held.0.push(key);
             request.extensions_mut().insert(held);
-            // What a response that varies (`Vary`) is recorded against.
-            let request_headers = request.headers().clone();
             let response = inner.call(request).await.map_err(NotRecorded::Service)?;
             // An answer an idem layer further in made itself (a 400, 409,
             // 422...): its handler did not run; never recorded here.
