@@ -12,6 +12,7 @@ use idem_core::{
 
 use crate::item::{self, b, n, s, Attrs, State};
 use crate::request::{random_rev, Write};
+use crate::response::Chunks;
 use crate::store::{millis, since, wall, DynamoDbStore};
 
 /// Rounds of `acquire` when writers keep changing the item between its
@@ -68,6 +69,8 @@ impl DynamoDbStore {
         let mut attempt = 1;
         let mut stored_fp = fingerprint.copied();
         let mut expect_rev = None;
+        // The revision of an item whose response had a chunk missing.
+        let mut missing_in: Option<u64> = None;
         let mut attrs = self.in_progress_item(
             key,
             token,
@@ -87,7 +90,7 @@ impl DynamoDbStore {
                             .with_fingerprint(stored_fp),
                     ))
                 }
-                Write::Refused(old) => old,
+                Write::Refused(old) => self.decodable(key, old).await?,
             };
             now = self.now_ms();
             lease_until = now.saturating_add(lease_ms);
@@ -155,8 +158,40 @@ impl DynamoDbStore {
                     completed_at,
                     response,
                 } => {
-                    let response = self.response_of(key, &old, response).await?;
-                    let ttl = since(old.expires.saturating_sub(now));
+                    let response = match self.response_of(key, &old, response).await? {
+                        Chunks::Read(response) => response,
+                        Chunks::Missing(detail) => {
+                            // The same item twice with a chunk missing:
+                            // corrupt. Else it was deleted or purged (or
+                            // taken over after its expiry) since the
+                            // refusal read it: start again from what the
+                            // table holds now.
+                            if missing_in == Some(old.rev) {
+                                return Err(Self::corrupt(key, detail));
+                            }
+                            missing_in = Some(old.rev);
+                            now = self.now_ms();
+                            lease_until = now.saturating_add(lease_ms);
+                            expect_rev = None;
+                            fence = self.now_us();
+                            attempt = 1;
+                            stored_fp = fingerprint.copied();
+                            attrs = self.in_progress_item(
+                                key,
+                                token,
+                                fence,
+                                attempt,
+                                fingerprint,
+                                now,
+                                lease_until,
+                                random_rev(),
+                            );
+                            continue;
+                        }
+                    };
+                    // The time left by the clock after the chunks were
+                    // read (a slow read must not lengthen a cache's fill).
+                    let ttl = since(old.expires.saturating_sub(self.now_ms()));
                     return Ok(Acquisition::Completed(
                         CompletedRecord::new(
                             key.clone(),

@@ -7,7 +7,7 @@
 //! |---|---|---|
 //! | `pk` | S | `{scope}/{id}` (the table's partition key); `#{token}/{n}` for a chunk of a large response |
 //! | `st` | S | `p` in progress, `c` completed, `r` released, `x` deleted (`r` and `x` are tombstones: absent, but they keep the fence) |
-//! | `tk` | B | the lease token (16 bytes) of the holder or completer; of the releaser in an `r` tombstone |
+//! | `tk` | B | the lease token (16 bytes) of the holder or completer; of the releaser in an `r` tombstone; of the deleted record in an `x` tombstone |
 //! | `fe` | N | the fence |
 //! | `at` | N | the attempt (live records) |
 //! | `fp` | B | the fingerprint (32 bytes), if any |
@@ -16,7 +16,7 @@
 //! | `co` | N | completed, ms |
 //! | `ex` | N | when the item stops being live, ms (lease end + grace; completion + retention; a tombstone's end) |
 //! | `rs` | B | the response, when it fits in the item |
-//! | `nc`, `rz` | N | a response kept in `nc` chunk items, `rz` bytes in all |
+//! | `nc`, `rz` | N | a response kept in `nc` chunk items, `rz` bytes in all; `nc` stays in an `x` tombstone, so a delete sent again removes the chunks |
 //! | `rv` | N | a random revision, new on every write: a takeover is a compare-and-set on it |
 //! | `tt` | N | `ex` in seconds (plus the skew margin), for DynamoDB's TTL |
 //! | `d` | B | a chunk's bytes |
@@ -64,15 +64,19 @@ pub(crate) enum State {
     },
     /// `r`: released by the holder of `token`.
     Released,
-    /// `x`: deleted by an operator.
-    Deleted,
+    /// `x`: deleted by an operator. The tombstone keeps the deleted
+    /// response's chunk count (with its token), so a delete sent again
+    /// after a lost reply removes the chunks the first one could not.
+    Deleted {
+        chunks: Option<u32>,
+    },
 }
 
 /// A decoded item.
 #[derive(Debug, Clone)]
 pub(crate) struct Item {
     pub(crate) state: State,
-    /// `None` in a deleted tombstone.
+    /// `None` in a tombstone of a delete that found no token.
     pub(crate) token: Option<LeaseToken>,
     pub(crate) fence: u64,
     pub(crate) attempt: u32,
@@ -84,7 +88,7 @@ pub(crate) struct Item {
 
 impl Item {
     pub(crate) fn is_tombstone(&self) -> bool {
-        matches!(self.state, State::Released | State::Deleted)
+        matches!(self.state, State::Released | State::Deleted { .. })
     }
 }
 
@@ -102,7 +106,7 @@ pub(crate) fn b(v: impl Into<Vec<u8>>) -> AttributeValue {
     AttributeValue::B(Blob::new(v))
 }
 
-fn get_n<T: std::str::FromStr>(attrs: &Attrs, name: &str) -> Result<T, String> {
+pub(crate) fn get_n<T: std::str::FromStr>(attrs: &Attrs, name: &str) -> Result<T, String> {
     match attrs.get(name) {
         Some(AttributeValue::N(v)) => v
             .parse()
@@ -148,8 +152,12 @@ pub(crate) fn decode(attrs: &Attrs) -> Result<Item, String> {
         None => None,
     };
     if status == "x" {
+        let chunks = match attrs.get(NC) {
+            Some(_) => Some(get_n(attrs, NC)?),
+            None => None,
+        };
         return Ok(Item {
-            state: State::Deleted,
+            state: State::Deleted { chunks },
             token,
             fence,
             attempt: 0,

@@ -45,7 +45,12 @@ impl DynamoDbStore {
             .await?;
         match wrote {
             Write::Done(_) => Ok(()),
-            Write::Refused(old) => match old.as_ref().map(item::decode) {
+            Write::Refused(old) => match self
+                .decodable(&lease.key, old)
+                .await?
+                .as_ref()
+                .map(item::decode)
+            {
                 // A resend of this release: its tombstone is there.
                 Some(Ok(Item {
                     state: State::Released,

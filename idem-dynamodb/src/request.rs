@@ -115,4 +115,22 @@ impl DynamoDbStore {
             .map_err(map_sdk)?;
         Ok(out.item().cloned())
     }
+
+    /// `old`, an item as a refused write or a read handed it out, read
+    /// once more (consistently) if it does not decode. DynamoDB applies a
+    /// write whole, at once; moto, the emulator the tests run on, applies
+    /// an update's actions one by one and can hand out an item half
+    /// updated (a status without the attributes that go with it). An item
+    /// that still does not decode is reported by the caller as it always
+    /// was (corrupt, or the lease lost).
+    pub(crate) async fn decodable(
+        &self,
+        key: &IdempotencyKey,
+        old: Option<Attrs>,
+    ) -> Result<Option<Attrs>, StoreError> {
+        match &old {
+            Some(attrs) if item::decode(attrs).is_err() => self.get_item(key).await,
+            _ => Ok(old),
+        }
+    }
 }

@@ -20,6 +20,17 @@ use crate::item::{self, b, n, s, Attrs, Item, Response, State};
 use crate::request::{names, random_rev, Write};
 use crate::store::{millis, DynamoDbStore, HARD_MAX_RESPONSE_BYTES, INLINE_RESPONSE_BYTES};
 
+/// A completed record's response, as [`DynamoDbStore::response_of`] read
+/// it.
+pub(crate) enum Chunks {
+    /// The whole response.
+    Read(Bytes),
+    /// A chunk was not there (why, in words): the record was deleted or
+    /// purged since its item was read, or it is corrupt if the item is
+    /// still the same.
+    Missing(String),
+}
+
 impl DynamoDbStore {
     pub(crate) async fn complete_inner(
         &self,
@@ -71,7 +82,10 @@ impl DynamoDbStore {
                 .await?;
             return match wrote {
                 Write::Done(_) => Ok(()),
-                Write::Refused(old) => Self::completed_by(lease, old.as_ref()),
+                Write::Refused(old) => {
+                    let old = self.decodable(&lease.key, old).await?;
+                    Self::completed_by(lease, old.as_ref())
+                }
             };
         }
         // Chunked: the record and its chunks in one transaction.
@@ -147,7 +161,8 @@ impl DynamoDbStore {
                     if let Some(first) = t.cancellation_reasons().first() {
                         if first.code() == Some("ConditionalCheckFailed") && first.item().is_some()
                         {
-                            return Self::completed_by(lease, first.item());
+                            let old = self.decodable(&lease.key, first.item().cloned()).await?;
+                            return Self::completed_by(lease, old.as_ref());
                         }
                     }
                 }
@@ -191,15 +206,18 @@ impl DynamoDbStore {
 
     /// The response of a completed item: inline, or read from its chunks
     /// (one consistent `BatchGetItem`, more if DynamoDB leaves keys
-    /// unprocessed).
+    /// unprocessed). A chunk that is not there is [`Chunks::Missing`]:
+    /// the record may have been deleted (or purged) since its item was
+    /// read, so the caller reads the item again before calling it
+    /// corrupt.
     pub(crate) async fn response_of(
         &self,
         key: &IdempotencyKey,
         item: &Item,
         response: &Response,
-    ) -> Result<Bytes, StoreError> {
+    ) -> Result<Chunks, StoreError> {
         let (chunks, size) = match response {
-            Response::Inline(bytes) => return Ok(bytes.clone()),
+            Response::Inline(bytes) => return Ok(Chunks::Read(bytes.clone())),
             Response::Chunked { chunks, size } => (*chunks, *size),
         };
         let Some(token) = item.token else {
@@ -259,10 +277,9 @@ impl DynamoDbStore {
             match found.get(&item::chunk_pk(token, i)) {
                 Some(part) => whole.extend_from_slice(part),
                 None => {
-                    return Err(Self::corrupt(
-                        key,
-                        format!("chunk {i} of {chunks} of the response is missing"),
-                    ))
+                    return Ok(Chunks::Missing(format!(
+                        "chunk {i} of {chunks} of the response is missing"
+                    )))
                 }
             }
         }
@@ -275,7 +292,7 @@ impl DynamoDbStore {
                 ),
             ));
         }
-        Ok(whole.freeze())
+        Ok(Chunks::Read(whole.freeze()))
     }
 
     /// Deletes the chunk items of the response completed by `token`: one

@@ -1,7 +1,9 @@
 //! The table's items: responses past the item limit in chunks (a missing
-//! chunk is a corrupt record, a delete leaves no chunk behind), items that
-//! do not decode (corrupt, never absent), fences that cannot go higher,
-//! and purges that drain every expired item.
+//! chunk is a corrupt record, a record deleted while its chunks are read is
+//! what the table holds now, a delete leaves no chunk behind, even sent
+//! again after a lost reply), items that do not decode (corrupt, never
+//! absent; deleting one keeps the fence rising), fences that cannot go
+//! higher, and purges that drain every expired item.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -11,7 +13,8 @@ use idem::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
 use idem::dynamodb::DynamoDbStore;
 use idem::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
 
-use super::{acquired, key, overwrite, store, DAY, LONG};
+use super::{acquired, key, overwrite, proxied, store, store_on, DAY, LONG};
+use crate::support::moto;
 
 /// Every item of the table (a consistent scan, all pages).
 async fn all_items(store: &DynamoDbStore) -> Vec<HashMap<String, AttributeValue>> {
@@ -133,6 +136,196 @@ async fn large_responses_are_stored_in_chunks_and_a_missing_chunk_is_corrupt() {
     }
 }
 
+/// The chunk items among `items` of the response completed by `token`.
+fn chunk_items(items: &[HashMap<String, AttributeValue>], token: &idem::LeaseToken) -> Vec<String> {
+    let prefix = format!("#{}/", token.to_hex());
+    items
+        .iter()
+        .filter_map(|it| match it.get("pk") {
+            Some(AttributeValue::S(pk)) if pk.starts_with(&prefix) => Some(pk.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A record deleted (its chunks with it) while a duplicate reads its
+/// chunked response was never corrupt: the duplicate's `acquire` gets
+/// what the table holds now (the key is free: acquired, with a higher
+/// fence) and `get` says absent, instead of a `Corrupt` that a consumer
+/// would dead-letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_deleted_while_its_chunks_are_read_is_what_the_table_holds_now() {
+    let (slow, proxy) = proxied(moto::shared_url()).await;
+    let direct = store_on(moto::shared_url(), slow.table()).await;
+    let slow = std::sync::Arc::new(slow);
+    proxy.delay_requests_to(
+        b"DynamoDB_20120810.BatchGetItem",
+        Duration::from_millis(1_500),
+    );
+    for read in ["acquire", "get"] {
+        let k = key("deleted-mid-read");
+        let lease = acquired(&direct, &k, LONG).await;
+        direct
+            .complete(&lease, &vec![5u8; 900_000], DAY)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let held = proxy.delayed();
+        let reader = {
+            let (slow, k) = (slow.clone(), k.clone());
+            tokio::spawn(async move {
+                match read {
+                    "acquire" => slow.acquire(&k, None, LONG).await.map(Some),
+                    _ => slow.get(&k).await.map(|_| None),
+                }
+            })
+        };
+        for _ in 0..1_000 {
+            if proxy.delayed() > held {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert!(
+            proxy.delayed() > held,
+            "{read}: the chunk read was never held"
+        );
+        assert!(direct.delete(&k).await.unwrap_or_else(|e| panic!("{e}")));
+        let got = reader.await.unwrap_or_else(|e| panic!("{e}"));
+        match (read, got) {
+            ("acquire", Ok(Some(Acquisition::Acquired(l)))) => {
+                assert_eq!(l.attempt, 1);
+                assert!(l.fence > lease.fence, "{} after {}", l.fence, lease.fence);
+            }
+            ("get", Ok(None)) => {
+                assert!(
+                    slow.get(&k)
+                        .await
+                        .unwrap_or_else(|e| panic!("{e}"))
+                        .is_none(),
+                    "get: a deleted record is still there"
+                );
+            }
+            (read, other) => panic!(
+                "{read} of a record deleted while its chunks were read: {:?}",
+                other.map(|a| a.map(|a| format!("{a:?}")))
+            ),
+        }
+    }
+}
+
+/// The time left that `acquire` hands a tiered store for its fill is
+/// taken after the chunks were read: a slow chunk read does not make a
+/// cache entry outlive the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_chunk_read_does_not_lengthen_the_time_left() {
+    let (slow, proxy) = proxied(moto::shared_url()).await;
+    let k = key("slow-chunks");
+    let lease = acquired(&slow, &k, LONG).await;
+    slow.complete(&lease, &vec![6u8; 900_000], Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxy.delay_requests_to(
+        b"DynamoDB_20120810.BatchGetItem",
+        Duration::from_millis(1_500),
+    );
+    let record = match slow.acquire(&k, None, LONG).await {
+        Ok(Acquisition::Completed(r)) => r,
+        other => panic!("{:?}", other.map(|_| ())),
+    };
+    assert!(proxy.delayed() > 0, "the chunk read was not held back");
+    let left = record
+        .expires_at
+        .duration_since(std::time::SystemTime::now())
+        .unwrap_or_default();
+    assert!(
+        record.ttl <= left + Duration::from_millis(100),
+        "the fill may live {:?}, the record {left:?}",
+        record.ttl
+    );
+}
+
+/// A delete whose reply was lost (sent once: the caller gets a retryable
+/// error) and the caller's retry: the deleted response's chunks are gone
+/// after the retry, not left until the deleted record's retention.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_retried_after_a_lost_reply_leaves_no_chunks() {
+    let (store, proxy) = proxied(moto::shared_url()).await;
+    let k = key("delete-lost");
+    let l = acquired(&store, &k, LONG).await;
+    store
+        .complete(&l, &vec![3u8; 900_000], Duration::MAX)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxy.lose_replies_to(b"DynamoDB_20120810.UpdateItem", 1, 1);
+    let first = store.delete(&k).await;
+    assert!(
+        matches!(&first, Err(e) if e.is_retryable()),
+        "a delete whose reply was lost: {first:?}"
+    );
+    assert_eq!(proxy.lost(), 1);
+    let again = store.delete(&k).await;
+    assert!(again.is_ok(), "{again:?}");
+    assert!(store
+        .get(&k)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .is_none());
+    let left = chunk_items(&all_items(&store).await, &l.token);
+    assert!(
+        left.is_empty(),
+        "after a retried delete, the deleted record's chunks are still stored: {left:?}"
+    );
+}
+
+/// Deleting an item that does not decode keeps the fences rising across
+/// clients whose clocks differ (within the margin): the fence stored in
+/// the item when it decodes, else one above what any such client's clock
+/// can have handed out. The next acquisition, by the client behind, gets
+/// a fence above the last one handed out, by the client ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_an_undecodable_item_keeps_the_fence_rising() {
+    let base = store().await.clock_skew_margin(Duration::from_secs(1));
+    let ahead = base.clone().clock_offset_ms(400);
+    for (what, fence_attr) in [
+        ("a fence that decodes", None),
+        ("a fence that does not", Some(AttributeValue::S("x".into()))),
+    ] {
+        let k = key("corrupt-fence");
+        let l = acquired(&ahead, &k, LONG).await;
+        ahead
+            .complete(&l, b"done", DAY)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        // The record, its status corrupt (and its fence, the second time).
+        let mut attrs = vec![
+            ("st", AttributeValue::S("zz".into())),
+            (
+                "tk",
+                AttributeValue::B(Blob::new(l.token.to_bytes().to_vec())),
+            ),
+            ("fe", AttributeValue::N(l.fence.to_string())),
+            ("ex", AttributeValue::N("99999999999999".into())),
+            ("rv", AttributeValue::N("1".into())),
+        ];
+        if let Some(bad) = fence_attr {
+            attrs.retain(|(n, _)| *n != "fe");
+            attrs.push(("fe", bad));
+        }
+        overwrite(&base, &k, &attrs).await;
+        assert!(base
+            .delete(&k)
+            .await
+            .unwrap_or_else(|e| panic!("{what}: {e}")));
+        let next = acquired(&base, &k, LONG).await;
+        assert!(
+            next.fence > l.fence,
+            "{what}: fence {} after {} was handed out",
+            next.fence,
+            l.fence
+        );
+    }
+}
+
 /// `delete` turns a completed record into a tombstone; the chunk items of
 /// its large response, referenced by nothing then, are removed too (they
 /// would otherwise keep the record's expiry, here the longest retention,
@@ -151,15 +344,7 @@ async fn a_delete_leaves_no_orphan_chunks() {
         .purge_expired(1_000)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let prefix = format!("#{}/", l.token.to_hex());
-    let orphans: Vec<String> = all_items(&store)
-        .await
-        .into_iter()
-        .filter_map(|it| match it.get("pk") {
-            Some(AttributeValue::S(pk)) if pk.starts_with(&prefix) => Some(pk.clone()),
-            _ => None,
-        })
-        .collect();
+    let orphans = chunk_items(&all_items(&store).await, &l.token);
     assert!(
         orphans.is_empty(),
         "after delete and purge, the deleted record's chunks are still stored \
