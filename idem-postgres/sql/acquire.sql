@@ -11,9 +11,15 @@
 -- it until its transaction ends). So the waits come first, and everything
 -- computed after them is current: the clock, hence the lease, is read once
 -- the lock is held (a lease is never counted from before a wait), and the
--- fence comes from {{sequence}} after every earlier acquisition of the key
--- committed, so fences strictly increase in the order the rows are
--- written, across takeovers, releases, deletes and expiries. A lock held on
+-- fence is taken after every earlier acquisition of the key committed: the
+-- server's clock in microseconds then, raised to {{sequence}}'s next value
+-- and, over a row, to its fence + 1. So fences strictly increase in the
+-- order the rows are written, across takeovers, releases, deletes and
+-- expiries, and across a failover too: a promoted standby that lacks the
+-- last acquisitions (asynchronous replication, a claim whose transaction
+-- never committed) and so the sequence's advance, still hands out fences
+-- above them by its clock (servers kept in step by NTP: a clock behind by
+-- more than the failover took could repeat one). A lock held on
 -- the row by something else (a plain SELECT ... FOR UPDATE) can still delay
 -- the write: `taken` computes the lease with clock_timestamp() when it
 -- writes (re-evaluated after a concurrent update), and both writes return
@@ -53,7 +59,7 @@ fresh AS (
            c.now + $5::int8 * interval '1 microsecond',
            c.now,
            c.now + ($5::int8 + $6::int8) * interval '1 microsecond',
-           nextval('{{sequence}}')
+           greatest(nextval('{{sequence}}'), (extract(epoch FROM c.now) * 1000000)::int8)
     FROM clock c, tok t
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING r.token, r.attempt, r.lease_until, r.expires_at, r.fingerprint, r.fence,
@@ -74,7 +80,9 @@ taken AS (
         completed_at = NULL,
         expires_at = clock_timestamp() + ($5::int8 + $6::int8) * interval '1 microsecond',
         fence = CASE WHEN r.token = t.token AND r.expires_at > c.now THEN r.fence
-                     ELSE nextval('{{sequence}}') END
+                     ELSE greatest(nextval('{{sequence}}'),
+                                   (extract(epoch FROM c.now) * 1000000)::int8,
+                                   r.fence + 1) END
     FROM clock c, tok t
     WHERE r.scope = $1 AND r.key = $2 AND r.status IN (1, 2)
       AND ((r.status = 1 AND r.token = t.token AND r.expires_at > c.now)

@@ -12,8 +12,10 @@
 -- ascending order of the lock's id (a volatile function in the select
 -- list is evaluated after the ORDER BY, in output order), so that two
 -- batches that share keys queue instead of deadlocking. Then the clock is
--- read: every lease counts from after every wait, and fences come from
--- {{sequence}} after every earlier acquisition of each key committed.
+-- read: every lease counts from after every wait, and fences are taken
+-- after every earlier acquisition of each key committed (the clock in
+-- microseconds, raised to {{sequence}}'s next value and to a row's fence
+-- + 1, as acquire.sql explains).
 --
 -- `fresh`, `taken` and the existing rows are acquire.sql's branches, per
 -- item. An item whose key has no visible row and nothing written (a row
@@ -42,7 +44,7 @@ fresh AS (
            c.now + $5::int8 * interval '1 microsecond',
            c.now,
            c.now + ($5::int8 + $6::int8) * interval '1 microsecond',
-           nextval('{{sequence}}')
+           greatest(nextval('{{sequence}}'), (extract(epoch FROM c.now) * 1000000)::int8)
     FROM input i, clock c
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING r.scope, r.key, r.token, r.attempt, r.lease_until, r.expires_at, r.fingerprint,
@@ -63,7 +65,9 @@ taken AS (
         completed_at = NULL,
         expires_at = clock_timestamp() + ($5::int8 + $6::int8) * interval '1 microsecond',
         fence = CASE WHEN r.token = i.token AND r.expires_at > c.now THEN r.fence
-                     ELSE nextval('{{sequence}}') END
+                     ELSE greatest(nextval('{{sequence}}'),
+                                   (extract(epoch FROM c.now) * 1000000)::int8,
+                                   r.fence + 1) END
     FROM input i, clock c
     WHERE r.scope = i.scope AND r.key = i.key AND r.status IN (1, 2)
       AND ((r.status = 1 AND r.token = i.token AND r.expires_at > c.now)

@@ -103,29 +103,64 @@ impl PgStore {
     /// over, a duplicate took the key) gives the row another token, and a
     /// late heartbeat's extend makes its lease live again: either way it is
     /// left alone, `Ok(false)`, as for a row that is gone.
+    ///
+    /// A call whose connection failed is sent again and answers what the
+    /// first send did: the statement runs in a transaction whose id it
+    /// returns, so if only the `COMMIT`'s reply was lost, the resend asks
+    /// the server whether that transaction committed (and answers the
+    /// first send's count) instead of deleting again and finding nothing.
+    /// Three round trips (`BEGIN`, the statement, `COMMIT`).
     pub async fn delete_if_token(
         &self,
         key: &IdempotencyKey,
         token: &LeaseToken,
     ) -> Result<bool, StoreError> {
         let statement = format!(
-            "DELETE FROM {table} WHERE scope = $1 AND key = $2 AND token = $3 \
-             AND NOT (status = 1 AND lease_until > clock_timestamp())",
+            "WITH gone AS (DELETE FROM {table} WHERE scope = $1 AND key = $2 AND token = $3 \
+             AND NOT (status = 1 AND lease_until > clock_timestamp()) RETURNING 1) \
+             SELECT pg_current_xact_id()::text, (SELECT count(*) FROM gone)",
             table = self.qualified_table()
         );
         let statement = statement.as_str();
         let token = token.to_bytes();
-        // `call` may resend it once after a connection-level failure:
-        // harmless, a resend finds no row or a later acquisition's token.
+        // The transaction id and the answer of a send whose `COMMIT` was
+        // sent but not answered.
+        let unconfirmed: std::sync::Mutex<Option<(String, bool)>> = std::sync::Mutex::new(None);
+        let unconfirmed = &unconfirmed;
         self.call(|conn, _| {
             Box::pin(async move {
-                let done = sqlx::query(AssertSqlSafe(statement))
+                let earlier = unconfirmed.lock().map(|u| u.clone()).unwrap_or(None);
+                if let Some((xid, deleted)) = earlier {
+                    // A resend: did the first send commit? (Its session
+                    // may still be ending: "in progress" until then.)
+                    loop {
+                        let status: Option<String> =
+                            sqlx::query_scalar("SELECT pg_xact_status($1::xid8)")
+                                .bind(&xid)
+                                .fetch_one(&mut *conn)
+                                .await?;
+                        match status.as_deref() {
+                            Some("committed") => return Ok(deleted),
+                            Some("in progress") => {
+                                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+                            }
+                            // Rolled back: nothing was deleted; send again.
+                            _ => break,
+                        }
+                    }
+                }
+                let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+                let (xid, count): (String, i64) = sqlx::query_as(AssertSqlSafe(statement))
                     .bind(key.scope())
                     .bind(key.id())
                     .bind(&token[..])
-                    .execute(&mut *conn)
+                    .fetch_one(&mut *tx)
                     .await?;
-                Ok(done.rows_affected() > 0)
+                if let Ok(mut u) = unconfirmed.lock() {
+                    *u = Some((xid, count > 0));
+                }
+                tx.commit().await?;
+                Ok(count > 0)
             })
         })
         .await

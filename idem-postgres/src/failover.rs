@@ -56,7 +56,8 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 ///   the promotion reaches the new primary;
 /// - **the pools follow too**: a pool opened by `connect_with` (which the
 ///   in-transaction mode and `migrate` use) is pointed at the server each
-///   search finds, and a watcher task checks the server in use every
+///   search finds, and a watcher task checks every server (the one in
+///   use, and whether another took a higher timeline) every
 ///   [`check_interval`](Self::check_interval) (and at once when a
 ///   connection saw it fail), so a transaction begun on the pool after a
 ///   failover reaches the new primary even if no store call noticed it;
@@ -77,11 +78,16 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 /// `Unavailable` rather than go there, until a server on the highest
 /// timeline answers again. Because a search probes every server, a new
 /// process given both (in any order) picks the promoted one when both
-/// answer. What this cannot tell: a process (a fresh start, or a new
+/// answer. A standby promoted while the primary in use stays writable
+/// and reachable (no fencing: a split brain) is seen at the watcher's next
+/// check, which asks every server (every
+/// [`check_interval`](Self::check_interval), each within the probe
+/// timeout): the store then moves to it. Until then (one interval and a
+/// probe), a running process may still write to the old primary while a
+/// new one uses the promoted server: fence the old primary. What this
+/// cannot tell: a process (a fresh start, or a new
 /// `Failover`) that reaches **only** the old primary takes it (it has
-/// seen no higher timeline); a standby promoted while the primary in use
-/// stays writable and reachable (no fencing: a split brain) is not noticed
-/// until that primary fails or is refused; two servers on the same
+/// seen no higher timeline); two servers on the same
 /// timeline number with different histories (two standbys both promoted)
 /// are not told apart; and a cluster restored from a backup or rebuilt
 /// onto a lower timeline is refused by a running `Failover` (make a new
@@ -125,7 +131,7 @@ const SEARCH_PAUSE: Duration = Duration::from_millis(50);
 /// (`?options=-c%20search_path%3Dapp`). Cloning a `Failover` shares it.
 ///
 /// **Lifetimes.** The watcher ends as soon as every `Failover` clone and
-/// every store built with it is dropped, and closes its connection. A
+/// every store built with it is dropped, and closes its connections. A
 /// pool opened by `connect_with` (or given to
 /// [`PgStoreBuilder::failover`]) is held by the `Failover`, which points
 /// it at each new server, **until the pool is closed**: sqlx has no weak
@@ -269,8 +275,9 @@ impl Failover {
     }
 
     /// How often the watcher checks that the server in use still accepts
-    /// writes (default [`DEFAULT_CHECK_INTERVAL`], 1 s; at least 10 ms), one
-    /// check on a connection of its own. It also
+    /// writes and that no other server took a higher timeline (default
+    /// [`DEFAULT_CHECK_INTERVAL`], 1 s; at least 10 ms): every server at
+    /// once, each on a connection of its own that it keeps. It also
     /// wakes at once when a connection saw the server fail, and then
     /// searches every 50 ms until a writable server is found. It starts with
     /// the first pool opened by [`connect_with`](Self::connect_with).
@@ -361,7 +368,8 @@ impl Failover {
         let weak: Weak<Shared> = Arc::downgrade(&self.shared);
         let wake = self.shared.wake.clone();
         tokio::spawn(async move {
-            let mut conn: Option<(usize, PgConnection)> = None;
+            // A connection to each server, kept between checks.
+            let mut conns: Vec<Option<PgConnection>> = Vec::new();
             loop {
                 let wait = match weak.upgrade() {
                     Some(shared) if shared.suspect.load(Ordering::SeqCst) => SEARCH_PAUSE,
@@ -372,37 +380,61 @@ impl Failover {
                 };
                 let _ = tokio::time::timeout(wait, wake.notified()).await;
                 let Some(shared) = weak.upgrade() else { break };
+                if conns.len() != shared.servers.len() {
+                    conns = (0..shared.servers.len()).map(|_| None).collect();
+                }
+                let current = shared.current.load(Ordering::SeqCst);
                 if shared.suspect.load(Ordering::SeqCst) {
-                    conn = None;
+                    conns[current] = None;
                     let _ = shared.search().await;
                     continue;
                 }
-                let current = shared.current.load(Ordering::SeqCst);
-                if conn.as_ref().is_some_and(|(i, _)| *i != current) {
-                    conn = None;
-                }
+                // Every server at once, each within the probe timeout: the
+                // one in use, and the others, so that a standby promoted
+                // beside a primary that stays writable (a split brain: no
+                // fencing) is seen by its higher timeline at this check.
                 let timeout = shared.probe_timeout();
-                let ok = match conn.as_mut() {
-                    Some((_, c)) => matches!(
-                        tokio::time::timeout(timeout, role(c)).await,
-                        Ok(Ok(r)) if shared.accept(&r).is_ok()
-                    ),
-                    None => match probe(shared.servers[current].clone(), timeout).await {
-                        Ok((c, r)) if shared.accept(&r).is_ok() => {
-                            conn = Some((current, c));
-                            true
-                        }
-                        _ => false,
-                    },
-                };
-                if !ok {
-                    conn = None;
+                let mut checks = tokio::task::JoinSet::new();
+                for (index, slot) in conns.iter_mut().enumerate() {
+                    let conn = slot.take();
+                    let options = shared.servers[index].clone();
+                    checks.spawn(async move {
+                        let checked = match conn {
+                            Some(mut c) => {
+                                match tokio::time::timeout(timeout, role(&mut c)).await {
+                                    Ok(Ok(r)) => Some((c, r)),
+                                    _ => None,
+                                }
+                            }
+                            None => probe(options, timeout).await.ok(),
+                        };
+                        (index, checked)
+                    });
+                }
+                let mut in_use = None;
+                while let Some(joined) = checks.join_next().await {
+                    let Ok((index, Some((c, r)))) = joined else {
+                        continue;
+                    };
+                    if index == current {
+                        in_use = Some(r);
+                    } else if !r.read_only {
+                        // Raises the highest timeline seen, if it is higher.
+                        let _ = shared.accept(&r);
+                    }
+                    conns[index] = Some(c);
+                }
+                // The server in use still takes writes and is on the
+                // highest timeline seen: else search (which takes the
+                // highest).
+                if !in_use.is_some_and(|r| shared.accept(&r).is_ok()) {
+                    conns[current] = None;
                     shared.suspect();
                 }
             }
-            // Every Failover and store is gone: so is the watcher's
-            // connection (a clean goodbye if the server answers at once).
-            if let Some((_, c)) = conn {
+            // Every Failover and store is gone: so are the watcher's
+            // connections (a clean goodbye if a server answers at once).
+            for c in conns.into_iter().flatten() {
                 let _ = tokio::time::timeout(Duration::from_secs(1), c.close()).await;
             }
         });

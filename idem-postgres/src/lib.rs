@@ -111,11 +111,20 @@
 //! transaction (an in-transaction claim) holds up its whole statement, up
 //! to the server's `lock_timeout`.
 //!
-//! **Fences** come from a sequence (`<table>_fence_seq`, created by
-//! migration 2 next to the table): every acquisition, in a transaction or
-//! not, takes the next value, so a key's fences strictly increase across
-//! takeovers, releases, deletes and expiries, and do not depend on any
-//! clock. Rows written before migration 2 have fence 0. A completed record
+//! **Fences** are the server's clock in microseconds when the key is
+//! acquired (after its lock is held), raised to the next value of a
+//! sequence (`<table>_fence_seq`, created by migration 2 next to the
+//! table: every acquisition, in a transaction or not, takes one) and, over
+//! an existing row, to its fence + 1. So a key's fences strictly increase
+//! across takeovers (whatever the clock does), releases, deletes and
+//! expiries (there by the clock and the sequence together), and **across a
+//! failover**: a promoted standby that lacks the last acquisitions
+//! (asynchronous replication, a standby that was away, an in-transaction
+//! claim whose transaction never committed), and with them the sequence's
+//! advance, still hands out fences above them by its clock. That last
+//! part rests on the servers' clocks (NTP): a standby whose clock is
+//! behind the old primary's by more than the failover took could repeat a
+//! fence. Rows written before migration 2 have fence 0. A completed record
 //! handed out by `acquire` carries its fence and the time it has left,
 //! computed by the server (`expires_at - clock_timestamp()`).
 //!

@@ -193,5 +193,6 @@ mod tests {
         }
         assert!(MIGRATIONS[1].2.contains("{{sequence}}"));
         assert!(include_str!("../sql/acquire.sql").contains("nextval('{{sequence}}')"));
+        assert!(include_str!("../sql/acquire_many.sql").contains("nextval('{{sequence}}')"));
     }
 }

@@ -2036,6 +2036,47 @@ async fn a_delete_whose_reply_was_lost_is_not_resent_and_spares_a_later_reservat
     );
 }
 
+/// `delete_if_token` (the operator's conditional delete) sent again after
+/// its connection failed answers what the first send did: deleted, not
+/// "nothing deleted" for the row it removed (which would make `idem
+/// delete` skip the cache invalidation). Whether the statement's reply
+/// was lost (the transaction never committed: the resend deletes) or the
+/// `COMMIT`'s (the resend asks the server whether it committed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conditional_delete_sent_again_answers_what_the_first_send_did() {
+    let (proxy, url) = proxied_shared_server().await;
+    let admin = one_connection_store(&url).await;
+    let store = PgHarness.store().await;
+    let lease = Duration::from_secs(30);
+    for (what, lose) in [
+        ("the statement's reply", None),
+        ("the commit's reply", Some(&b"COMMIT"[..])),
+    ] {
+        let k = key("resent-delete-if");
+        let Ok(Acquisition::Acquired(held)) = store.acquire(&k, None, lease).await else {
+            panic!("not acquired")
+        };
+        store
+            .complete(&held, b"done", Duration::from_secs(600))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let _ = admin.get(&key("warm")).await; // a reused connection
+        let lost = proxy.lost();
+        proxy.lose_replies_to(lose.unwrap_or(k.id().as_bytes()), 1, 1);
+        let deleted = admin.delete_if_token(&k, &held.token).await;
+        assert_eq!(proxy.lost(), lost + 1, "{what}: no reply was lost");
+        assert!(
+            matches!(deleted, Ok(true)),
+            "{what} lost: the resend answered {deleted:?}, the row is deleted"
+        );
+        assert!(store
+            .get(&k)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none());
+    }
+}
+
 /// Third review: a `complete` whose reply is lost after the server
 /// committed it is resent; with a short retention the completed row is
 /// already past its expiry when the resend arrives. The resend must still

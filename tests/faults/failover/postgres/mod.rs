@@ -6,8 +6,11 @@
 //! - `search`: which server a `Failover` takes (the writable one, on the
 //!   highest timeline), and leaves (a read-only one);
 //! - `switchover`: store calls and pool transactions after a controlled
-//!   switchover, a completion on synchronous replication through a standby
-//!   outage then a failover;
+//!   switchover, a standby promoted beside a primary that stays writable
+//!   (a split brain), a completion on synchronous replication through a
+//!   standby outage then a failover;
+//! - `fences`: fences keep rising across a failover to a standby that
+//!   lacks the last acquisitions;
 //! - `lifetimes`: the watcher and its connection end with the last
 //!   `Failover`, closed pools are let go;
 //! - `errors`: the error classes of `Failover` (TLS settings, passwords, a
@@ -27,6 +30,7 @@ use support::pg_replica::PgReplicaPair;
 
 #[cfg(feature = "postgres-tls")]
 mod errors;
+mod fences;
 mod lifetimes;
 mod search;
 #[cfg(all(feature = "tiered", feature = "redis"))]

@@ -169,6 +169,63 @@ async fn store_calls_reach_the_new_primary() {
     assert!(failed.is_empty(), "{failed:?}");
 }
 
+/// A split brain: the standby is promoted while the old primary stays up
+/// and writable (nobody fenced it). The watcher asks every server at each
+/// check, so a running store moves to the promoted one (its higher
+/// timeline) within a few check intervals, where a process started now
+/// goes too: a key acquired by the running store after the move is in
+/// progress for a new process, never run by both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_promoted_beside_a_writable_primary_is_followed() {
+    let started = Instant::now();
+    let pair = tokio::task::block_in_place(|| PgReplicaPair::start(Replication::Async));
+    let (failover, store) = store_on(&pair, PgPoolOptions::new().max_connections(2), 2).await;
+    let run = run_id();
+    match store
+        .acquire(&key(&run, 0), None, Duration::from_secs(60))
+        .await
+    {
+        Ok(Acquisition::Acquired(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    until_migrated_on_standby(&pair).await;
+    tokio::task::block_in_place(|| pair.promote_standby());
+    let promoted = Instant::now();
+    assert_eq!(
+        tokio::task::block_in_place(|| pair.psql_primary("SELECT NOT pg_is_in_recovery()")),
+        "t",
+        "the old primary must stay writable for a split brain"
+    );
+    let new_primary = format!("127.0.0.1:{}", pair.standby_port);
+    // Checks every 100 ms: 3 s is 30 of them.
+    while failover.current() != new_primary {
+        assert!(
+            promoted.elapsed() < Duration::from_secs(3),
+            "3 s after the promotion the running store still uses the old primary \
+             (writable beside the promoted standby: a split brain)"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let moved_after = promoted.elapsed();
+    let k = key(&run, 1);
+    match store.acquire(&k, None, Duration::from_secs(60)).await {
+        Ok(Acquisition::Acquired(_)) => {}
+        other => panic!("after the move: {other:?}"),
+    }
+    let (_, fresh) = store_on(&pair, PgPoolOptions::new().max_connections(2), 2).await;
+    let duplicate = fresh.acquire(&k, None, Duration::from_secs(60)).await;
+    report(
+        "postgres-split-brain-followed",
+        "postgres",
+        &[("moved_after_ms", moved_after.as_millis().to_string())],
+        started,
+    );
+    assert!(
+        matches!(duplicate, Ok(Acquisition::InProgress { .. })),
+        "a new process did not see the running store's key: {duplicate:?}"
+    );
+}
+
 /// Synchronous replication, the standby goes away (stopped), then the
 /// primary crashes and the standby is started and promoted. A completion
 /// the store reported as done must be on the promoted standby.
