@@ -15,8 +15,10 @@ if #KEYS ~= 2 or #ARGV ~= 1 then
   return redis.error_reply('IDEM_INVALID delete takes 2 keys and 1 argument')
 end
 local ttl = tonumber(ARGV[1])
-if ttl == nil or ttl ~= ttl or ttl ~= math.floor(ttl) or ttl < 1 then
-  return redis.error_reply('IDEM_INVALID marker ttl must be an integer number of ms >= 1')
+-- At most idem_core::MAX_DURATION in ms (inf and 1e300 pass the other
+-- tests, and PX would refuse them after the script's first write).
+if ttl == nil or ttl ~= ttl or ttl ~= math.floor(ttl) or ttl < 1 or ttl > 3153600000000 then
+  return redis.error_reply('IDEM_INVALID marker ttl must be an integer number of ms in 1..=3153600000000')
 end
 local first = redis.call('GET', KEYS[2])
 if first then return tonumber(first) end

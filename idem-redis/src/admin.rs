@@ -435,9 +435,11 @@ where
     /// delete it. A takeover in between (the lease was over, a duplicate
     /// took the key) gives the record another token, and a late
     /// heartbeat's extend makes its lease live again: either way it is left
-    /// alone, `Ok(false)`, as for a record that is gone. Unlike
-    /// [`delete`](idem_core::IdempotencyStore::delete), it leaves no
-    /// marker: a resend finds no record or another token.
+    /// alone, `Ok(false)`, as for a record that is gone. Like
+    /// [`delete`](idem_core::IdempotencyStore::delete), it leaves its
+    /// answer in a marker in the record's slot: a resend after a lost
+    /// reply (the cluster client resends scripts) answers what the first
+    /// send did, not `false` for the record it deleted.
     pub async fn delete_if_token(
         &self,
         key: &IdempotencyKey,
@@ -447,9 +449,18 @@ where
             redis::Script::new(include_str!("../scripts/delete_if_token.lua"))
         });
         let redis_key = self.redis_key(key);
+        let request = LeaseToken::random().to_hex();
+        let marker =
+            crate::slots::delete_marker(&self.prefix, &redis_key, &request).ok_or_else(|| {
+                StoreError::backend(format!("no call marker in the hash slot of {redis_key}"))
+            })?;
         let mut conn = self.connection();
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation.key(&redis_key).arg(&token.to_bytes()[..]);
+        invocation
+            .key(&redis_key)
+            .key(&marker)
+            .arg(&token.to_bytes()[..])
+            .arg(crate::scripts::millis(self.delete_marker_ttl()));
         let removed: i64 = self.timed(invocation.invoke_async(&mut conn)).await?;
         Ok(removed > 0)
     }

@@ -123,10 +123,17 @@ where
     /// same pipeline (run when `WAIT` returns) checks that the lease is
     /// not over by the server's clock: a lease that ended while waiting
     /// may already be taken over, and is never reported.
+    ///
+    /// `WAIT` covers the writes this connection made. A call that wrote
+    /// nothing (a replay, which only read a completion someone else wrote)
+    /// passes `write_first`: a short-lived marker is written in the
+    /// record's slot first, so the `WAIT` covers everything the node wrote
+    /// before it, that completion included.
     pub(crate) async fn wait_replicas(
         &self,
         redis_key: &str,
         lease: Option<(Duration, SystemTime)>,
+        write_first: bool,
     ) -> Result<(), StoreError> {
         let Some((replicas, configured)) = self.wait else {
             return Ok(());
@@ -144,9 +151,26 @@ where
         let (acked, now): (i64, Option<Duration>) = self
             .timed_for(limit, self.watched_slot(redis_key.as_bytes()), async {
                 let mut pipe = redis::pipe();
-                // An EXISTS on the key in front routes the pipeline to the
-                // key's node in a cluster; WAIT's reply is the second.
-                pipe.cmd("EXISTS").arg(redis_key).ignore().add_command(cmd);
+                // A command on the key (or in its slot) in front routes the
+                // pipeline to the key's node in a cluster; WAIT's reply is
+                // the second.
+                match write_first
+                    .then(|| {
+                        let request = idem_core::LeaseToken::random().to_hex();
+                        crate::slots::delete_marker(&self.prefix, redis_key, &request)
+                    })
+                    .flatten()
+                {
+                    Some(marker) => pipe
+                        .cmd("SET")
+                        .arg(marker)
+                        .arg(1)
+                        .arg("PX")
+                        .arg(millis(self.delete_marker_ttl()))
+                        .ignore(),
+                    None => pipe.cmd("EXISTS").arg(redis_key).ignore(),
+                };
+                pipe.add_command(cmd);
                 if lease.is_some() {
                     pipe.cmd("TIME");
                     let (acked, (secs, micros)): (i64, (u64, u64)) =

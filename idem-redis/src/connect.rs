@@ -1,7 +1,6 @@
 //! Connecting: [`RedisStore::connect`] and [`RedisStore::connect_cluster`]
 //! (and their TLS forms), and why a first connection failed.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::StoreError;
@@ -182,11 +181,23 @@ impl RedisStore<ClusterConnection> {
         // A new connection may first wait out the connection timeout of a
         // node that does not answer (a frozen master in the seed list):
         // its own limit is longer.
-        store.conn = Conn::Healing(Arc::new(heal::Healer::new(
+        // Which master serves which slots: a master that stops answering
+        // is seen on all its slots together.
+        let read_slots: heal::ReadSlots<ClusterConnection> = Box::new(|mut conn| {
+            Box::pin(async move {
+                let reply: redis::Value = redis::cmd("CLUSTER")
+                    .arg("SLOTS")
+                    .query_async(&mut conn)
+                    .await?;
+                Ok(heal::slot_ranges(&reply))
+            })
+        });
+        store.conn = Conn::Healing(heal::Healer::new(
             conn,
             connect,
             DEFAULT_TIMEOUT * 5,
-        )));
+            Some(read_slots),
+        ));
         store.check_eviction_policy().await;
         Ok(store.fit_response_limit().await)
     }

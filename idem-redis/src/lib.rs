@@ -33,9 +33,11 @@
 //! - **Failover**: Redis replicates asynchronously. A reservation or a
 //!   completion acknowledged by a primary that fails before replicating it
 //!   is lost, and a redelivery can run again. [`RedisStore::wait_for_replicas`]
-//!   narrows that window (`WAIT n ms` after each acquire and completion, one
-//!   more round trip each; an acquisition whose `WAIT` fails, or outlasts
-//!   its lease, is released, so its retry can acquire); PostgreSQL, or the tiered store with PostgreSQL
+//!   narrows that window (`WAIT n ms` after each acquire, extension,
+//!   completion and replay, one more round trip each; an acquisition whose
+//!   `WAIT` fails, or outlasts its lease, is released, so its retry can
+//!   acquire; an extension or a replay whose `WAIT` fails is
+//!   `Unavailable`); PostgreSQL, or the tiered store with PostgreSQL
 //!   as its source of truth, closes it. With `WAIT`, set
 //!   `min-replicas-to-write` on the servers too: a master without enough
 //!   replicas (a replica just promoted) then refuses writes at once
@@ -76,6 +78,10 @@
 //!   own), for `max(2 × call timeout, 60 s)`: a resend finds the marker and
 //!   returns the first answer without deleting again (a plain `DEL` resent
 //!   would delete a reservation made since, and its key would run twice).
+//!   `release` and `delete_if_token` leave such a marker too (`release`
+//!   only when it freed the key), so their resend answers what the first
+//!   send did: released, deleted (without it, the record being gone, the
+//!   resend would answer `LeaseLost` or "nothing deleted").
 //! - **`WAIT` and leases**: an acquisition's `WAIT` lasts at most half the
 //!   lease, and a `TIME` in the same pipeline checks that the lease is not
 //!   over by the server's clock; a lease that ended while waiting (it may

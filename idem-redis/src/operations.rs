@@ -48,10 +48,16 @@ where
             .arg(millis(IN_PROGRESS_GRACE));
         let reply: Value = self.run_script(&self.scripts.acquire, &cmd).await?;
         let outcome = decode_acquire(reply, key, token)?;
+        // Under WAIT, a replay is of a completion the replicas have: a
+        // completion whose own WAIT failed may be lost in a failover, and
+        // the key run again, after this caller got its result.
+        if let (Acquisition::Completed(_), Some(_)) = (&outcome, self.wait) {
+            self.wait_replicas(&self.redis_key(key), None, true).await?;
+        }
         if let (Acquisition::Acquired(lease), Some(_)) = (&outcome, self.wait) {
             let redis_key = self.redis_key(key);
             if let Err(e) = self
-                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)))
+                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)), false)
                 .await
             {
                 // Not durable enough, or the lease ended meanwhile: the
@@ -92,15 +98,29 @@ where
             return Err(StoreError::LeaseLost);
         }
         if self.wait.is_some() {
-            self.wait_replicas(&self.redis_key(&lease.key), None)
+            self.wait_replicas(&self.redis_key(&lease.key), None, false)
                 .await?;
         }
         Ok(())
     }
 
+    // One script, one round trip, harmless to resend: a release that freed
+    // the key leaves a marker (see `delete_marker` and
+    // `scripts/release.lua`), so a resend after a lost reply answers done,
+    // not `LeaseLost`.
     async fn release(&self, lease: &Lease) -> Result<(), StoreError> {
-        let mut cmd = self.evalsha(&self.scripts.release, &lease.key, 1, 16);
-        cmd.arg(&lease.token.to_bytes()[..]);
+        let redis_key = self.redis_key(&lease.key);
+        let request = LeaseToken::random().to_hex();
+        let marker = delete_marker(&self.prefix, &redis_key, &request)
+            .ok_or_else(|| unexpected(format!("no call marker in the hash slot of {redis_key}")))?;
+        let mut cmd = Cmd::with_capacity(7, 96 + 2 * redis_key.len());
+        cmd.arg("EVALSHA")
+            .arg(self.scripts.release.get_hash())
+            .arg(2)
+            .arg(&redis_key)
+            .arg(&marker)
+            .arg(&lease.token.to_bytes()[..])
+            .arg(millis(self.delete_marker_ttl()));
         let done: i64 = self.run_script(&self.scripts.release, &cmd).await?;
         if done == 1 {
             Ok(())
@@ -126,6 +146,14 @@ where
                 let attempt = attempt_of(int(&items[0], key)?, key)?;
                 let until = time_of(int(&items[1], key)?, key)?;
                 let fence = fence_of(int(&items[2], key)?, key)?;
+                // Under WAIT, an extension is reported only once the
+                // replicas have it: one they lack ends at the old deadline
+                // after a failover, and a duplicate could take the key over
+                // while its holder counts on the new one.
+                if self.wait.is_some() {
+                    self.wait_replicas(&self.redis_key(key), Some((lease_for, until)), false)
+                        .await?;
+                }
                 Ok(Lease::new(key.clone(), lease.token, attempt, until)
                     .with_fence(fence)
                     .with_fingerprint(lease.fingerprint))
@@ -284,27 +312,43 @@ where
         if self.wait.is_some() {
             // One WAIT per script call (it covers every write made before
             // it on that node), bounded by the leases as `acquire`'s is.
+            // A group's replays are of completions the replicas have: the
+            // WAIT after its acquisitions (written after those completions
+            // were read) covers them, or one after a write of its own.
             for group in groups {
                 let held: Vec<usize> = group
-                    .into_iter()
+                    .iter()
+                    .copied()
                     .filter(|&i| matches!(out[i], Ok(Acquisition::Acquired(_))))
                     .collect();
-                let Some(deadline) = held
+                let replays: Vec<usize> = group
+                    .iter()
+                    .copied()
+                    .filter(|&i| matches!(out[i], Ok(Acquisition::Completed(_))))
+                    .collect();
+                let deadline = held
                     .iter()
                     .filter_map(|&i| match &out[i] {
                         Ok(Acquisition::Acquired(l)) => Some(l.expires_at),
                         _ => None,
                     })
-                    .min()
-                else {
+                    .min();
+                let Some(&first) = held.first().or(replays.first()) else {
                     continue;
                 };
-                let redis_key = self.redis_key(items[held[0]].key);
-                if let Err(e) = self
-                    .wait_replicas(&redis_key, Some((lease, deadline)))
-                    .await
-                {
+                let redis_key = self.redis_key(items[first].key);
+                let waited = match deadline {
+                    Some(deadline) => {
+                        self.wait_replicas(&redis_key, Some((lease, deadline)), false)
+                            .await
+                    }
+                    None => self.wait_replicas(&redis_key, None, true).await,
+                };
+                if let Err(e) = waited {
                     let detail = e.to_string();
+                    for &i in &replays {
+                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    }
                     for i in held {
                         if let Ok(Acquisition::Acquired(l)) = &out[i] {
                             if let Err(released) = self.release(l).await {
@@ -418,7 +462,7 @@ where
                 let done: Vec<usize> = group.into_iter().filter(|&i| out[i].is_ok()).collect();
                 let Some(&first) = done.first() else { continue };
                 let redis_key = self.redis_key(&items[first].0.key);
-                if let Err(e) = self.wait_replicas(&redis_key, None).await {
+                if let Err(e) = self.wait_replicas(&redis_key, None, false).await {
                     let detail = e.to_string();
                     for i in done {
                         out[i] = Err(StoreError::unavailable(detail.clone()));

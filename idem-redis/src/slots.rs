@@ -64,7 +64,8 @@ fn slot_tags() -> &'static [u32] {
     })
 }
 
-/// The key of one `delete` call's marker (`request` is its random id): in
+/// The key of one call's marker (`delete`, `release`, `delete_if_token`:
+/// the answer a resend of the call gets; `request` is its random id): in
 /// the record's hash slot, so the script touching both works on Redis
 /// Cluster. `{prefix}delete/{n}/{request}`, where the hash tag `{n}` maps
 /// to the record's slot; if the prefix holds a hash tag of its own (then

@@ -254,7 +254,15 @@ where
     /// acquire the key; if the release fails too, the key stays in
     /// progress until its lease ends. A completion whose `WAIT` fails
     /// stays completed: the executor's retry of the completion finds it
-    /// done and waits again. `timeout` is saturated to
+    /// done and waits again. **A replay is of a completion the replicas
+    /// have**: a duplicate that finds the key completed writes a
+    /// short-lived marker in its slot and `WAIT`s (one more round trip):
+    /// if the replicas do not acknowledge it, the duplicate gets
+    /// `Unavailable`, never the result of a completion a failover could
+    /// lose (and the key then run again). **An extension is reported only
+    /// once the replicas have it** (`WAIT`, bounded as an acquisition's):
+    /// else `Unavailable`, and the holder keeps counting on its old
+    /// deadline. `timeout` is saturated to
     /// [`MAX_DURATION`](idem_core::MAX_DURATION), and a zero one is taken
     /// as 1 ms (Redis reads `WAIT n 0` as "wait forever").
     ///
@@ -271,8 +279,9 @@ where
     /// caller gave up holds its key until its lease ends. Set
     /// `min-replicas-to-write` to the same `replicas` on the servers: a
     /// master without enough replicas then refuses writes at once
-    /// (`NOREPLICAS`, answered [`StoreError::Unavailable`]), and replays
-    /// and reads keep working (figures in the repository's RELIABILITY.md,
+    /// (`NOREPLICAS`, answered [`StoreError::Unavailable`]); reads keep
+    /// working, and replays answer `Unavailable` until a replica is back
+    /// (figures in the repository's RELIABILITY.md,
     /// `tests/faults/failover/redis/`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));

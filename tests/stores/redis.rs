@@ -618,13 +618,53 @@ async fn scripts_refuse_bad_arguments_before_writing() {
         "complete, short token".into(),
         run(&mut conn, &complete, &rk, &[b"short", b"r", b"1000"]).await,
     );
+    // release, delete_if_token and delete take the record and their
+    // call's marker, whose time to live is checked before any write (a PX
+    // refused after the DEL would leave the call half done).
+    let marker = format!("{rk}-marker");
+    let marked = |source: &'static str, args: Vec<&[u8]>| {
+        let script = Script::new(source);
+        let keys = [rk.clone(), marker.clone()];
+        let args: Vec<Vec<u8>> = args.into_iter().map(<[u8]>::to_vec).collect();
+        let mut conn = conn.clone();
+        async move {
+            let mut inv = script.prepare_invoke();
+            for k in &keys {
+                inv.key(k);
+            }
+            for a in &args {
+                inv.arg(&a[..]);
+            }
+            inv.invoke_async::<Value>(&mut conn).await
+        }
+    };
+    let release = include_str!("../../idem-redis/scripts/release.lua");
+    let delete_if_token = include_str!("../../idem-redis/scripts/delete_if_token.lua");
+    let delete = include_str!("../../idem-redis/scripts/delete.lua");
+    let token: &[u8] = &lease_token;
     refused(
         "release, short token".into(),
-        run(&mut conn, &script("release"), &rk, &[b"short"]).await,
+        marked(release, vec![b"short", b"1000"]).await,
     );
+    refused("release, no token".into(), marked(release, vec![]).await);
+    for bad in bad_ms.iter().copied().chain([&b"0"[..]]) {
+        let label = String::from_utf8_lossy(bad).into_owned();
+        refused(
+            format!("release, marker ttl {label:?}"),
+            marked(release, vec![token, bad]).await,
+        );
+        refused(
+            format!("delete_if_token, marker ttl {label:?}"),
+            marked(delete_if_token, vec![token, bad]).await,
+        );
+        refused(
+            format!("delete, marker ttl {label:?}"),
+            marked(delete, vec![bad]).await,
+        );
+    }
     refused(
-        "release, no token".into(),
-        run(&mut conn, &script("release"), &rk, &[]).await,
+        "release, the record only".into(),
+        run(&mut conn, &script("release"), &rk, &[token, b"1000"]).await,
     );
     assert_eq!(
         snapshot(&mut conn).await,
@@ -889,6 +929,65 @@ async fn wait_for_replicas_follows_the_wait_timeout_not_a_fixed_two_seconds() {
     );
 }
 
+/// Under `wait_for_replicas`, an extension is reported only once the
+/// replicas acknowledged it, and a duplicate is replayed only a completion
+/// the replicas have: with the replica frozen, `extend` is `Unavailable`
+/// (the holder keeps counting on its old deadline, the one a failover
+/// would leave), and after a completion whose own `WAIT` failed, a
+/// duplicate gets `Unavailable`, not the replay of a result a failover
+/// could lose. Once the replica is back, the duplicate is replayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_wait_extensions_and_replays_are_only_of_what_the_replicas_have() {
+    let primary = RedisServer::start(&[]);
+    let replica = RedisServer::start(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
+    wait_for_replication(&primary, &replica);
+    let store = RedisStore::connect(&primary.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .call_timeout(Duration::from_secs(10))
+        .wait_for_replicas(1, Duration::from_millis(500));
+    let k = testkit::unique_key("wait-extend");
+    let Ok(Acquisition::Acquired(lease)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired with the replica up")
+    };
+
+    replica.signal("STOP");
+    let extended = store.extend(&lease, Duration::from_secs(60)).await;
+    assert!(
+        matches!(&extended, Err(e @ StoreError::Unavailable(_)) if e.to_string().contains("0 of 1")),
+        "an extension the replica never got was reported: {extended:?}"
+    );
+    let completed = store
+        .complete(&lease, b"once", Duration::from_secs(600))
+        .await;
+    assert!(
+        matches!(&completed, Err(StoreError::Unavailable(_))),
+        "{completed:?}"
+    );
+    let duplicate = store.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(&duplicate, Err(StoreError::Unavailable(_))),
+        "a duplicate was replayed a completion the replica does not have: {duplicate:?}"
+    );
+    let many = store
+        .acquire_many(&[idem::AcquireItem::new(&k, None)], Duration::from_secs(30))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        matches!(many.first(), Some(Err(StoreError::Unavailable(_)))),
+        "acquire_many replayed it: {many:?}"
+    );
+
+    replica.signal("CONT");
+    wait_for_replication(&primary, &replica);
+    let duplicate = store.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(&duplicate, Ok(Acquisition::Completed(r)) if &r.response[..] == b"once"),
+        "{duplicate:?}"
+    );
+}
+
 /// Issue 13 item 4: on Redis Cluster, the reply to `acquire` is lost (the
 /// proxy in front of the key's node drops it and cuts the connection after
 /// the script ran). The cluster client reconnects and resends the EVALSHA,
@@ -1048,6 +1147,75 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
         matches!(second, Ok(Acquisition::InProgress { .. })),
         "a live reservation was deleted by a resent DEL: the key ran twice ({second:?})"
     );
+}
+
+/// On Redis Cluster, a `release` or a `delete_if_token` whose reply is
+/// lost (the proxy in front of the key's node drops it after the script
+/// ran) is resent by the cluster client: the resend answers what the
+/// first send did (released, deleted), not `LeaseLost` or "nothing
+/// deleted" for the record that very call freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resent_conditional_writes_on_redis_cluster_answer_what_the_first_send_did() {
+    let (servers, proxies) = redis_server::start_cluster_behind_proxies().await;
+    let store = RedisStore::connect_cluster(
+        proxies
+            .iter()
+            .map(|p| format!("redis://{}/", p.addr))
+            .collect::<Vec<_>>(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"))
+    .call_timeout(Duration::from_secs(10));
+    for what in ["release", "delete_if_token"] {
+        let k = testkit::unique_key("cluster-resent-write");
+        let rk = store.redis_key(&k);
+        let owner = redis_server::owner_of(&servers, &rk);
+        let Ok(Acquisition::Acquired(lease)) =
+            store.acquire(&k, None, Duration::from_secs(30)).await
+        else {
+            panic!("not acquired")
+        };
+        let source = if what == "release" {
+            include_str!("../../idem-redis/scripts/release.lua")
+        } else {
+            store
+                .complete(&lease, b"done", Duration::from_secs(600))
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            include_str!("../../idem-redis/scripts/delete_if_token.lua")
+        };
+        // Loaded on the key's node, so the first send is an EVALSHA of
+        // this SHA (no NOSCRIPT round).
+        let mut direct =
+            idem::redis::redis::Client::open(format!("redis://127.0.0.1:{}/", servers[owner].port))
+                .unwrap_or_else(|e| panic!("{e}"))
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+        let sha: String = idem::redis::redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(source)
+            .query_async(&mut direct)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let lost = proxies[owner].lost();
+        proxies[owner].lose_replies_to(sha.as_bytes(), 1, 1);
+        let got = if what == "release" {
+            store.release(&lease).await.map(|()| true)
+        } else {
+            store.delete_if_token(&k, &lease.token).await
+        };
+        assert_eq!(proxies[owner].lost(), lost + 1, "{what}: no reply was lost");
+        assert!(
+            matches!(got, Ok(true)),
+            "{what}: the resend answered {got:?}, though the first send freed the key"
+        );
+        assert!(store
+            .get(&k)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .is_none());
+    }
 }
 
 /// Review 2, R2-9. With `wait_for_replicas`, `acquire` runs the script (the

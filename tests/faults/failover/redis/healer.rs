@@ -279,10 +279,11 @@ async fn replaced_connection_is_closed() {
 /// network partition) in a cluster with replicas: the cluster promotes its
 /// replica after `cluster-node-timeout`. Calls for the frozen shard's keys
 /// time out, calls for the other shards answer, so the connection as a
-/// whole never goes silent: the healer watches each hash slot, and the
-/// store must reach the promoted replica for that shard within 20 s of the
-/// promotion (not leave the shard unavailable while the master stays
-/// frozen).
+/// whole never goes silent; each call has a fresh key, so no hash slot
+/// sees two calls either: the healer watches each master's slots
+/// together, and the store must reach the promoted replica for that shard
+/// within 20 s of the promotion (not leave the shard unavailable while the
+/// master stays frozen).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frozen_master_shard_is_served_after_promotion() {
     use support::redis_replicas::{query, ReplicatedCluster};
@@ -330,11 +331,34 @@ async fn frozen_master_shard_is_served_after_promotion() {
             .await
             .unwrap_or_else(|e| panic!("warm-up get: {e}"));
     }
+    // Fresh keys of the frozen shard, each in a hash slot of its own
+    // (taken before the freeze: the slots are the victim's own).
+    let victim_view = cluster
+        .nodes(victim)
+        .into_iter()
+        .find(|n| n.myself)
+        .unwrap_or_else(|| panic!("no myself in CLUSTER NODES"));
+    let mut slots_seen = std::collections::HashSet::new();
+    let mut pool = Vec::new();
+    while pool.len() < 400 {
+        let k = key("healer.shard");
+        let slot = cluster.slot_of(&store.redis_key(&k));
+        if victim_view.serves(slot) && slots_seen.insert(slot) {
+            pool.push(k);
+        }
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let fresh_frozen = || {
+        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        pool.get(i)
+            .cloned()
+            .unwrap_or_else(|| panic!("more than {} calls on the frozen shard", pool.len()))
+    };
     cluster.servers[victim].signal("STOP");
     let frozen = Instant::now();
     // Traffic on both shards while the cluster fails over.
     let promoted_after = loop {
-        let _ = store.get(&k_frozen).await;
+        let _ = store.get(&fresh_frozen()).await;
         let _ = store.get(&k_live).await;
         if query(cluster.servers[replica].port, "ROLE").starts_with("*") {
             let role = command(cluster.servers[replica].port, "ROLE");
@@ -350,7 +374,7 @@ async fn frozen_master_shard_is_served_after_promotion() {
     let promoted = Instant::now();
     let (mut live_ok, mut frozen_ok_at) = (0u64, None);
     while promoted.elapsed() < Duration::from_secs(20) {
-        if store.get(&k_frozen).await.is_ok() {
+        if store.get(&fresh_frozen()).await.is_ok() {
             frozen_ok_at = Some(promoted.elapsed());
             break;
         }
