@@ -8,8 +8,8 @@ use std::future::Future;
 use std::sync::Arc;
 
 use idem_core::{
-    Codec, Context, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed,
-    StoreError, Unrecorded,
+    Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
+    Processed, StoreError, Unrecorded,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -53,6 +53,15 @@ enum Outcome {
     /// Its handler ran but the completion is not written: kept invisible,
     /// finished later with this lease.
     Finish(Box<Unrecorded>),
+}
+
+impl Outcome {
+    /// Whether the next messages of its FIFO message group must wait for
+    /// it: anything but deleted (done, or a duplicate) or dead-lettered
+    /// (off the queue for good) leaves it to come back first.
+    fn stops_its_group(&self) -> bool {
+        !matches!(self, Outcome::Delete | Outcome::Dead(_))
+    }
 }
 
 /// The handler's error, or the run refused because the key was acquired
@@ -144,8 +153,9 @@ where
             keys: HashSet::new(),
         };
         let mut settled: Vec<Option<Outcome>> = Vec::with_capacity(batch.len());
-        let mut items = Vec::new();
-        let mut item_of = Vec::new();
+        // The messages to run: their key and fingerprint, by index.
+        let mut to_run: Vec<Option<(IdempotencyKey, Fingerprint)>> =
+            Vec::with_capacity(batch.len());
         {
             let mut busy = lock(&shared.busy);
             let (unfinished_ids, unfinished_keys): (HashSet<String>, HashSet<IdempotencyKey>) = {
@@ -160,7 +170,8 @@ where
                         .collect(),
                 )
             };
-            for (i, (message, _)) in batch.iter().enumerate() {
+            for (message, _) in &batch {
+                let mut run = None;
                 let outcome = if unfinished_ids.contains(&message.message_id) {
                     Some(Outcome::Left)
                 } else {
@@ -173,29 +184,81 @@ where
                         }
                         Ok(key) => {
                             claimed.keys.insert(key.clone());
-                            let fingerprint = Some(message::fingerprint_of(message));
-                            let (handler, mut message) = (self.handler.clone(), message.clone());
-                            let max = self.max_deliveries;
-                            items.push((key, fingerprint, move |context: Context| async move {
-                                if context.attempt > max {
-                                    return Err(Run::TooManyAttempts(context.attempt));
-                                }
-                                message.attempt = context.attempt;
-                                message.fence = context.fence;
-                                handler(message).await.map_err(Run::Handler)
-                            }));
-                            item_of.push(i);
+                            run = Some((key, message::fingerprint_of(message)));
                             None
                         }
                     }
                 };
                 settled.push(outcome);
+                to_run.push(run);
             }
             busy.extend(claimed.keys.iter().cloned());
         }
-        let processed = self.idem.process_batch_with_detached(items).await;
-        for (i, result) in item_of.into_iter().zip(processed) {
-            settled[i] = Some(self.outcome_of(&batch[i].0, result));
+        // A FIFO queue's messages of one group run one after another, in
+        // the order received, and a message that does not succeed stops
+        // its group: the rest are left, so SQS hands them out again after
+        // it, in order. Each round runs the next message of every group
+        // still going through the executor's batch path; messages without
+        // a group are all in the first round.
+        let mut groups: Vec<std::collections::VecDeque<usize>> = Vec::new();
+        {
+            let mut group_of: std::collections::HashMap<&str, usize> =
+                std::collections::HashMap::new();
+            for (i, (message, _)) in batch.iter().enumerate() {
+                match message.message_group_id.as_deref() {
+                    Some(g) => {
+                        let at = *group_of.entry(g).or_insert_with(|| {
+                            groups.push(std::collections::VecDeque::new());
+                            groups.len() - 1
+                        });
+                        groups[at].push_back(i);
+                    }
+                    None => groups.push(std::collections::VecDeque::from([i])),
+                }
+            }
+        }
+        let item = |message: &SqsMessage| {
+            let (handler, mut message) = (self.handler.clone(), message.clone());
+            let max = self.max_deliveries;
+            move |context: Context| async move {
+                if context.attempt > max {
+                    return Err(Run::TooManyAttempts(context.attempt));
+                }
+                message.attempt = context.attempt;
+                message.fence = context.fence;
+                handler(message).await.map_err(Run::Handler)
+            }
+        };
+        loop {
+            let mut items = Vec::new();
+            let mut item_of = Vec::new();
+            for (g, group) in groups.iter_mut().enumerate() {
+                while let Some(i) = group.pop_front() {
+                    if let Some((key, fingerprint)) = to_run[i].take() {
+                        items.push((key, Some(fingerprint), item(&batch[i].0)));
+                        item_of.push((i, g));
+                        break;
+                    }
+                    if settled[i].as_ref().is_some_and(Outcome::stops_its_group) {
+                        for rest in group.drain(..) {
+                            settled[rest] = Some(Outcome::Left);
+                        }
+                    }
+                }
+            }
+            if items.is_empty() {
+                break;
+            }
+            let processed = self.idem.process_batch_with_detached(items).await;
+            for ((i, g), result) in item_of.into_iter().zip(processed) {
+                let outcome = self.outcome_of(&batch[i].0, result);
+                if outcome.stops_its_group() {
+                    for rest in groups[g].drain(..) {
+                        settled[rest] = Some(Outcome::Left);
+                    }
+                }
+                settled[i] = Some(outcome);
+            }
         }
 
         let mut delete = Vec::new();

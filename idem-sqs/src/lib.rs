@@ -108,6 +108,20 @@
 //! [`ConsumerStats::in_progress`], as the store would answer "in
 //! progress"). A handler must be `Send + Sync + 'static`.
 //!
+//! # FIFO queues
+//!
+//! SQS hands out the messages of one message group in order and no more of
+//! a group while one of it is in flight, but one receive may hold several
+//! of a group. The consumer runs those one after another, in the order
+//! received (each round of a receive runs the next message of every group
+//! through the batch path), and a message of a group that does not end
+//! deleted or dead-lettered (its handler failed, its key is in progress,
+//! the store is away, its result waits to be finished) stops its group:
+//! the group's later messages in that receive are left for redelivery
+//! without running, so they come back after it, in order. A group's
+//! message that is dead-lettered does not stop it (it is off the queue).
+//! Messages without a group run as above, all at once.
+//!
 //! # Shutdown
 //!
 //! When `shutdown` completes, `run` stops receiving (a receive in flight is

@@ -10,7 +10,9 @@
 //!   extreme messages;
 //! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
 //!   the result finished later, duplicates meanwhile;
-//! - `config`: configurations `run` refuses, a missing queue.
+//! - `config`: configurations `run` refuses, a missing queue;
+//! - `fifo`: a FIFO queue's message groups, run in order and stopped at a
+//!   failure.
 //!
 //! `cargo test --all-features --test receivers sqs::` runs them;
 //! `RUST_LOG=idem_sqs=debug` shows what the consumers did.
@@ -36,6 +38,7 @@ use tokio::sync::oneshot;
 
 mod config;
 mod delivery;
+mod fifo;
 mod poison;
 mod unrecorded;
 mod visibility;
@@ -78,7 +81,13 @@ async fn create_queue_with(
     prefix: &str,
     attributes: &[(QueueAttributeName, String)],
 ) -> String {
-    let name = format!("{prefix}-{:016x}", fastrand::u64(..));
+    let mut name = format!("{prefix}-{:016x}", fastrand::u64(..));
+    if attributes
+        .iter()
+        .any(|(k, _)| *k == QueueAttributeName::FifoQueue)
+    {
+        name.push_str(".fifo");
+    }
     // CreateQueue with the same name and attributes returns the same
     // queue, so a request whose connection was closed under it (a busy
     // moto drops kept-alive connections) is sent again.
