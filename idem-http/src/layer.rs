@@ -333,9 +333,11 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
 
     /// The largest response body recorded (default 1 MiB). The body is
     /// read up to this; if it ends within it, it is recorded and replayed.
-    /// If it goes past, the key is completed as "not replayable" at once
-    /// (the lease is not held while the body streams) and the caller gets
-    /// the whole response, streamed: what was read, then the rest. A
+    /// A body still coming when the handler returns streams to its caller
+    /// as it comes (detached mode), copied up to this. If it goes past,
+    /// the key is completed as "not replayable" at once (the lease is not
+    /// held while the rest streams) and the caller gets the whole
+    /// response, streamed: what was read, then the rest. A
     /// duplicate of such a key gets `409 Conflict` ("the original response
     /// was not recorded"), never a second execution. A `text/event-stream`
     /// response is never read ahead: it is streamed at once and not

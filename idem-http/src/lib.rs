@@ -86,11 +86,18 @@
 //! that can refuse a stale writer.
 //!
 //! **Large and streaming responses** (`.max_response_bytes(n)`, default
-//! 1 MiB): the body is read up to the limit and recorded if it ends within
-//! it. A longer body, and every `text/event-stream` (which is never read
-//! ahead), reaches its caller in full, streamed, and its key is completed
-//! at once as "not replayable": the handler never runs again for it, and
-//! duplicates get the `409` above.
+//! 1 MiB): a body that is all there when the handler returns is read up to
+//! the limit and recorded if it ends within it, and its caller gets it once
+//! it is recorded. A body still coming (an NDJSON stream, a proxied
+//! upstream) goes to its caller at once, head first, each frame as it
+//! comes, while the layer keeps a copy: recorded when the body ends within
+//! the limit (a duplicate meanwhile gets `409`, then the replay). A longer
+//! body, and every `text/event-stream` (which is never read ahead), reaches
+//! its caller in full, streamed, and its key is completed as "not
+//! replayable" once the limit is passed (at once for an event stream): the
+//! handler never runs again for it, and duplicates get the `409` above.
+//! (With `.detached(false)`, a body is read up to the limit before its
+//! caller gets the head.)
 //!
 //! **Tenants**: set [`IdempotencyLayer::tenant`] to who is calling (an API
 //! key, the subject of a verified token). A request whose tenant is not
@@ -123,6 +130,7 @@ mod recorded;
 mod request;
 mod response;
 mod service;
+mod tee;
 
 /// The axum this crate reads `OriginalUri` from (feature `axum`).
 #[cfg(feature = "axum")]

@@ -269,14 +269,39 @@ pub(crate) enum Buffered {
         read: VecDeque<Frame<Bytes>>,
         error: BoxError,
     },
+    /// The next frame was not there yet (with `stream`): the data frames
+    /// read so far (`size` bytes, within the limit), then the rest.
+    Pending {
+        read: VecDeque<Frame<Bytes>>,
+        size: usize,
+        rest: LayerBody,
+    },
 }
 
-/// Reads `body` while it is no longer than `limit` bytes.
-pub(crate) async fn buffer(mut body: LayerBody, limit: usize) -> Buffered {
+/// Reads `body` while it is no longer than `limit` bytes. With `stream`,
+/// stops at the first frame that is not there yet ([`Buffered::Pending`]):
+/// a body that streams goes to its caller as it comes, not once it ended.
+pub(crate) async fn buffer(mut body: LayerBody, limit: usize, stream: bool) -> Buffered {
     let mut read: VecDeque<Frame<Bytes>> = VecDeque::new();
     let mut size = 0usize;
     loop {
-        match body.frame().await {
+        let next = if stream {
+            let polled =
+                std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await;
+            match polled {
+                Poll::Ready(next) => next,
+                Poll::Pending => {
+                    return Buffered::Pending {
+                        read,
+                        size,
+                        rest: body,
+                    }
+                }
+            }
+        } else {
+            body.frame().await
+        };
+        match next {
             None => {
                 let mut all = Vec::with_capacity(size);
                 for frame in read {

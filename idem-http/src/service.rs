@@ -28,6 +28,7 @@ use crate::request::{
 use crate::response::{
     box_response, full, is_event_stream, put, render, replay, BoxError, LayerBody,
 };
+use crate::tee;
 #[cfg(doc)]
 use crate::IdempotencyLayer;
 use crate::{Problem, ProblemKind};
@@ -262,6 +263,11 @@ where
     // The response for this caller, put here by the handler (detached, it
     // runs in another task) and taken once processing ends.
     let live: Arc<Mutex<Option<Response<LayerBody>>>> = Arc::default();
+    // Detached, a response whose body is still coming goes to its caller
+    // at once (the head and each frame as it comes): the handler says so
+    // here, and the run goes on to record it when the body ends.
+    let (streaming, streams) = tokio::sync::oneshot::channel::<()>();
+    let streaming = config.detached.then_some(streaming);
     let handler = {
         let live = live.clone();
         let record = config.record.clone();
@@ -309,7 +315,27 @@ where
                 let why = "a response with `Vary: *` varies on more than the request's headers";
                 (body, Outcome::NotRecordable(why.to_owned()))
             } else {
-                match recorded::buffer(body, limit).await {
+                match recorded::buffer(body, limit, streaming.is_some()).await {
+                    Buffered::Pending { read, size, rest } => {
+                        let (status, headers) = (parts.status, parts.headers.clone());
+                        let (forwarded, copying) = tee::tee(read, size, rest, limit);
+                        put(&live, Response::from_parts(parts, forwarded.boxed_unsync()));
+                        if let Some(streaming) = streaming {
+                            let _ = streaming.send(());
+                        }
+                        let outcome = match copying.await {
+                            Ok(bytes) => Outcome::Recorded(Recorded::of(
+                                status,
+                                &headers,
+                                bytes,
+                                &skip,
+                                vary.as_deref().unwrap_or_default(),
+                                &request_headers,
+                            )),
+                            Err(why) => Outcome::NotRecordable(why),
+                        };
+                        return Ok(outcome);
+                    }
                     Buffered::Complete(bytes) => {
                         let copy = Recorded::of(
                             parts.status,
@@ -347,18 +373,48 @@ where
         // The whole run, the start of the finisher included, is one task
         // that the request only awaits: a client that goes away does not
         // stop the recording of what its handler did.
-        let (idem, finishing, key) = (config.idem.clone(), config.finishing.clone(), key.clone());
+        let (idem, finishing, run_key) =
+            (config.idem.clone(), config.finishing.clone(), key.clone());
         let task = async move {
-            match idem.process_with(&key, Some(fingerprint), handler).await {
+            let run = match idem
+                .process_with(&run_key, Some(fingerprint), handler)
+                .await
+            {
                 Err(IdemError::Unrecorded(unrecorded)) => {
                     let cause = unrecorded.cause().to_string();
-                    finish_in_background(&finishing, &idem, key, fingerprint, unrecorded);
+                    finish_in_background(&finishing, &idem, run_key, fingerprint, unrecorded);
                     Run::Finishing { cause }
                 }
                 outcome => Run::Done(outcome),
+            };
+            // The store answered this run: the completions waiting for it
+            // go in now (here, since a streamed response's caller has its
+            // answer before the run ends).
+            if !run.store_away() {
+                finishing.store_answered();
+            }
+            run
+        };
+        let mut task = tokio::spawn(task);
+        let joined = tokio::select! {
+            joined = &mut task => joined,
+            Ok(()) = streams => {
+                // The handler's response streams: its caller gets it now;
+                // the run, detached, records it when its body ends.
+                let live = live.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(live) = live {
+                    let key = key.clone();
+                    tokio::spawn(async move {
+                        if let Ok(Run::Done(Err(e))) = task.await {
+                            tracing::error!(key = %key, error = %e, "idempotency layer: the handler ran but its streamed response was not recorded");
+                        }
+                    });
+                    return Ok(live);
+                }
+                task.await
             }
         };
-        match tokio::spawn(task).await {
+        match joined {
             Ok(run) => run,
             // `process_with` catches the handler's panics; this is the
             // runtime shutting down under the task, or a panic in the store.
@@ -392,13 +448,8 @@ where
     };
 
     // The store answered this request: the completions waiting for it go
-    // in now.
-    let store_away = match &run {
-        Run::Finishing { .. } => true,
-        Run::Done(Err(IdemError::Store(e))) => e.is_retryable(),
-        Run::Done(_) => false,
-    };
-    if !store_away {
+    // in now (detached, the run's task did it).
+    if !config.detached && !run.store_away() {
         config.finishing.store_answered();
     }
 
@@ -506,6 +557,17 @@ enum Run<T, E> {
         /// The last store error of the completion.
         cause: String,
     },
+}
+
+impl<T, E> Run<T, E> {
+    /// Whether the store was away for this run (it did not answer).
+    fn store_away(&self) -> bool {
+        match self {
+            Run::Finishing { .. } => true,
+            Run::Done(Err(IdemError::Store(e))) => e.is_retryable(),
+            Run::Done(_) => false,
+        }
+    }
 }
 
 /// Holds `key` finishing (a retry with the same payload gets 409 without

@@ -426,6 +426,89 @@ async fn an_event_stream_is_streamed_not_buffered() {
     assert_eq!(executions.load(Ordering::SeqCst), 1);
 }
 
+/// A response whose body is still coming when the handler returns (NDJSON,
+/// one line now and one later) reaches its caller as it comes: the head
+/// and the first line while the second is not written yet. The key stays
+/// in progress while the body streams (a duplicate gets 409), and once the
+/// body ended within the limit, its copy is recorded: a duplicate gets
+/// the whole body replayed. The handler runs once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_response_reaches_its_caller_as_it_comes_and_is_recorded() {
+    use futures::StreamExt;
+    let (rest_tx, rest_rx) = tokio::sync::oneshot::channel::<()>();
+    let rest_rx = Arc::new(std::sync::Mutex::new(Some(rest_rx)));
+    let executions = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let executions = executions.clone();
+        move || async move {
+            executions.fetch_add(1, Ordering::SeqCst);
+            let rest = rest_rx.lock().ok().and_then(|mut r| r.take());
+            let first = futures::stream::once(async { Ok::<_, std::io::Error>("{\"line\":1}\n") });
+            let second = futures::stream::once(async move {
+                if let Some(rest) = rest {
+                    let _ = rest.await;
+                }
+                Ok("{\"line\":2}\n")
+            });
+            (
+                StatusCode::CREATED,
+                [(axum::http::header::CONTENT_TYPE, "application/x-ndjson")],
+                axum::body::Body::from_stream(first.chain(second)),
+            )
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/lines", post(handler))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let url = format!("{url}/lines");
+    let wait = std::time::Duration::from_secs(10);
+    let mut stream = tokio::time::timeout(
+        wait,
+        reqwest::Client::new()
+            .post(&url)
+            .header("idempotency-key", "ndjson")
+            .header("x-api-key", "t1")
+            .header("content-type", "text/plain")
+            .send(),
+    )
+    .await
+    .unwrap_or_else(|_| panic!("no response head within {wait:?}: the stream was held back"))
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(stream.status(), 201);
+    let chunk = tokio::time::timeout(wait, stream.chunk())
+        .await
+        .unwrap_or_else(|_| panic!("no first line within {wait:?}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(chunk.as_deref(), Some(&b"{\"line\":1}\n"[..]));
+
+    // Still streaming: the key is in progress.
+    let during = post_raw(&url, "ndjson", Some("t1"), "text/plain", "").await;
+    assert_eq!(during.status, 409, "a duplicate while the body streams");
+
+    let _ = rest_tx.send(());
+    let mut rest = Vec::new();
+    while let Some(chunk) = stream.chunk().await.unwrap_or_else(|e| panic!("{e}")) {
+        rest.extend_from_slice(&chunk);
+    }
+    assert_eq!(rest, b"{\"line\":2}\n");
+    // Recorded once the body ended (its completion is one store call).
+    let deadline = std::time::Instant::now() + wait;
+    let replay = loop {
+        let again = post_raw(&url, "ndjson", Some("t1"), "text/plain", "").await;
+        if again.status != 409 {
+            break again;
+        }
+        assert!(std::time::Instant::now() < deadline, "never recorded");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert_eq!((replay.status, replay.replayed()), (201, true));
+    assert_eq!(&replay.body[..], b"{\"line\":1}\n{\"line\":2}\n");
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+}
+
 /// A builder method called on a clone of a layer (here the recording
 /// policy) does not panic and changes the clone only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
