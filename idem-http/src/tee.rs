@@ -3,6 +3,12 @@
 //! run keeps a copy to record, up to the limit. The copy is given up at
 //! the limit or at trailers: the rest of the body then goes to the caller
 //! as it is, unread by the layer.
+//!
+//! The copy never waits for the caller: the frames it hands on wait in a
+//! queue for the caller to read them, so a caller that stops reading (its
+//! connection open, its window closed) holds up neither the recording nor
+//! the lease. The queue holds what the copy holds, the body up to the
+//! limit, at most: past it, the rest goes to the caller unread.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -15,10 +21,6 @@ use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 
 use crate::{BoxError, LayerBody};
-
-/// Frames on their way from the copy to the caller: a few, so a slow
-/// caller slows the copy down (the body is never held whole for it).
-const IN_TRANSIT: usize = 8;
 
 /// What the copy sends to the caller's body.
 enum Piece {
@@ -38,7 +40,7 @@ enum Piece {
 /// looks whole.
 pub(crate) struct Forwarded {
     read: VecDeque<Frame<Bytes>>,
-    pieces: mpsc::Receiver<Piece>,
+    pieces: mpsc::UnboundedReceiver<Piece>,
     rest: Option<LayerBody>,
     ended: bool,
 }
@@ -108,8 +110,9 @@ impl Body for Forwarded {
 /// the caller's body, to send now, and the copy: a future that reads the
 /// rest, hands each frame on and ends with the whole body (`Ok`, to
 /// record) or why it was not kept (`Err`: past `limit` bytes, trailers, a
-/// failed body). A caller that goes away does not stop the copy (the
-/// handler's response is still recorded), only the sending.
+/// failed body). The copy goes at the body's pace, never the caller's: a
+/// caller that stops reading or goes away does not hold it up (the
+/// handler's response is still recorded).
 pub(crate) fn tee(
     read: VecDeque<Frame<Bytes>>,
     size: usize,
@@ -122,7 +125,7 @@ pub(crate) fn tee(
             copy.extend_from_slice(data);
         }
     }
-    let (tx, pieces) = mpsc::channel(IN_TRANSIT);
+    let (tx, pieces) = mpsc::unbounded_channel();
     let caller = Forwarded {
         read,
         pieces,
@@ -131,13 +134,10 @@ pub(crate) fn tee(
     };
     let copying = async move {
         let mut rest = rest;
-        let mut listening = true;
         loop {
             match rest.frame().await {
                 None => {
-                    if listening {
-                        let _ = tx.send(Piece::End).await;
-                    }
+                    let _ = tx.send(Piece::End);
                     return Ok(copy.freeze());
                 }
                 Some(Ok(frame)) => {
@@ -153,21 +153,17 @@ pub(crate) fn tee(
                             Some("the response has trailers, which are not recorded".to_owned())
                         }
                     };
-                    if listening && tx.send(Piece::Frame(frame)).await.is_err() {
-                        listening = false;
-                    }
+                    // A caller gone: the copy goes on (the response is
+                    // still recorded).
+                    let _ = tx.send(Piece::Frame(frame));
                     if let Some(why) = given_up {
-                        if listening {
-                            let _ = tx.send(Piece::Rest(rest)).await;
-                        }
+                        let _ = tx.send(Piece::Rest(rest));
                         return Err(why);
                     }
                 }
                 Some(Err(error)) => {
                     let why = format!("the response body failed: {error}");
-                    if listening {
-                        let _ = tx.send(Piece::Failed(error)).await;
-                    }
+                    let _ = tx.send(Piece::Failed(error));
                     return Err(why);
                 }
             }

@@ -427,7 +427,7 @@ impl Failover {
                 // The server in use still takes writes and is on the
                 // highest timeline seen: else search (which takes the
                 // highest).
-                if !in_use.is_some_and(|r| shared.accept(&r).is_ok()) {
+                if in_use.is_none_or(|r| shared.accept(&r).is_err()) {
                     conns[current] = None;
                     shared.suspect();
                 }

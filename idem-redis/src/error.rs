@@ -77,6 +77,16 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
 /// passing condition, like `WAIT` falling short.
 pub(crate) fn is_transient(e: &RedisError) -> bool {
     use redis::RetryMethod;
+    // A pipeline's errors come together, without a code of their own (a
+    // marker written before a `WAIT`, refused with NOREPLICAS): passing if
+    // every one of them is.
+    if let Some(errors) = e.clone().into_server_errors() {
+        if e.code().is_none() && !errors.is_empty() {
+            return errors.iter().all(|(_, server)| {
+                server.code() == NO_REPLICAS_CODE || is_transient(&RedisError::from(server.clone()))
+            });
+        }
+    }
     e.code() == Some(NO_REPLICAS_CODE)
         || e.is_io_error()
         || e.is_timeout()

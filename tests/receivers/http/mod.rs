@@ -14,7 +14,9 @@
 //! - `tenants`: tenants sharing keys, anonymous callers;
 //! - `isolation`: tenant isolation under load, two app instances on a
 //!   tiered store;
-//! - `hooks`: the replay hook and a custom problem rendering.
+//! - `hooks`: the replay hook and a custom problem rendering;
+//! - `streaming`: bodies still coming when the handler returns: streamed
+//!   to their caller, copied and recorded whatever the caller does.
 //!
 //! `cargo test --all-features --test receivers http::` runs them.
 
@@ -40,6 +42,7 @@ mod isolation;
 mod keys;
 mod outages;
 mod recording;
+mod streaming;
 mod tenants;
 
 /// The payments app of [`serve`]: its handlers count their effects.

@@ -112,7 +112,8 @@ async fn replica_refusals_are_retryable() {
 /// A master without a good replica under `min-replicas-to-write` refuses
 /// writes with `NOREPLICAS`: a passing condition (the replica comes back),
 /// so the store answers `Unavailable` (retryable), not `Backend`; reads
-/// and replays still work.
+/// and replays still work, and under `wait_for_replicas` a replay (whose
+/// marker write is refused) is `Unavailable` too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn noreplicas_is_unavailable() {
     let server = support::redis_server::RedisServer::start(&["--min-replicas-to-write", "1"]);
@@ -128,4 +129,32 @@ async fn noreplicas_is_unavailable() {
         other => panic!("acquire on a master without replicas: {other:?}"),
     }
     assert!(matches!(store.get(&key).await, Ok(None)));
+
+    // A completed record, written before the setting; then replayed under
+    // `wait_for_replicas`, which writes a marker first.
+    let done = IdempotencyKey::new("failover.noreplicas", "done").unwrap_or_else(|e| panic!("{e}"));
+    server.command("CONFIG SET min-replicas-to-write 0");
+    let Ok(Acquisition::Acquired(lease)) =
+        store.acquire(&done, None, Duration::from_secs(15)).await
+    else {
+        panic!("acquire without the setting")
+    };
+    store
+        .complete(&lease, b"r", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    server.command("CONFIG SET min-replicas-to-write 1");
+    assert!(matches!(
+        store.acquire(&done, None, Duration::from_secs(15)).await,
+        Ok(Acquisition::Completed(_))
+    ));
+    match store
+        .clone()
+        .wait_for_replicas(1, Duration::from_millis(200))
+        .acquire(&done, None, Duration::from_secs(15))
+        .await
+    {
+        Err(e @ StoreError::Unavailable(_)) => assert!(e.is_retryable()),
+        other => panic!("a replay under WAIT on a master without replicas: {other:?}"),
+    }
 }
