@@ -119,7 +119,9 @@
 //! the store is away, its result waits to be finished) stops its group:
 //! the group's later messages in that receive are left for redelivery
 //! without running, so they come back after it, in order. A group's
-//! message that is dead-lettered does not stop it (it is off the queue).
+//! message that is dead-lettered does not stop it (it is off the queue; if
+//! the dead letter cannot be sent, the message is left for redelivery,
+//! after its group's later messages of that receive ran).
 //! Messages without a group run as above, all at once.
 //!
 //! # Shutdown
