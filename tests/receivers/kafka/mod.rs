@@ -200,23 +200,30 @@ where
     }
 }
 
-/// Waits (up to 120 s) until each of `messages` messages had an effect and
-/// the group committed every partition of `topic` up to its end.
+/// Waits (up to 240 s: the broker's group joins take seconds each, and
+/// the suite shares two cores with the fault suite) until each of
+/// `messages` messages had an effect and the group committed every
+/// partition of `topic` up to its end; on a timeout, says how far it got.
 async fn until_every_effect_and_commit(
     effects: &Effects,
     messages: u32,
     (group, topic): (&str, &str),
     ends: &Ends,
 ) {
-    until(
-        "every message's effect and every record committed",
-        Duration::from_secs(120),
-        || async {
-            effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
-                && all_committed(group, topic, ends).await
-        },
-    )
+    let done = wait_for(Duration::from_secs(240), || async {
+        effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
+            && all_committed(group, topic, ends).await
+    })
     .await;
+    if !done {
+        let had = effects.lock().unwrap_or_else(|p| p.into_inner()).len();
+        let partitions = i32::try_from(ends.len()).unwrap_or(i32::MAX);
+        let committed = committed(group, topic, partitions).await;
+        panic!(
+            "timed out waiting for every message's effect and every record committed: \
+             {had} of {messages} messages had their effect; committed {committed:?}, ends {ends:?}"
+        );
+    }
 }
 
 /// Waits for `cond` (every 50 ms) up to `limit`; whether it came true.
