@@ -321,6 +321,12 @@ where
         self
     }
 
+    /// The retention this executor completes records with
+    /// ([`retention`](Self::retention)).
+    pub fn retention_period(&self) -> Duration {
+        self.retention
+    }
+
     /// The store. Calls made on it directly are not timed in
     /// [`STORE_DURATION_SECONDS`](crate::STORE_DURATION_SECONDS); those
     /// through [`get`](Self::get), [`delete`](Self::delete) and

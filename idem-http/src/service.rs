@@ -18,7 +18,7 @@ use idem_core::{
 };
 
 use crate::fingerprint::fingerprint;
-use crate::finishing::finish_later;
+use crate::finishing::{finish_later, GivenUp};
 use crate::key::{key_id, key_path};
 use crate::layer::{Config, KeySource};
 use crate::recorded::{self, Buffered, Outcome, Prefixed, Recorded};
@@ -364,6 +364,9 @@ where
             Ok::<_, NotRecorded<Inner::Error>>(outcome)
         }
     };
+    if config.given_up.holds(&key, &fingerprint) {
+        return Ok(render(&config, Problem::new(ProblemKind::NotRecorded)));
+    }
     if config.finishing.holds(&key, &fingerprint) {
         let problem =
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
@@ -373,8 +376,12 @@ where
         // The whole run, the start of the finisher included, is one task
         // that the request only awaits: a client that goes away does not
         // stop the recording of what its handler did.
-        let (idem, finishing, run_key) =
-            (config.idem.clone(), config.finishing.clone(), key.clone());
+        let (idem, finishing, given_up, run_key) = (
+            config.idem.clone(),
+            config.finishing.clone(),
+            config.given_up.clone(),
+            key.clone(),
+        );
         let task = async move {
             let run = match idem
                 .process_with(&run_key, Some(fingerprint), handler)
@@ -382,7 +389,8 @@ where
             {
                 Err(IdemError::Unrecorded(unrecorded)) => {
                     let cause = unrecorded.cause().to_string();
-                    finish_in_background(&finishing, &idem, run_key, fingerprint, unrecorded);
+                    let sets = (&finishing, &given_up);
+                    finish_in_background(sets, &idem, run_key, fingerprint, unrecorded);
                     Run::Finishing { cause }
                 }
                 outcome => Run::Done(outcome),
@@ -435,7 +443,7 @@ where
             Err(IdemError::Unrecorded(unrecorded)) => {
                 let cause = unrecorded.cause().to_string();
                 finish_in_background(
-                    &config.finishing,
+                    (&config.finishing, &config.given_up),
                     &config.idem,
                     key.clone(),
                     fingerprint,
@@ -572,9 +580,11 @@ impl<T, E> Run<T, E> {
 
 /// Holds `key` finishing (a retry with the same payload gets 409 without
 /// asking the store) and writes the completion of `unrecorded` in a task
-/// of its own, which lets the key go when it ends however it ends.
+/// of its own, which lets the key go when it ends however it ends; one it
+/// gave up recording goes into `given_up` first (its retries get 409 "not
+/// recorded" for the retention).
 fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
-    finishing: &Arc<FinishingKeys>,
+    (finishing, given_up): (&Arc<FinishingKeys>, &Arc<GivenUp>),
     idem: &Idempotency<S, C>,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
@@ -582,10 +592,13 @@ fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
 ) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            let guard = finishing.hold(key, Some(fingerprint));
-            let (idem, finishing) = (idem.clone(), finishing.clone());
+            let guard = finishing.hold(key.clone(), Some(fingerprint));
+            let (idem, finishing, given_up) = (idem.clone(), finishing.clone(), given_up.clone());
             runtime.spawn(async move {
-                finish_later(idem, unrecorded, &finishing).await;
+                let retention = idem.retention_period();
+                if finish_later(idem, unrecorded, &finishing).await {
+                    given_up.insert(key, fingerprint, retention);
+                }
                 drop(guard);
             });
         }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::http::IdempotencyLayer;
+use idem::http::{IdempotencyLayer, Problem, ProblemKind};
 use idem::postgres::PgStore;
 use idem::testkit::Tap;
 use idem::Idempotency;
@@ -212,6 +212,74 @@ async fn a_client_gone_before_an_unrecorded_response_never_gets_the_handler_run_
         replay.body,
         json!("payment 1"),
         "the replay is the one run's"
+    );
+}
+
+/// The store stays away past the 1 s lease after the handler ran, and
+/// once it is back it refuses the completion for good (a non-retryable
+/// error): the layer gives up recording the response. The handler ran, so
+/// every retry at this instance afterwards gets 409 "not recorded" from
+/// the layer itself, never a takeover of the expired lease that runs it
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_the_store_refuses_after_an_outage_is_never_run_again() {
+    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                refuse.store(true, Ordering::SeqCst);
+                support::flaky::outage(&down, std::time::Duration::from_millis(2500));
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = post_json(&url, Some("k-refused"), "t1", &json!({})).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // Retries through the outage and after it, until the layer stops
+    // answering "in progress" (its finisher was refused).
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    let settled = loop {
+        let r = post_json(&url, Some("k-refused"), "t1", &json!({})).await;
+        assert_eq!(
+            effects.load(Ordering::SeqCst),
+            1,
+            "a retry ran the handler again: {} {:?}",
+            r.status,
+            r.body
+        );
+        let in_progress = Problem::new(ProblemKind::InProgress).title;
+        if !(r.status == 409 && r.body["title"] == json!(in_progress)) {
+            break r;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still in progress 20 s later: {:?}",
+            r.body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert_eq!(
+        (settled.status, &settled.body["title"]),
+        (409, &json!(Problem::new(ProblemKind::NotRecorded).title)),
+        "{:?}",
+        settled.body
+    );
+    // And it stays so, the store answering and the lease long over.
+    let again = post_json(&url, Some("k-refused"), "t1", &json!({})).await;
+    assert_eq!(
+        (again.status, effects.load(Ordering::SeqCst)),
+        (409, 1),
+        "{:?}",
+        again.body
     );
 }
 
