@@ -10,7 +10,8 @@
 //! - `settings`: settings at their extremes, scopes that cannot be keys;
 //! - `shutdown`: a bounded shutdown, a record cut off by it;
 //! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
-//!   the result finished later, across a shutdown and a restart.
+//!   the result finished later, across a shutdown and a restart, and the
+//!   window a rebalance opens meanwhile.
 //!
 //! `cargo test --all-features --test receivers kafka::` runs them;
 //! `RUST_LOG=idem_kafka=debug` shows what the consumers did.

@@ -2,7 +2,9 @@
 //! down after the handler's effect, past the lease. The record is kept and
 //! its result finished once the store is back, with its own lease; no
 //! other delivery of its key, in the same batch or after a shutdown and a
-//! restart, runs the handler again.
+//! restart, runs the handler again. A rebalance meanwhile hands the record
+//! on: the window the crate docs name, its second run fenced above the
+//! first.
 
 use crate::support;
 
@@ -212,4 +214,135 @@ async fn a_batch_with_a_key_twice_and_an_outage_past_the_lease_runs_the_effect_o
         Some(&end),
         "{stats:?}"
     );
+}
+
+/// The window the crate docs name (DESIGN 4: an outage longer than the
+/// lease, then a rebalance): member A's record ran, its store stays away
+/// past the 1 s lease (`Unrecorded`), and member B joins the group. A's
+/// revoke waits `revoke_wait` (500 ms), then lets the record go
+/// uncommitted; B, whose store answers, takes the expired lease over and
+/// runs the record again. What the docs promise of that window holds: B's
+/// run is told so (attempt 2) and carries a fence above A's, so a
+/// downstream that keeps the highest fence refuses A's effect if it comes
+/// late; once A's store is back, A's completion is refused (the lease
+/// lost) and never overwrites B's result; the record is committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_while_a_result_waits_hands_the_record_on_with_a_higher_fence() {
+    use idem::IdempotencyStore;
+    use std::sync::Mutex;
+    let topic = name("rebalance-unrecorded");
+    let group = name("rebalance-unrecorded-g");
+    support::kafka::create_topic(&topic, 1);
+    let end = send(&topic, 0, Some(b"pay-1"), &[], Some(b"{\"amount\":1}")).await + 1;
+
+    let shared: Arc<MemoryStore> = Arc::new(MemoryStore::new());
+    let (a_store, a_down) = FlakyStore::new(shared.clone());
+    // B's store is never taken away.
+    let (b_store, _) = FlakyStore::new(shared.clone());
+    // The range assignor gives the one partition to the member whose id
+    // sorts first: B's client id makes it B's once B has joined.
+    let member = |client_id: &str, idem| {
+        let mut config = super::config(&group);
+        // A topic this new may have no partition in a member's first
+        // metadata: read it again soon, not in 5 minutes.
+        config
+            .set("client.id", client_id)
+            .set("topic.metadata.refresh.interval.ms", "500");
+        idem::kafka::KafkaConsumer::new(&config, &[topic.as_str()], idem)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .commit_interval(Duration::ZERO)
+            .revoke_wait(Duration::from_millis(500))
+            .retry_backoff(Duration::from_millis(20), Duration::from_millis(200))
+    };
+    let a = member(
+        "z-member-a",
+        Idempotency::new(a_store).lease(Duration::from_secs(1)),
+    );
+    // B is built when it joins: a consumer subscribes (and joins the
+    // group) when it is built.
+    let b_idem = Idempotency::new(b_store).lease(Duration::from_secs(1));
+    // Each run: its attempt and fence; the first takes A's store away.
+    let runs: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
+    let handler = {
+        let (runs, a_down) = (runs.clone(), a_down.clone());
+        move |record: KafkaRecord| {
+            let (runs, a_down) = (runs.clone(), a_down.clone());
+            async move {
+                let id = record.key_text()?.to_owned();
+                let first = {
+                    let mut runs = runs.lock().unwrap_or_else(|p| p.into_inner());
+                    runs.push((record.attempt, record.fence));
+                    runs.len() == 1
+                };
+                if first {
+                    a_down.store(true, Ordering::SeqCst);
+                }
+                Ok::<_, RecordError>(format!("done {id}"))
+            }
+        }
+    };
+    let runs_now = || runs.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let done = Arc::new(AtomicBool::new(false));
+    let stop = || {
+        let done = done.clone();
+        async move {
+            while !done.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let control = async {
+        assert!(
+            wait_for(Duration::from_secs(30), || async { runs_now().len() == 1 }).await,
+            "A never ran the record"
+        );
+        // Past the lease: A holds a result it cannot record.
+        tokio::time::sleep(Duration::from_millis(1_500)).await;
+        let b = member("a-member-b", b_idem);
+        let b_run = b.run(handler.clone(), stop());
+        let wait = async {
+            let handed_on = wait_for(Duration::from_secs(60), || async {
+                runs_now().len() == 2 && committed(&group, &topic, 1).await.get(&0) == Some(&end)
+            })
+            .await;
+            // A's store back: its completion finds the key taken over.
+            a_down.store(false, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            done.store(true, Ordering::SeqCst);
+            handed_on
+        };
+        let (b_stats, handed_on) = tokio::join!(b_run, wait);
+        (b_stats.unwrap_or_else(|e| panic!("{e}")), handed_on)
+    };
+    let (a_stats, (b_stats, handed_on)) = tokio::time::timeout(Duration::from_secs(120), async {
+        tokio::join!(a.run(handler.clone(), stop()), control)
+    })
+    .await
+    .unwrap_or_else(|_| panic!("did not end"));
+    let a_stats = a_stats.unwrap_or_else(|e| panic!("{e}"));
+    let runs = runs_now();
+    assert!(
+        handed_on,
+        "the record was not run by B and committed: runs {runs:?}, A {a_stats:?}, B {b_stats:?}"
+    );
+    let [(first_attempt, first_fence), (second_attempt, second_fence)] = runs[..] else {
+        panic!("runs: {runs:?}")
+    };
+    assert_eq!((first_attempt, second_attempt), (1, 2), "{runs:?}");
+    assert!(
+        second_fence > first_fence,
+        "B's run must carry a higher fence: {runs:?}"
+    );
+    let key = idem::IdempotencyKey::new(&idem::kafka::default_scope(&topic), "pay-1")
+        .unwrap_or_else(|e| panic!("{e}"));
+    match shared.get(&key).await {
+        Ok(Some(record)) => {
+            assert_eq!(record.fence, second_fence, "the record is B's: {record:?}");
+            assert!(
+                matches!(record.state, idem::RecordState::Completed { .. }),
+                "{record:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
 }
