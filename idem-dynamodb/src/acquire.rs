@@ -19,7 +19,56 @@ use crate::store::{millis, since, wall, DynamoDbStore};
 /// read and the conditional write (each round is a new state).
 const ACQUIRE_ROUNDS: usize = 16;
 
+/// The next conditional write of an `acquire` round, and the lease it
+/// gives if it goes through.
+struct NextWrite {
+    attrs: Attrs,
+    /// The revision the item must still have (`None`: no item at all).
+    expect_rev: Option<u64>,
+    lease_until: i64,
+    fence: u64,
+    attempt: u32,
+    fingerprint: Option<Fingerprint>,
+    /// The chunks an `x` tombstone being written over still names (its
+    /// delete's chunk removal may not have run: a lost reply): removed
+    /// once the write went through, or nothing would ever reach them.
+    leftover: Option<(LeaseToken, u32)>,
+}
+
 impl DynamoDbStore {
+    /// The write of a fresh acquisition where no item is (the first round,
+    /// or the item gone since it was read): attempt 1, the call's
+    /// fingerprint, a fence from the clock, the lease from now.
+    fn fresh_write(
+        &self,
+        key: &IdempotencyKey,
+        token: LeaseToken,
+        fingerprint: Option<&Fingerprint>,
+        lease_ms: i64,
+    ) -> NextWrite {
+        let now = self.now_ms();
+        let lease_until = now.saturating_add(lease_ms);
+        let fence = self.now_us();
+        NextWrite {
+            attrs: self.in_progress_item(
+                key,
+                token,
+                fence,
+                1,
+                fingerprint,
+                now,
+                lease_until,
+                random_rev(),
+            ),
+            expect_rev: None,
+            lease_until,
+            fence,
+            attempt: 1,
+            fingerprint: fingerprint.copied(),
+            leftover: None,
+        }
+    }
+
     /// The attributes of a new in-progress record.
     #[allow(clippy::too_many_arguments)]
     fn in_progress_item(
@@ -63,55 +112,32 @@ impl DynamoDbStore {
         let lease_ms = millis(lease);
         let token = LeaseToken::random();
         // Round 1: a fresh key.
-        let mut now = self.now_ms();
-        let mut lease_until = now.saturating_add(lease_ms);
-        let mut fence = self.now_us();
-        let mut attempt = 1;
-        let mut stored_fp = fingerprint.copied();
-        let mut expect_rev = None;
+        let mut next = self.fresh_write(key, token, fingerprint, lease_ms);
         // The revision of an item whose response had a chunk missing.
         let mut missing_in: Option<u64> = None;
-        let mut attrs = self.in_progress_item(
-            key,
-            token,
-            fence,
-            attempt,
-            fingerprint,
-            now,
-            lease_until,
-            random_rev(),
-        );
         for _ in 0..ACQUIRE_ROUNDS {
-            let old = match self.put_if(attrs, expect_rev).await? {
+            let old = match self.put_if(next.attrs, next.expect_rev).await? {
                 Write::Done(()) => {
+                    if let Some((old_token, chunks)) = next.leftover {
+                        if let Err(e) = self.delete_chunks(old_token, chunks).await {
+                            tracing::warn!(key = %key, error = %e, "the chunks of a deleted record were not all removed");
+                        }
+                    }
                     return Ok(Acquisition::Acquired(
-                        Lease::new(key.clone(), token, attempt, wall(lease_until))
-                            .with_fence(fence)
-                            .with_fingerprint(stored_fp),
-                    ))
+                        Lease::new(key.clone(), token, next.attempt, wall(next.lease_until))
+                            .with_fence(next.fence)
+                            .with_fingerprint(next.fingerprint),
+                    ));
                 }
                 Write::Refused(old) => self.decodable(key, old).await?,
             };
-            now = self.now_ms();
-            lease_until = now.saturating_add(lease_ms);
             let Some(old) = old else {
                 // The item went away between the two writes: a fresh key.
-                expect_rev = None;
-                fence = self.now_us();
-                attempt = 1;
-                stored_fp = fingerprint.copied();
-                attrs = self.in_progress_item(
-                    key,
-                    token,
-                    fence,
-                    attempt,
-                    fingerprint,
-                    now,
-                    lease_until,
-                    random_rev(),
-                );
+                next = self.fresh_write(key, token, fingerprint, lease_ms);
                 continue;
             };
+            let now = self.now_ms();
+            let lease_until = now.saturating_add(lease_ms);
             let old = item::decode(&old).map_err(|d| Self::corrupt(key, d))?;
             // A resend of this call (a reply lost, the SDK sent it again):
             // this token already holds the key.
@@ -130,22 +156,30 @@ impl DynamoDbStore {
                     "the fence is at its maximum: no higher one can be given",
                 ));
             };
-            fence = self.now_us().max(above);
-            expect_rev = Some(old.rev);
+            let fence = self.now_us().max(above);
             if old.is_tombstone() || self.gone(old.expires, now) {
                 // Absent: a fresh acquisition, above the stored fence.
-                attempt = 1;
-                stored_fp = fingerprint.copied();
-                attrs = self.in_progress_item(
-                    key,
-                    token,
-                    fence,
-                    attempt,
-                    fingerprint,
-                    now,
+                next = NextWrite {
+                    attrs: self.in_progress_item(
+                        key,
+                        token,
+                        fence,
+                        1,
+                        fingerprint,
+                        now,
+                        lease_until,
+                        random_rev(),
+                    ),
+                    expect_rev: Some(old.rev),
                     lease_until,
-                    random_rev(),
-                );
+                    fence,
+                    attempt: 1,
+                    fingerprint: fingerprint.copied(),
+                    leftover: match (&old.state, old.token) {
+                        (State::Deleted { chunks: Some(c) }, Some(t)) => Some((t, *c)),
+                        _ => None,
+                    },
+                };
                 continue;
             }
             if let (Some(stored), Some(given)) = (&old.fingerprint, fingerprint) {
@@ -170,22 +204,7 @@ impl DynamoDbStore {
                                 return Err(Self::corrupt(key, detail));
                             }
                             missing_in = Some(old.rev);
-                            now = self.now_ms();
-                            lease_until = now.saturating_add(lease_ms);
-                            expect_rev = None;
-                            fence = self.now_us();
-                            attempt = 1;
-                            stored_fp = fingerprint.copied();
-                            attrs = self.in_progress_item(
-                                key,
-                                token,
-                                fence,
-                                attempt,
-                                fingerprint,
-                                now,
-                                lease_until,
-                                random_rev(),
-                            );
+                            next = self.fresh_write(key, token, fingerprint, lease_ms);
                             continue;
                         }
                     };
@@ -217,18 +236,26 @@ impl DynamoDbStore {
                 _ => {
                     // Takeover: the holder's lease ended (by the margin).
                     // Fingerprint and attempt carry over.
-                    attempt = old.attempt.saturating_add(1);
-                    stored_fp = old.fingerprint.or(fingerprint.copied());
-                    attrs = self.in_progress_item(
-                        key,
-                        token,
+                    let attempt = old.attempt.saturating_add(1);
+                    let stored_fp = old.fingerprint.or(fingerprint.copied());
+                    next = NextWrite {
+                        attrs: self.in_progress_item(
+                            key,
+                            token,
+                            fence,
+                            attempt,
+                            stored_fp.as_ref(),
+                            old.created,
+                            lease_until,
+                            random_rev(),
+                        ),
+                        expect_rev: Some(old.rev),
+                        lease_until,
                         fence,
                         attempt,
-                        stored_fp.as_ref(),
-                        old.created,
-                        lease_until,
-                        random_rev(),
-                    );
+                        fingerprint: stored_fp,
+                        leftover: None,
+                    };
                 }
             }
         }

@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | `acquire`, fresh key | 1 | `PutItem` if the item does not exist |
 //! | `acquire`, duplicate (completed, in progress, mismatch) | 1 | the same `PutItem`: its condition fails and DynamoDB returns the stored item (`ReturnValuesOnConditionCheckFailure = ALL_OLD`); the fingerprint is checked on that item |
-//! | `acquire` after a lease ended, a release, a delete or an expiry | 2 | the `PutItem` above, then a `PutItem` conditioned on the item's revision (another writer in between: the answer comes from what it wrote) |
+//! | `acquire` after a lease ended, a release, a delete or an expiry | 2 (3 over a deleted chunked response) | the `PutItem` above, then a `PutItem` conditioned on the item's revision (another writer in between: the answer comes from what it wrote); over a tombstone that still names a deleted response's chunks (its delete's reply lost), a `BatchWriteItem` removing them |
 //! | `complete`, `release`, `extend` | 1 | `UpdateItem` conditioned on the lease token |
 //! | `complete` of a response over [`INLINE_RESPONSE_BYTES`] | 1 | `TransactWriteItems`: the record and the response's chunk items together (a refused one learns why from the record's item in the cancellation reasons; a conflict with another transaction costs one `GetItem` more) |
 //! | replay of a response over [`INLINE_RESPONSE_BYTES`] | 2 | the `PutItem`, then a consistent `BatchGetItem` of its chunks |

@@ -51,6 +51,10 @@ const INVALID_CODE: &str = "IDEM_INVALID";
 /// (`min-replicas-to-write`).
 const NO_REPLICAS_CODE: &str = "NOREPLICAS";
 
+/// The code of a write refused because the server is at `maxmemory`
+/// (with `noeviction`).
+const OUT_OF_MEMORY_CODE: &str = "OOM";
+
 pub(crate) fn map_error(e: RedisError) -> StoreError {
     if e.code() == Some(INVALID_CODE) {
         // A script refused an argument before writing anything.
@@ -77,14 +81,21 @@ pub(crate) fn map_error(e: RedisError) -> StoreError {
 /// passing condition, like `WAIT` falling short.
 pub(crate) fn is_transient(e: &RedisError) -> bool {
     use redis::RetryMethod;
-    // A pipeline's errors come together, without a code of their own (a
-    // marker written before a `WAIT`, refused with NOREPLICAS): passing if
-    // every one of them is.
-    if let Some(errors) = e.clone().into_server_errors() {
-        if e.code().is_none() && !errors.is_empty() {
-            return errors.iter().all(|(_, server)| {
-                server.code() == NO_REPLICAS_CODE || is_transient(&RedisError::from(server.clone()))
-            });
+    // A pipeline's errors come together, without a code of their own:
+    // passing if every one of them is. The one pipeline of the store
+    // writes a marker before a `WAIT` (a replay under `wait_for_replicas`):
+    // refused with NOREPLICAS, or with OOM on a full server, the record
+    // is there and a retry gets its replay once the replicas are back or
+    // memory is freed (records expire).
+    if e.code().is_none() {
+        if let Some(errors) = e.clone().into_server_errors() {
+            if !errors.is_empty() {
+                return errors.iter().all(|(_, server)| {
+                    server.code() == NO_REPLICAS_CODE
+                        || server.code() == OUT_OF_MEMORY_CODE
+                        || is_transient(&RedisError::from(server.clone()))
+                });
+            }
         }
     }
     e.code() == Some(NO_REPLICAS_CODE)

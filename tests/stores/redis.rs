@@ -929,6 +929,117 @@ async fn wait_for_replicas_follows_the_wait_timeout_not_a_fixed_two_seconds() {
     );
 }
 
+/// Under `wait_for_replicas`, a replay writes a marker in the record's
+/// slot before its `WAIT`: 1,000 replays of one key leave at most one
+/// marker (one per slot, living a second), not one key each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_under_wait_leave_no_key_per_replay() {
+    let server = RedisServer::start(&[]);
+    let store = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .wait_for_replicas(0, Duration::from_millis(100));
+    let mut conn = raw_connection(&server.url).await;
+    let k = testkit::unique_key("wait-replay-keys");
+    let Ok(Acquisition::Acquired(l)) = store.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    store
+        .complete(&l, b"once", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let dbsize = |conn: &mut idem::redis::redis::aio::MultiplexedConnection| {
+        let mut conn = conn.clone();
+        async move {
+            idem::redis::redis::cmd("DBSIZE")
+                .query_async::<i64>(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    let before = dbsize(&mut conn).await;
+    for _ in 0..1000 {
+        let got = store.acquire(&k, None, Duration::from_secs(30)).await;
+        assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
+    }
+    let after = dbsize(&mut conn).await;
+    let markers: Vec<String> = idem::redis::redis::cmd("KEYS")
+        .arg("*delete/*")
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        after - before <= 1 && markers.len() <= 1,
+        "1,000 replays left {} keys behind: {:?}",
+        after - before,
+        markers.iter().take(3).collect::<Vec<_>>()
+    );
+    for marker in &markers {
+        let pttl: i64 = idem::redis::redis::cmd("PTTL")
+            .arg(marker)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!((0..=1000).contains(&pttl), "{marker} lives {pttl} ms");
+    }
+}
+
+/// A replay under `wait_for_replicas` on a server at `maxmemory`
+/// (`noeviction`): its marker's write is refused (OOM). The duplicate gets
+/// `Unavailable` (a retry gets the replay once memory is freed), never a
+/// `Backend` error a consumer would dead-letter for a completed key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_under_wait_on_a_full_server_is_retryable() {
+    let server = RedisServer::start(&[]);
+    let plain = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let waiting = RedisStore::connect(&server.url)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .wait_for_replicas(0, Duration::from_millis(100));
+    let mut conn = raw_connection(&server.url).await;
+    let k = testkit::unique_key("wait-replay-oom");
+    let Ok(Acquisition::Acquired(l)) = plain.acquire(&k, None, Duration::from_secs(30)).await
+    else {
+        panic!("not acquired")
+    };
+    plain
+        .complete(&l, b"once", Duration::from_secs(600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let set_maxmemory = |conn: &mut idem::redis::redis::aio::MultiplexedConnection, v: &str| {
+        let (mut conn, v) = (conn.clone(), v.to_owned());
+        async move {
+            idem::redis::redis::cmd("CONFIG")
+                .arg("SET")
+                .arg("maxmemory")
+                .arg(v)
+                .query_async::<()>(&mut conn)
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+        }
+    };
+    set_maxmemory(&mut conn, "1").await;
+    let without_wait = plain.acquire(&k, None, Duration::from_secs(30)).await;
+    let with_wait = waiting.acquire(&k, None, Duration::from_secs(30)).await;
+    set_maxmemory(&mut conn, "0").await;
+    assert!(
+        matches!(without_wait, Ok(Acquisition::Completed(_))),
+        "without WAIT: {without_wait:?}"
+    );
+    assert!(
+        matches!(&with_wait, Err(e) if e.is_retryable()),
+        "a duplicate under WAIT on a full server: {with_wait:?}"
+    );
+    let later = waiting.acquire(&k, None, Duration::from_secs(30)).await;
+    assert!(
+        matches!(later, Ok(Acquisition::Completed(_))),
+        "once memory is freed: {later:?}"
+    );
+}
+
 /// Under `wait_for_replicas`, an extension is reported only once the
 /// replicas acknowledged it, and a duplicate is replayed only a completion
 /// the replicas have: with the replica frozen, `extend` is `Unavailable`
@@ -1564,4 +1675,14 @@ async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() 
         matches!(batch.as_slice(), [Err(StoreError::Corrupt { .. })]),
         "acquire_many: {batch:?}"
     );
+}
+
+/// A plain connection to the server at `url`, for commands the store does
+/// not send.
+async fn raw_connection(url: &str) -> idem::redis::redis::aio::MultiplexedConnection {
+    idem::redis::redis::Client::open(url)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }

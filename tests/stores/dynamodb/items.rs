@@ -277,6 +277,40 @@ async fn a_delete_retried_after_a_lost_reply_leaves_no_chunks() {
     );
 }
 
+/// The same lost delete reply, but the key is acquired (and completed)
+/// again before the caller's retry: the acquisition that writes over the
+/// tombstone removes the chunks it still names, so the first record's
+/// chunks are not left until its retention (here 100 years), out of
+/// reach of `purge_expired`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_retried_after_the_key_was_acquired_again_leaves_no_chunks() {
+    let (store, proxy) = proxied(moto::shared_url()).await;
+    let k = key("delete-lost-reacquired");
+    let l = acquired(&store, &k, LONG).await;
+    store
+        .complete(&l, &vec![3u8; 900_000], Duration::MAX)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    proxy.lose_replies_to(b"DynamoDB_20120810.UpdateItem", 1, 1);
+    let first = store.delete(&k).await;
+    assert!(matches!(&first, Err(e) if e.is_retryable()), "{first:?}");
+    assert_eq!(proxy.lost(), 1);
+    let again = acquired(&store, &k, LONG).await;
+    store
+        .complete(&again, b"small", Duration::from_secs(60))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let retried = store.delete(&k).await;
+    assert!(retried.is_ok(), "{retried:?}");
+    let purged = store.purge_expired(usize::MAX).await;
+    let left = chunk_items(&all_items(&store).await, &l.token);
+    assert!(
+        left.is_empty(),
+        "the first record's {} chunks are still stored after the retried delete (purge: {purged:?})",
+        left.len()
+    );
+}
+
 /// Deleting an item that does not decode keeps the fences rising across
 /// clients whose clocks differ (within the margin): the fence stored in
 /// the item when it decodes, else one above what any such client's clock
