@@ -114,6 +114,12 @@ async fn stalled_caller(addr: &str, key: &str) -> tokio::net::TcpStream {
 /// A duplicate on a fresh connection (reqwest): its status, whether it is a
 /// replay, and its body's length.
 async fn duplicate(addr: &str, key: &str) -> (u16, bool, usize) {
+    let (status, _, replayed, len) = duplicate_answer(addr, key).await;
+    (status, replayed, len)
+}
+
+/// [`duplicate`], and whether the answer has a `Retry-After`.
+async fn duplicate_answer(addr: &str, key: &str) -> (u16, bool, bool, usize) {
     let response = reqwest::Client::new()
         .post(format!("http://{addr}/big"))
         .header("idempotency-key", key)
@@ -124,12 +130,13 @@ async fn duplicate(addr: &str, key: &str) -> (u16, bool, usize) {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let status = response.status().as_u16();
+    let retry = response.headers().contains_key("retry-after");
     let replayed = response
         .headers()
         .get("idempotent-replayed")
         .is_some_and(|v| v == "true");
     let body = response.bytes().await.unwrap_or_else(|e| panic!("{e}"));
-    (status, replayed, body.len())
+    (status, retry, replayed, body.len())
 }
 
 /// With the heartbeat off (a lease of 2 s, for handlers that take well
@@ -192,24 +199,9 @@ async fn a_caller_that_stops_reading_does_not_hold_the_key_in_progress() {
 async fn settled(addr: &str, key: &str) -> (u16, bool, usize) {
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let response = reqwest::Client::new()
-            .post(format!("http://{addr}/big"))
-            .header("idempotency-key", key)
-            .header("x-api-key", "t1")
-            .header("content-type", "text/plain")
-            .timeout(Duration::from_secs(20))
-            .send()
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        let status = response.status().as_u16();
-        let retry = response.headers().contains_key("retry-after");
-        let replayed = response
-            .headers()
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true");
-        let body = response.bytes().await.unwrap_or_else(|e| panic!("{e}"));
+        let (status, retry, replayed, len) = duplicate_answer(addr, key).await;
         if status != 409 || !retry || std::time::Instant::now() > deadline {
-            return (status, replayed, body.len());
+            return (status, replayed, len);
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -125,8 +125,7 @@ async fn a_message_group_runs_in_order_one_at_a_time() {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let running = Running::start(consumer(&client, &url), handler(seen.clone(), Vec::new()));
     wait_until("every message deleted", Duration::from_secs(60), || {
-        let (client, url) = (client.clone(), url.clone());
-        async move { queue_empty(&client, &url).await }
+        queue_empty(&client, &url)
     })
     .await;
     let stats = running.stop().await;
@@ -161,8 +160,7 @@ async fn a_failed_message_stops_its_group_until_it_succeeds() {
         handler(seen.clone(), vec![("a", 1)]),
     );
     wait_until("every message deleted", Duration::from_secs(60), || {
-        let (client, url) = (client.clone(), url.clone());
-        async move { queue_empty(&client, &url).await }
+        queue_empty(&client, &url)
     })
     .await;
     let stats = running.stop().await;
