@@ -25,7 +25,7 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode, Throug
 #[cfg(any(feature = "postgres", feature = "redis"))]
 #[path = "../tests/support/mod.rs"]
 mod support;
-use idem::{
+use idemkit::{
     AcquireItem, Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
     InProgressPolicy, MemoryStore, Processed,
 };
@@ -203,14 +203,15 @@ async fn acquire_and_complete_many<S: IdempotencyStore + ?Sized>(
         .acquire_many(&items, LEASE)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let leases: Vec<idem::Lease> = got
+    let leases: Vec<idemkit::Lease> = got
         .into_iter()
         .map(|o| match o {
             Ok(Acquisition::Acquired(l)) => l,
             other => panic!("fresh key not acquired: {other:?}"),
         })
         .collect();
-    let done: Vec<(&idem::Lease, &[u8])> = leases.iter().map(|l| (l, b"43".as_slice())).collect();
+    let done: Vec<(&idemkit::Lease, &[u8])> =
+        leases.iter().map(|l| (l, b"43".as_slice())).collect();
     let completed = store
         .complete_many(&done, RETENTION)
         .await
@@ -357,9 +358,9 @@ fn memory(c: &mut Criterion) {
 }
 
 #[cfg(feature = "postgres")]
-async fn pg_store(connections: usize) -> idem::postgres::PgStore {
+async fn pg_store(connections: usize) -> idemkit::postgres::PgStore {
     let pool = support::pg::pool(support::pg::shared_url(), connections as u32).await;
-    let store = idem::postgres::PgStore::builder(pool)
+    let store = idemkit::postgres::PgStore::builder(pool)
         .connections(connections)
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
@@ -379,9 +380,13 @@ fn postgres(c: &mut Criterion) {
 /// The in-transaction mode: one transaction per delivery (BEGIN, claim,
 /// complete, COMMIT; a duplicate: BEGIN, claim, ROLLBACK).
 #[cfg(feature = "postgres")]
-fn postgres_in_transaction(c: &mut Criterion, runtime: &Runtime, store: idem::postgres::PgStore) {
-    use idem::postgres::Claim;
-    let deliver = |store: idem::postgres::PgStore, key: IdempotencyKey| async move {
+fn postgres_in_transaction(
+    c: &mut Criterion,
+    runtime: &Runtime,
+    store: idemkit::postgres::PgStore,
+) {
+    use idemkit::postgres::Claim;
+    let deliver = |store: idemkit::postgres::PgStore, key: IdempotencyKey| async move {
         let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
         match store
             .in_transaction()
@@ -470,7 +475,7 @@ fn postgres_in_transaction(c: &mut Criterion, runtime: &Runtime, store: idem::po
 
 #[cfg(feature = "redis")]
 fn redis(c: &mut Criterion) {
-    use idem::redis::RedisStore;
+    use idemkit::redis::RedisStore;
     let runtime = runtime();
     let standalone = runtime.block_on(async {
         RedisStore::connect(support::redis_server::shared_url())
@@ -496,7 +501,7 @@ fn redis(c: &mut Criterion) {
 /// the whole benches on moka -> Redis -> PostgreSQL.
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 fn tiered(c: &mut Criterion) {
-    use idem::tiered::{MokaCache, RedisCache, TieredStore};
+    use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
     let runtime = runtime();
     let (pg, redis) = runtime.block_on(async {
         let pg = pg_store(TASKS as usize).await;

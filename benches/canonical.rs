@@ -8,7 +8,7 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use idem::{canonical_json, Fingerprint};
+use idemkit::{canonical_json, Fingerprint};
 use serde::Serialize;
 
 /// A payment message: the shape of a typical payload.

@@ -23,9 +23,9 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
 use clap::{Parser, ValueEnum};
-use idem::http::IdempotencyLayer;
-use idem::postgres::PgStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::http::IdempotencyLayer;
+use idemkit::postgres::PgStore;
+use idemkit::{Idempotency, IdempotencyStore};
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
 
@@ -108,7 +108,7 @@ async fn store(
     Ok(match args.backend {
         Backend::Postgres => Arc::new(pg),
         Backend::Tiered => {
-            use idem::tiered::{MokaCache, RedisCache, TieredStore};
+            use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
             let url = args
                 .redis_url
                 .as_deref()
@@ -122,7 +122,10 @@ async fn store(
     })
 }
 
-fn app(pool: PgPool, store: Option<Arc<dyn IdempotencyStore>>) -> Result<Router, idem::KeyError> {
+fn app(
+    pool: PgPool,
+    store: Option<Arc<dyn IdempotencyStore>>,
+) -> Result<Router, idemkit::KeyError> {
     let router = Router::new().route("/payments", post(create_payment));
     let router = match store {
         Some(store) => router.layer(

@@ -16,14 +16,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use idem::kafka::rdkafka::client::DefaultClientContext;
-use idem::kafka::rdkafka::config::ClientConfig;
-use idem::kafka::rdkafka::message::{Header, OwnedHeaders};
-use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::{group_committed, KafkaConsumer, KafkaRecord, RecordError};
-use idem::redis::RedisStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idemkit::kafka::rdkafka::client::DefaultClientContext;
+use idemkit::kafka::rdkafka::config::ClientConfig;
+use idemkit::kafka::rdkafka::message::{Header, OwnedHeaders};
+use idemkit::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idemkit::kafka::{group_committed, KafkaConsumer, KafkaRecord, RecordError};
+use idemkit::redis::RedisStore;
+use idemkit::{Idempotency, IdempotencyStore};
 
 #[derive(Debug, Parser)]
 #[command(about = "A payment topic with duplicates and a consumer killed mid-run")]
@@ -210,7 +210,7 @@ async fn main() -> Result<(), BoxError> {
     // would make that charge run again after the takeover: the
     // at-least-once hazard that RELIABILITY.md describes; the handler is
     // told by the record's `attempt`.)
-    let scope = idem::kafka::default_scope(&topic);
+    let scope = idemkit::kafka::default_scope(&topic);
     loop {
         let ran: Vec<String> = ledger
             .lock()
@@ -220,7 +220,7 @@ async fn main() -> Result<(), BoxError> {
             .collect();
         let mut recorded = 0;
         for id in &ran {
-            let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())?;
+            let key = idemkit::IdempotencyKey::new(scope.as_str(), id.as_str())?;
             if let Ok(Some(record)) = store_view.get(&key).await {
                 recorded += usize::from(record.is_completed());
             }

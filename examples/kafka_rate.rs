@@ -26,15 +26,15 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::FutureExt;
-use idem::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use idem::kafka::rdkafka::client::DefaultClientContext;
-use idem::kafka::rdkafka::config::ClientConfig;
-use idem::kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use idem::kafka::rdkafka::message::Message;
-use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use idem::kafka::{KafkaConsumer, KafkaRecord};
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idemkit::kafka::rdkafka::client::DefaultClientContext;
+use idemkit::kafka::rdkafka::config::ClientConfig;
+use idemkit::kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use idemkit::kafka::rdkafka::message::Message;
+use idemkit::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idemkit::kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use idemkit::kafka::{KafkaConsumer, KafkaRecord};
+use idemkit::{Idempotency, IdempotencyStore};
 
 #[derive(Debug, Parser)]
 #[command(about = "The Kafka consumer's rate with and without idem")]
@@ -244,15 +244,15 @@ async fn store(
             .max_connections(concurrency.clamp(2, 128) as u32)
             .connect(&args.postgres_url)
             .await?;
-        let store = idem::postgres::PgStore::builder(pool).build()?;
+        let store = idemkit::postgres::PgStore::builder(pool).build()?;
         store.migrate().await?;
         Ok::<_, BoxError>(store)
     };
     Ok(match name {
-        "redis" => Arc::new(idem::redis::RedisStore::connect(&args.redis_url).await?),
+        "redis" => Arc::new(idemkit::redis::RedisStore::connect(&args.redis_url).await?),
         "postgres" => Arc::new(pg().await?),
         "tiered" => {
-            use idem::tiered::{MokaCache, RedisCache, TieredStore};
+            use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
             Arc::new(
                 TieredStore::new(pg().await?)
                     .with_cache(MokaCache::new(100_000, 256 << 20))

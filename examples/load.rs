@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
-use idem::{
+use idemkit::{
     AcquireItem, Acquisition, Fingerprint, IdemError, Idempotency, IdempotencyKey,
     IdempotencyStore, InProgressPolicy, MemoryStore, Processed,
 };
@@ -156,9 +156,9 @@ enum Target {
         Arc<Response>,
     ),
     #[cfg(feature = "postgres")]
-    PgTx(idem::postgres::PgStore),
+    PgTx(idemkit::postgres::PgStore),
     #[cfg(feature = "dynamodb")]
-    Bare(idem::dynamodb::aws_sdk_dynamodb::Client),
+    Bare(idemkit::dynamodb::aws_sdk_dynamodb::Client),
 }
 
 /// What a delivery records: the raw bytes (`--via store`, with the
@@ -220,7 +220,7 @@ impl Target {
             },
             #[cfg(feature = "postgres")]
             Target::PgTx(store) => {
-                use idem::postgres::Claim;
+                use idemkit::postgres::Claim;
                 let mut tx = store.pool().begin().await?;
                 let fingerprint = Fingerprint::of(&42u64)?;
                 match store
@@ -250,12 +250,12 @@ impl Target {
 /// key is written, an existing one refused with its old item returned.
 #[cfg(feature = "dynamodb")]
 async fn bare_put(
-    client: &idem::dynamodb::aws_sdk_dynamodb::Client,
+    client: &idemkit::dynamodb::aws_sdk_dynamodb::Client,
     key: &IdempotencyKey,
 ) -> Result<Outcome, BoxError> {
-    use idem::dynamodb::aws_sdk_dynamodb::error::ProvideErrorMetadata;
-    use idem::dynamodb::aws_sdk_dynamodb::primitives::Blob;
-    use idem::dynamodb::aws_sdk_dynamodb::types::{
+    use idemkit::dynamodb::aws_sdk_dynamodb::error::ProvideErrorMetadata;
+    use idemkit::dynamodb::aws_sdk_dynamodb::primitives::Blob;
+    use idemkit::dynamodb::aws_sdk_dynamodb::types::{
         AttributeValue, ReturnValuesOnConditionCheckFailure,
     };
     let pk = format!("bare/{}/{}", key.scope(), key.id());
@@ -333,7 +333,7 @@ impl Target {
                     });
                 }
                 if !leases.is_empty() {
-                    let done: Vec<(&idem::Lease, &[u8])> = leases
+                    let done: Vec<(&idemkit::Lease, &[u8])> = leases
                         .iter()
                         .map(|(_, l)| (l, response.bytes.as_slice()))
                         .collect();
@@ -632,17 +632,17 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         #[cfg(feature = "postgres")]
         Backend::PostgresTx => return Ok(Target::PgTx(pg_store(args).await?)),
         #[cfg(feature = "redis")]
-        Backend::Redis => Arc::new(idem::redis::RedisStore::connect(redis_url(args)?).await?),
+        Backend::Redis => Arc::new(idemkit::redis::RedisStore::connect(redis_url(args)?).await?),
         #[cfg(feature = "redis")]
         Backend::RedisCluster => {
             let urls = args.redis_cluster_urls.as_deref().ok_or(
                 "--backend redis-cluster needs --redis-cluster-urls (or IDEM_REDIS_CLUSTER_URLS)",
             )?;
-            Arc::new(idem::redis::RedisStore::connect_cluster(urls.split(',')).await?)
+            Arc::new(idemkit::redis::RedisStore::connect_cluster(urls.split(',')).await?)
         }
         #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
         Backend::Tiered => {
-            use idem::tiered::{MokaCache, RedisCache, TieredStore};
+            use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
             Arc::new(
                 TieredStore::new(pg_store(args).await?)
                     .with_cache(MokaCache::new(100_000, 256 << 20))
@@ -651,20 +651,22 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         }
         #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
         Backend::TieredRedis => {
-            use idem::tiered::{RedisCache, TieredStore};
+            use idemkit::tiered::{RedisCache, TieredStore};
             Arc::new(
                 TieredStore::new(pg_store(args).await?)
                     .with_cache(RedisCache::connect(redis_url(args)?).await?),
             )
         }
         #[cfg(all(feature = "tiered", feature = "postgres"))]
-        Backend::TieredPostgres => Arc::new(idem::tiered::TieredStore::new(pg_store(args).await?)),
+        Backend::TieredPostgres => {
+            Arc::new(idemkit::tiered::TieredStore::new(pg_store(args).await?))
+        }
         #[cfg(feature = "dynamodb")]
         Backend::Dynamodb => Arc::new(dynamodb_store(args).await?),
         #[cfg(all(feature = "dynamodb", feature = "tiered"))]
         Backend::TieredDynamodb => Arc::new(
-            idem::tiered::TieredStore::new(dynamodb_store(args).await?)
-                .with_cache(idem::tiered::MokaCache::new(100_000, 256 << 20)),
+            idemkit::tiered::TieredStore::new(dynamodb_store(args).await?)
+                .with_cache(idemkit::tiered::MokaCache::new(100_000, 256 << 20)),
         ),
         #[cfg(feature = "dynamodb")]
         Backend::DynamodbBare => {
@@ -693,17 +695,19 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
 }
 
 #[cfg(feature = "dynamodb")]
-async fn dynamodb_store(args: &Args) -> Result<idem::dynamodb::DynamoDbStore, BoxError> {
+async fn dynamodb_store(args: &Args) -> Result<idemkit::dynamodb::DynamoDbStore, BoxError> {
     let url = args
         .dynamodb_url
         .as_deref()
         .ok_or("this backend needs --dynamodb-url (or IDEM_MOTO_URL)")?;
-    let client = idem::dynamodb::local_client(url);
-    idem::dynamodb::create_table(&client, DYNAMODB_TABLE).await?;
+    let client = idemkit::dynamodb::local_client(url);
+    idemkit::dynamodb::create_table(&client, DYNAMODB_TABLE).await?;
     // A load command measures slow answers rather than failing on them:
     // moto on a loaded machine took over the default 2 s for one call.
-    Ok(idem::dynamodb::DynamoDbStore::new(client, DYNAMODB_TABLE)
-        .call_timeout(std::time::Duration::from_secs(30)))
+    Ok(
+        idemkit::dynamodb::DynamoDbStore::new(client, DYNAMODB_TABLE)
+            .call_timeout(std::time::Duration::from_secs(30)),
+    )
 }
 
 #[cfg(feature = "redis")]
@@ -715,7 +719,7 @@ fn redis_url(args: &Args) -> Result<&str, BoxError> {
 }
 
 #[cfg(feature = "postgres")]
-async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, BoxError> {
+async fn pg_store(args: &Args) -> Result<idemkit::postgres::PgStore, BoxError> {
     let url = args
         .postgres_url
         .as_deref()
@@ -727,7 +731,7 @@ async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, BoxError> {
         .test_before_acquire(false)
         .connect(url)
         .await?;
-    let mut builder = idem::postgres::PgStore::builder(pool);
+    let mut builder = idemkit::postgres::PgStore::builder(pool);
     if let Some(n) = args.pg_connections {
         builder = builder.connections(n);
     }

@@ -14,10 +14,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use idem::redis::redis;
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::redis::RedisStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::redis::redis;
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::redis::RedisStore;
+use idemkit::{Idempotency, IdempotencyStore};
 
 #[derive(Debug, Parser)]
 #[command(about = "A payment stream with duplicates and a consumer killed mid-run")]
@@ -150,10 +150,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .collect();
         let mut recorded = 0;
         for id in &ran {
-            let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())?;
+            let key = idemkit::IdempotencyKey::new(scope.as_str(), id.as_str())?;
             if let Ok(Some(record)) = store_view.get(&key).await {
-                recorded +=
-                    usize::from(matches!(record.state, idem::RecordState::Completed { .. }));
+                recorded += usize::from(matches!(
+                    record.state,
+                    idemkit::RecordState::Completed { .. }
+                ));
             }
         }
         if recorded == ran.len()

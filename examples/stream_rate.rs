@@ -15,10 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use idem::redis::redis::{self, streams::StreamReadReply, AsyncCommands};
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::redis::RedisStore;
-use idem::Idempotency;
+use idemkit::redis::redis::{self, streams::StreamReadReply, AsyncCommands};
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::redis::RedisStore;
+use idemkit::Idempotency;
 
 #[derive(Debug, Parser)]
 #[command(about = "The Streams consumer's rate with and without idem")]

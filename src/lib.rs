@@ -36,19 +36,19 @@ pub use idem_tiered as tiered;
 pub use idem_http as http;
 
 /// The idempotent Kafka consumer (feature `kafka`, crate `idem-kafka`); its
-/// `rdkafka` re-export is `idem::kafka::rdkafka`.
+/// `rdkafka` re-export is `idemkit::kafka::rdkafka`.
 #[cfg(feature = "kafka")]
 #[doc(inline)]
 pub use idem_kafka as kafka;
 
 /// The DynamoDB store (feature `dynamodb`, crate `idem-dynamodb`); its
-/// `aws-sdk-dynamodb` re-export is `idem::dynamodb::aws_sdk_dynamodb`.
+/// `aws-sdk-dynamodb` re-export is `idemkit::dynamodb::aws_sdk_dynamodb`.
 #[cfg(feature = "dynamodb")]
 #[doc(inline)]
 pub use idem_dynamodb as dynamodb;
 
 /// The idempotent Amazon SQS consumer (feature `sqs`, crate `idem-sqs`);
-/// its `aws-sdk-sqs` re-export is `idem::sqs::aws_sdk_sqs`.
+/// its `aws-sdk-sqs` re-export is `idemkit::sqs::aws_sdk_sqs`.
 #[cfg(feature = "sqs")]
 #[doc(inline)]
 pub use idem_sqs as sqs;

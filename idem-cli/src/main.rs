@@ -1,4 +1,4 @@
-//! `idem`, the operator command of [idem](https://docs.rs/idem): inspect a
+//! `idem`, the operator command of [idem](https://docs.rs/idemkit): inspect a
 //! key's record, delete it, list keys stuck in progress, purge expired
 //! records, run the PostgreSQL migrations, count records by scope and
 //! state, and compute the key the HTTP layer records a request under.

@@ -12,11 +12,11 @@ mod support;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant, SystemTime};
 
-use idem::postgres::PgStore;
-use idem::redis::redis;
-use idem::redis::RedisStore;
-use idem::tiered::{MokaCache, RecordCache, RedisCache, RedisInvalidation, TieredStore};
-use idem::{Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease};
+use idemkit::postgres::PgStore;
+use idemkit::redis::redis;
+use idemkit::redis::RedisStore;
+use idemkit::tiered::{MokaCache, RecordCache, RedisCache, RedisInvalidation, TieredStore};
+use idemkit::{Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease};
 use serde_json::Value;
 
 /// Runs the binary with `args`, no `IDEM_*` variable inherited.
@@ -515,7 +515,7 @@ async fn the_cli_finds_the_record_the_http_layer_wrote() {
             post(|| async { (axum::http::StatusCode::CREATED, "charged") }),
         )
         .layer(
-            idem::http::IdempotencyLayer::new(idem::Idempotency::new(store.clone()))
+            idemkit::http::IdempotencyLayer::new(idemkit::Idempotency::new(store.clone()))
                 .scope(scope.clone())
                 .unwrap_or_else(|e| panic!("{e}"))
                 .tenant(|req| {

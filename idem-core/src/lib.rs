@@ -1,4 +1,4 @@
-//! The core of [idem](https://docs.rs/idem): idempotent receivers.
+//! The core of [idem](https://docs.rs/idemkit): idempotent receivers.
 //!
 //! A message delivered many times (broker redelivery, client retry, a
 //! consumer that crashed before its ack, two consumers racing) must have its

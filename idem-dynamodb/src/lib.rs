@@ -1,4 +1,4 @@
-//! DynamoDB store for [idem](https://docs.rs/idem): one item per key, a
+//! DynamoDB store for [idem](https://docs.rs/idemkit): one item per key, a
 //! conditional write for every transition.
 //!
 //! [`DynamoDbStore`] keeps each idempotency key in one item of a table whose

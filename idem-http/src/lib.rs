@@ -136,10 +136,10 @@ mod tee;
 #[cfg(feature = "axum")]
 pub use axum;
 /// The `http` crate whose types this layer takes and returns
-/// (`idem::http::http`).
+/// (`idemkit::http::http`).
 pub use http;
 /// The `tower` crate whose `Layer` and `Service` this crate implements
-/// (`idem::http::tower`).
+/// (`idemkit::http::tower`).
 pub use tower;
 
 // The crate docs link to it.

@@ -1,4 +1,4 @@
-//! An idempotent Kafka consumer for [idem](https://docs.rs/idem): it reads
+//! An idempotent Kafka consumer for [idem](https://docs.rs/idemkit): it reads
 //! topics in a consumer group, runs each record through
 //! [`Idempotency`] (the handler detached, the key from the record key, a
 //! header or a hash of the content), and commits a partition's offset only

@@ -1,4 +1,4 @@
-//! PostgreSQL store for [idem](https://docs.rs/idem), on sqlx.
+//! PostgreSQL store for [idem](https://docs.rs/idemkit), on sqlx.
 //!
 //! [`PgStore`] keeps one row per idempotency key in a table
 //! (`public.idem_records` by default; schema and name configurable) with the
@@ -182,6 +182,6 @@ pub use idem_core;
 pub use in_tx::{Claim, InTransaction, TxLease};
 /// The sqlx this crate is built on: a `PgPool` given to [`PgStore`] must come
 /// from this version (a pool of another sqlx major version is a different
-/// type). Name it as `idem::postgres::sqlx` to be sure.
+/// type). Name it as `idemkit::postgres::sqlx` to be sure.
 pub use sqlx;
 pub use store::PgStore;

@@ -1,4 +1,4 @@
-//! Redis and Redis Cluster store for [idem](https://docs.rs/idem).
+//! Redis and Redis Cluster store for [idem](https://docs.rs/idemkit).
 //!
 //! [`RedisStore`] keeps one string per idempotency key, `{prefix}{scope}/{id}`
 //! (default prefix `idem:`), and runs every operation as one Lua script, one

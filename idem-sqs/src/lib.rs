@@ -1,4 +1,4 @@
-//! An idempotent Amazon SQS consumer for [idem](https://docs.rs/idem): it
+//! An idempotent Amazon SQS consumer for [idem](https://docs.rs/idemkit): it
 //! long-polls a queue, runs each message through [`Idempotency`] (the
 //! handler detached, the key from a message attribute, the message ID or a
 //! hash of the body), keeps the messages it works on invisible while their

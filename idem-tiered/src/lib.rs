@@ -1,4 +1,4 @@
-//! Tiered store for [idem](https://docs.rs/idem): fast caches in front of a
+//! Tiered store for [idem](https://docs.rs/idemkit): fast caches in front of a
 //! source of truth.
 //!
 //! [`TieredStore`] is itself an [`IdempotencyStore`]. It answers a
@@ -99,7 +99,7 @@ pub use invalidation::RedisInvalidation;
 #[cfg(feature = "moka")]
 pub use moka_cache::{MokaCache, ENTRY_OVERHEAD_BYTES};
 /// The redis crate this crate is built on, for [`RedisCache::new`] and
-/// [`RedisInvalidation`] connections (`idem::tiered::redis`).
+/// [`RedisInvalidation`] connections (`idemkit::tiered::redis`).
 #[cfg(feature = "redis")]
 pub use redis;
 #[cfg(feature = "redis")]

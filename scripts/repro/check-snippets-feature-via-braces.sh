@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # scripts/check-snippets must refuse a README snippet that does not compile
 # in a user's crate with the README's TOML alone. Here: a snippet in the
-# Quickstart's group (idem without features) naming `idem::postgres`
-# through a brace import, `use idem::{postgres::PgStore, Idempotency};`.
+# Quickstart's group (idem without features) naming `idemkit::postgres`
+# through a brace import, `use idemkit::{postgres::PgStore, Idempotency};`.
 # A user's crate fails (no `postgres` module without the feature). The
-# text check only sees `idem::postgres` written out, and the one-workspace
+# text check only sees `idemkit::postgres` written out, and the one-workspace
 # build unifies idem's features with the postgres group's, so the snippet
 # compiles there.
 #
@@ -18,7 +18,7 @@ cat >>README.md <<'MD'
 ## Reproduction: a feature reached through a brace import
 
 ```rust,no_run
-use idem::{postgres::PgStore, Idempotency};
+use idemkit::{postgres::PgStore, Idempotency};
 fn main() {
     let _ = std::mem::size_of::<Option<Idempotency<PgStore>>>();
 }

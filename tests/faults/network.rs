@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use idem::postgres::PgStore;
-use idem::redis::RedisStore;
-use idem::{
+use idemkit::postgres::PgStore;
+use idemkit::redis::RedisStore;
+use idemkit::{
     IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed,
     RecordState, StoreError,
 };

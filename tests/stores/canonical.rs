@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::process::{Command, Stdio};
 
-use idem::{canonical_json, Fingerprint, IdempotencyKey};
+use idemkit::{canonical_json, Fingerprint, IdempotencyKey};
 use serde::Serialize;
 use serde_json::{json, Value};
 

@@ -1,9 +1,9 @@
 //! The conformance suite on `MemoryStore`, with tokio time paused so the
 //! lease and retention waits take no real time.
 
-use idem::testkit::{self, MemoryHarness};
+use idemkit::testkit::{self, MemoryHarness};
 
-idem::conformance_tests!(MemoryHarness, paused);
+idemkit::conformance_tests!(MemoryHarness, paused);
 
 /// `run_all` is the entry a third-party store can call; it must cover the
 /// same cases as the macro.
@@ -26,8 +26,8 @@ async fn run_all_on_memory_real_time() {
 mod default_batch_operations {
     use std::time::Duration;
 
-    use idem::testkit::Harness;
-    use idem::{
+    use idemkit::testkit::Harness;
+    use idemkit::{
         async_trait, Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
         MemoryStore, Record, StoreError,
     };
@@ -82,5 +82,5 @@ mod default_batch_operations {
         }
     }
 
-    idem::conformance_tests!(PlainHarness, paused);
+    idemkit::conformance_tests!(PlainHarness, paused);
 }

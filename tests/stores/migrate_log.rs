@@ -7,7 +7,7 @@
 
 use crate::support;
 
-use idem::postgres::PgStore;
+use idemkit::postgres::PgStore;
 use support::pg;
 
 /// A `MakeWriter` into a shared buffer, to read what was logged.

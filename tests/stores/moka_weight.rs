@@ -10,8 +10,8 @@
 use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
-use idem::tiered::{MokaCache, RecordCache};
-use idem::{CompletedRecord, IdempotencyKey};
+use idemkit::tiered::{MokaCache, RecordCache};
+use idemkit::{CompletedRecord, IdempotencyKey};
 
 /// Resident memory of this process, in bytes.
 fn rss() -> i64 {

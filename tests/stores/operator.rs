@@ -6,9 +6,9 @@ use crate::support;
 
 use std::time::{Duration, Instant, SystemTime};
 
-use idem::postgres::PgStore;
-use idem::redis::{redis, RedisStore};
-use idem::{Acquisition, IdempotencyKey, IdempotencyStore, Lease, RecordState};
+use idemkit::postgres::PgStore;
+use idemkit::redis::{redis, RedisStore};
+use idemkit::{Acquisition, IdempotencyKey, IdempotencyStore, Lease, RecordState};
 
 fn key(scope: &str, id: &str) -> IdempotencyKey {
     IdempotencyKey::new(scope, id).unwrap_or_else(|e| panic!("{e}"))
@@ -95,7 +95,7 @@ async fn postgres_lists_stuck_keys_and_counts_by_scope_and_state() {
     assert!(none.is_none(), "an expired row reads as absent");
     assert!(matches!(
         store.get_with_time(&key("b", "bad")).await,
-        Err(idem::StoreError::Corrupt { .. })
+        Err(idemkit::StoreError::Corrupt { .. })
     ));
 
     let stuck = store.stuck(10).await.unwrap_or_else(|e| panic!("{e}"));
@@ -241,8 +241,8 @@ async fn redis_cluster_scans_reach_every_primary() {
 async fn delete_if_token_spares_a_takeover<S, D, Fut, C, CFut>(store: &S, delete_if: D, clock: C)
 where
     S: IdempotencyStore,
-    D: Fn(IdempotencyKey, idem::LeaseToken) -> Fut,
-    Fut: std::future::Future<Output = Result<bool, idem::StoreError>>,
+    D: Fn(IdempotencyKey, idemkit::LeaseToken) -> Fut,
+    Fut: std::future::Future<Output = Result<bool, idemkit::StoreError>>,
     C: Fn() -> CFut,
     CFut: std::future::Future<Output = SystemTime>,
 {

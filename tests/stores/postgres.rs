@@ -7,9 +7,9 @@ use crate::support;
 use std::convert::Infallible;
 use std::time::Duration;
 
-use idem::postgres::{Claim, MissingTable, PgStore};
-use idem::testkit::{self, Harness, Settings};
-use idem::{
+use idemkit::postgres::{Claim, MissingTable, PgStore};
+use idemkit::testkit::{self, Harness, Settings};
+use idemkit::{
     async_trait, AcquireItem, Acquisition, IdemError, IdempotencyKey, IdempotencyStore, StoreError,
 };
 use serde::{Deserialize, Serialize};
@@ -50,7 +50,7 @@ impl Harness for PgHarness {
     }
 }
 
-idem::conformance_tests!(PgHarness);
+idemkit::conformance_tests!(PgHarness);
 
 fn key(tag: &str) -> IdempotencyKey {
     testkit::unique_key(tag)
@@ -202,7 +202,7 @@ async fn corrupt_rows_of_every_kind_are_reported_never_absent() {
         let Ok(Acquisition::Acquired(lease)) = store
             .acquire(
                 &k,
-                Some(&idem::Fingerprint::of_bytes(b"p")),
+                Some(&idemkit::Fingerprint::of_bytes(b"p")),
                 Duration::from_secs(5),
             )
             .await
@@ -231,7 +231,7 @@ async fn corrupt_rows_of_every_kind_are_reported_never_absent() {
             let got = store
                 .acquire(
                     &k,
-                    Some(&idem::Fingerprint::of_bytes(b"p")),
+                    Some(&idemkit::Fingerprint::of_bytes(b"p")),
                     Duration::from_secs(5),
                 )
                 .await;
@@ -879,12 +879,12 @@ async fn in_transaction_retention_of_duration_max() {
         .await
         .unwrap_or_else(|e| panic!("complete with Duration::MAX: {e}"));
     tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
-    let far = std::time::SystemTime::now() + idem::MAX_DURATION - Duration::from_secs(86_400);
+    let far = std::time::SystemTime::now() + idemkit::MAX_DURATION - Duration::from_secs(86_400);
     match store.acquire(&k, None, Duration::from_secs(5)).await {
         Ok(Acquisition::Completed(r)) => {
             assert!(r.expires_at > far, "{:?}", r.expires_at);
-            assert!(r.ttl > idem::MAX_DURATION - Duration::from_secs(86_400));
-            assert!(r.ttl <= idem::MAX_DURATION);
+            assert!(r.ttl > idemkit::MAX_DURATION - Duration::from_secs(86_400));
+            assert!(r.ttl <= idemkit::MAX_DURATION);
         }
         other => panic!("expected the replay, got {other:?}"),
     }
@@ -902,7 +902,11 @@ async fn in_transaction_retention_of_duration_max() {
         .expires_at
         .duration_since(lease.expires_at)
         .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(grace, idem::IN_PROGRESS_GRACE, "expiry = MAX lease + grace");
+    assert_eq!(
+        grace,
+        idemkit::IN_PROGRESS_GRACE,
+        "expiry = MAX lease + grace"
+    );
     let zero = store.acquire(&key("zero"), None, Duration::ZERO).await;
     assert!(
         matches!(zero, Err(StoreError::InvalidArgument { .. })),
@@ -946,7 +950,7 @@ async fn a_lease_granted_after_a_lock_wait_starts_when_the_row_is_written() {
     let store = store_with_timeout(Duration::from_secs(10)).await;
     let key = key("late");
     let lease = Duration::from_millis(600);
-    let idem = idem::Idempotency::new(store.clone()).lease(lease);
+    let idem = idemkit::Idempotency::new(store.clone()).lease(lease);
     let effects = Arc::new(AtomicU64::new(0));
     let started = Arc::new(tokio::sync::Notify::new());
 
@@ -1857,7 +1861,7 @@ async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
         let Ok(Ok(stats)) = built else {
             panic!("PgStoreBuilder::connections({n}).build() panicked or failed")
         };
-        assert_eq!(stats.max, idem::postgres::MAX_CONNECTIONS, "{stats:?}");
+        assert_eq!(stats.max, idemkit::postgres::MAX_CONNECTIONS, "{stats:?}");
     }
 }
 
@@ -2126,7 +2130,7 @@ fn items(keys: &[IdempotencyKey]) -> Vec<AcquireItem<'_>> {
     keys.iter().map(|k| AcquireItem::new(k, None)).collect()
 }
 
-fn leases(got: Vec<Result<Acquisition, StoreError>>) -> Vec<idem::Lease> {
+fn leases(got: Vec<Result<Acquisition, StoreError>>) -> Vec<idemkit::Lease> {
     got.into_iter()
         .enumerate()
         .map(|(i, outcome)| match outcome {
@@ -2415,7 +2419,7 @@ async fn ten_thousand_items_and_one_huge_response() {
     );
     let responses: Vec<Vec<u8>> = ks.iter().map(|k| k.id().as_bytes().to_vec()).collect();
     let huge = vec![7u8; (1 << 20) + 1];
-    let mut done: Vec<(&idem::Lease, &[u8])> = held
+    let mut done: Vec<(&idemkit::Lease, &[u8])> = held
         .iter()
         .zip(&responses)
         .map(|(l, r)| (l, r.as_slice()))
@@ -2459,27 +2463,27 @@ async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
-    let idem = idem::Idempotency::new(store.clone());
+    let idem = idemkit::Idempotency::new(store.clone());
     let ks = keys("batch-too-large", 3);
     let out = idem
         .process_batch(ks.iter().cloned().zip(0usize..), |n| async move {
             Ok::<_, Infallible>("x".repeat(if n == 1 { 5_000 } else { 10 }))
         })
         .await;
-    assert!(matches!(&out[0], Ok(idem::Processed::Executed(v)) if v.len() == 10));
+    assert!(matches!(&out[0], Ok(idemkit::Processed::Executed(v)) if v.len() == 10));
     assert!(
-        matches!(&out[1], Ok(idem::Processed::ExecutedNotReplayable { value, .. }) if value.len() == 5_000),
+        matches!(&out[1], Ok(idemkit::Processed::ExecutedNotReplayable { value, .. }) if value.len() == 5_000),
         "{:?}",
         out[1].as_ref().map(|_| ())
     );
-    assert!(matches!(&out[2], Ok(idem::Processed::Executed(_))));
+    assert!(matches!(&out[2], Ok(idemkit::Processed::Executed(_))));
     let again = idem
         .process_batch(ks.iter().cloned().zip(0usize..), |_| async move {
             Ok::<_, Infallible>(String::new())
         })
         .await;
     assert!(matches!(again[1], Err(IdemError::ResultUnavailable { .. })));
-    assert!(matches!(&again[2], Ok(idem::Processed::Replayed(v)) if v.len() == 10));
+    assert!(matches!(&again[2], Ok(idemkit::Processed::Replayed(v)) if v.len() == 10));
 }
 
 /// Issue 14: the round trips of the in-transaction mode, counted on the
@@ -2489,7 +2493,7 @@ async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
 /// next caller). A duplicate: BEGIN, the claim, ROLLBACK, and the ping.
 #[tokio::test]
 async fn in_transaction_mode_round_trips() {
-    use idem::postgres::Claim;
+    use idemkit::postgres::Claim;
     let (proxy, url) = proxied_shared_server().await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(1)
@@ -2497,11 +2501,11 @@ async fn in_transaction_mode_round_trips() {
         .connect(&url)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let store = idem::postgres::PgStore::builder(pool.clone())
+    let store = idemkit::postgres::PgStore::builder(pool.clone())
         .connections(1)
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
-    let fp = idem::Fingerprint::of_bytes(b"p");
+    let fp = idemkit::Fingerprint::of_bytes(b"p");
     // (turns until the caller has its answer, turns until the pool has the
     // connection back)
     let deliver = |k: IdempotencyKey| {
@@ -2614,7 +2618,7 @@ async fn store_refusing(poison: &IdempotencyKey, on: &str, statement: usize) -> 
 async fn a_failed_statement_of_complete_many_loses_no_other_items_result() {
     let ks = keys("poison-complete", 5);
     let store = store_refusing(&ks[2], "UPDATE", 2).await;
-    let idem = idem::Idempotency::new(store);
+    let idem = idemkit::Idempotency::new(store);
     let out = idem
         .process_batch(ks.iter().cloned().zip(0u32..), |n| async move {
             Ok::<_, Infallible>(n)
@@ -2623,7 +2627,7 @@ async fn a_failed_statement_of_complete_many_loses_no_other_items_result() {
     assert!(out[2].is_err(), "the refused item: {:?}", out[2]);
     for i in [0, 1, 3, 4] {
         assert!(
-            matches!(out[i], Ok(idem::Processed::Executed(n)) if n as usize == i),
+            matches!(out[i], Ok(idemkit::Processed::Executed(n)) if n as usize == i),
             "item {i}: {:?}",
             out[i]
         );
@@ -2635,7 +2639,7 @@ async fn a_failed_statement_of_complete_many_loses_no_other_items_result() {
         .await;
     for i in [0, 1, 3, 4] {
         assert!(
-            matches!(again[i], Ok(idem::Processed::Replayed(n)) if n as usize == i),
+            matches!(again[i], Ok(idemkit::Processed::Replayed(n)) if n as usize == i),
             "duplicate of item {i}: {:?}",
             again[i]
         );
@@ -2685,11 +2689,11 @@ fn shared_target() -> (String, u16) {
     (options.get_host().to_owned(), options.get_port())
 }
 
-/// Connects through `idem::postgres::connect`, bounded far below sqlx's 30 s
+/// Connects through `idemkit::postgres::connect`, bounded far below sqlx's 30 s
 /// acquire timeout, and returns the error and how long it took.
 async fn connect_failure(url: &str) -> (StoreError, Duration) {
     let started = std::time::Instant::now();
-    let outcome = tokio::time::timeout(Duration::from_secs(20), idem::postgres::connect(url))
+    let outcome = tokio::time::timeout(Duration::from_secs(20), idemkit::postgres::connect(url))
         .await
         .unwrap_or_else(|_| panic!("connect({url}) still waiting after 20 s"));
     match outcome {
@@ -2753,7 +2757,7 @@ async fn a_url_that_does_not_parse_is_an_invalid_argument() {
 
 #[tokio::test]
 async fn connect_opens_a_working_pool() {
-    let pool = idem::postgres::connect(pg::shared_url())
+    let pool = idemkit::postgres::connect(pg::shared_url())
         .await
         .unwrap_or_else(|e| panic!("connect: {e}"));
     let one: i32 = sqlx::query_scalar("SELECT 1")

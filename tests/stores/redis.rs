@@ -8,11 +8,11 @@ use crate::support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::redis::redis::aio::ConnectionLike;
-use idem::redis::redis::cluster_async::ClusterConnection;
-use idem::redis::RedisStore;
-use idem::testkit::{self, Harness, Settings};
-use idem::{
+use idemkit::redis::redis::aio::ConnectionLike;
+use idemkit::redis::redis::cluster_async::ClusterConnection;
+use idemkit::redis::RedisStore;
+use idemkit::testkit::{self, Harness, Settings};
+use idemkit::{
     async_trait, Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
     InProgressPolicy, Processed, StoreError,
 };
@@ -35,7 +35,7 @@ async fn clobber<C>(store: &RedisStore<C>, conn: &mut impl ConnectionLike, key: 
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    let _: () = idem::redis::redis::cmd("SET")
+    let _: () = idemkit::redis::redis::cmd("SET")
         .arg(store.redis_key(key))
         .arg("garbage")
         .query_async(conn)
@@ -58,7 +58,7 @@ impl Harness for RedisHarness {
         standalone().await
     }
     async fn corrupt(&self, store: &RedisStore, key: &IdempotencyKey) {
-        let client = idem::redis::redis::Client::open(redis_server::shared_url())
+        let client = idemkit::redis::redis::Client::open(redis_server::shared_url())
             .unwrap_or_else(|e| panic!("{e}"));
         let mut conn = client
             .get_multiplexed_async_connection()
@@ -71,7 +71,7 @@ impl Harness for RedisHarness {
     }
 }
 
-idem::conformance_tests!(RedisHarness);
+idemkit::conformance_tests!(RedisHarness);
 
 mod on_cluster {
     use super::*;
@@ -85,7 +85,7 @@ mod on_cluster {
             cluster().await
         }
         async fn corrupt(&self, store: &RedisStore<ClusterConnection>, key: &IdempotencyKey) {
-            let client = idem::redis::redis::cluster::ClusterClient::new(
+            let client = idemkit::redis::redis::cluster::ClusterClient::new(
                 redis_server::shared_cluster().to_vec(),
             )
             .unwrap_or_else(|e| panic!("{e}"));
@@ -100,7 +100,7 @@ mod on_cluster {
         }
     }
 
-    idem::conformance_tests!(ClusterHarness);
+    idemkit::conformance_tests!(ClusterHarness);
 
     /// The storm's keys land on every master: every slot range works.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -136,7 +136,7 @@ async fn the_backend_label_is_redis_standalone_and_cluster() {
 #[tokio::test]
 async fn undecodable_records_are_corrupt_never_absent() {
     let store = standalone().await;
-    let client = idem::redis::redis::Client::open(redis_server::shared_url())
+    let client = idemkit::redis::redis::Client::open(redis_server::shared_url())
         .unwrap_or_else(|e| panic!("{e}"));
     let mut conn = client
         .get_multiplexed_async_connection()
@@ -154,7 +154,7 @@ async fn undecodable_records_are_corrupt_never_absent() {
     for (i, (what, offset, bytes)) in damage.iter().enumerate() {
         let change = what;
         let k = testkit::unique_key(&format!("damaged-{i}"));
-        let fp = idem::Fingerprint::of_bytes(b"p");
+        let fp = idemkit::Fingerprint::of_bytes(b"p");
         let Ok(Acquisition::Acquired(l)) =
             store.acquire(&k, Some(&fp), Duration::from_secs(30)).await
         else {
@@ -166,15 +166,15 @@ async fn undecodable_records_are_corrupt_never_absent() {
             .is_ok());
         let cmd = if *offset < 0 {
             // A string shorter than the header, with the expiry kept.
-            let mut cmd = idem::redis::redis::cmd("SET");
+            let mut cmd = idemkit::redis::redis::cmd("SET");
             cmd.arg(store.redis_key(&k)).arg(*bytes).arg("KEEPTTL");
             cmd
         } else {
-            let mut cmd = idem::redis::redis::cmd("SETRANGE");
+            let mut cmd = idemkit::redis::redis::cmd("SETRANGE");
             cmd.arg(store.redis_key(&k)).arg(*offset).arg(*bytes);
             cmd
         };
-        let _: idem::redis::redis::Value = cmd
+        let _: idemkit::redis::redis::Value = cmd
             .query_async(&mut conn)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
@@ -205,7 +205,7 @@ async fn every_operation_is_one_round_trip() {
         .and_then(|mut a| a.next())
         .unwrap_or_else(|| panic!("cannot resolve {host_port}"));
     let proxy = support::proxy::CountingProxy::start(upstream).await;
-    let client = idem::redis::redis::Client::open(format!("redis://{}/", proxy.addr))
+    let client = idemkit::redis::redis::Client::open(format!("redis://{}/", proxy.addr))
         .unwrap_or_else(|e| panic!("{e}"));
     let conn = client
         .get_multiplexed_async_connection()
@@ -235,7 +235,7 @@ async fn every_operation_is_one_round_trip() {
     store.delete(&warm).await.unwrap_or_else(|e| panic!("{e}"));
     let warm3 = testkit::unique_key("rt-warm3");
     let warmed = store
-        .acquire_many(&[idem::AcquireItem::new(&warm3, None)], long)
+        .acquire_many(&[idemkit::AcquireItem::new(&warm3, None)], long)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let Some(Ok(Acquisition::Acquired(l))) = warmed.into_iter().next() else {
@@ -283,30 +283,30 @@ async fn every_operation_is_one_round_trip() {
     let batch: Vec<IdempotencyKey> = (0..100)
         .map(|i| testkit::unique_key(&format!("rt-batch-{i}")))
         .collect();
-    let fp = idem::Fingerprint::of_bytes(b"a");
-    let other = idem::Fingerprint::of_bytes(b"b");
-    let items: Vec<idem::AcquireItem<'_>> = batch
+    let fp = idemkit::Fingerprint::of_bytes(b"a");
+    let other = idemkit::Fingerprint::of_bytes(b"b");
+    let items: Vec<idemkit::AcquireItem<'_>> = batch
         .iter()
-        .map(|k| idem::AcquireItem::new(k, Some(&fp)))
+        .map(|k| idemkit::AcquireItem::new(k, Some(&fp)))
         .collect();
     let first = measure!(
         "acquire_many (100 fresh)",
         store.acquire_many(&items, long).await
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    let leases: Vec<idem::Lease> = first
+    let leases: Vec<idemkit::Lease> = first
         .into_iter()
         .map(|r| match r {
             Ok(Acquisition::Acquired(l)) => l,
             other => panic!("{other:?}"),
         })
         .collect();
-    let half: Vec<(&idem::Lease, &[u8])> = leases[..50].iter().map(|l| (l, &b"r"[..])).collect();
+    let half: Vec<(&idemkit::Lease, &[u8])> = leases[..50].iter().map(|l| (l, &b"r"[..])).collect();
     let done = measure!("complete_many (50)", store.complete_many(&half, long).await)
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(done.iter().all(|d| d.is_ok()), "{done:?}");
     let mut mixed = items.clone();
-    mixed[99] = idem::AcquireItem::new(&batch[99], Some(&other));
+    mixed[99] = idemkit::AcquireItem::new(&batch[99], Some(&other));
     let again = measure!(
         "acquire_many (50 completed, 49 in progress, 1 mismatch)",
         store.acquire_many(&mixed, long).await
@@ -402,13 +402,13 @@ async fn server_killed_and_restarted_mid_storm_runs_nothing_twice() {
 /// Reads what a store left under `key` with a raw connection: whether the
 /// Redis key exists, and its PTTL (-1: no expiry, -2: absent).
 async fn raw_state(store: &RedisStore, key: &IdempotencyKey) -> (bool, i64) {
-    let client = idem::redis::redis::Client::open(redis_server::shared_url())
+    let client = idemkit::redis::redis::Client::open(redis_server::shared_url())
         .unwrap_or_else(|e| panic!("{e}"));
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let (exists, pttl): (i64, i64) = idem::redis::redis::pipe()
+    let (exists, pttl): (i64, i64) = idemkit::redis::redis::pipe()
         .cmd("EXISTS")
         .arg(store.redis_key(key))
         .cmd("PTTL")
@@ -489,8 +489,8 @@ async fn huge_durations_never_half_write_a_record() {
 }
 
 /// A raw connection to the shared standalone server.
-async fn raw_conn() -> idem::redis::redis::aio::MultiplexedConnection {
-    idem::redis::redis::Client::open(redis_server::shared_url())
+async fn raw_conn() -> idemkit::redis::redis::aio::MultiplexedConnection {
+    idemkit::redis::redis::Client::open(redis_server::shared_url())
         .unwrap_or_else(|e| panic!("{e}"))
         .get_multiplexed_async_connection()
         .await
@@ -504,11 +504,11 @@ async fn raw_conn() -> idem::redis::redis::aio::MultiplexedConnection {
 /// as before (absent, or the live record untouched).
 #[tokio::test]
 async fn scripts_refuse_bad_arguments_before_writing() {
-    use idem::redis::redis::{Script, Value};
+    use idemkit::redis::redis::{Script, Value};
     let store = standalone().await;
     let mut conn = raw_conn().await;
     let token = [7u8; 16];
-    let over = (idem::MAX_DURATION.as_millis() + 1).to_string();
+    let over = (idemkit::MAX_DURATION.as_millis() + 1).to_string();
     let bad_ms: [&[u8]; 9] = [
         b"",
         b"abc",
@@ -529,11 +529,11 @@ async fn scripts_refuse_bad_arguments_before_writing() {
         })
     };
     async fn run(
-        conn: &mut idem::redis::redis::aio::MultiplexedConnection,
+        conn: &mut idemkit::redis::redis::aio::MultiplexedConnection,
         script: &Script,
         key: &str,
         args: &[&[u8]],
-    ) -> Result<Value, idem::redis::redis::RedisError> {
+    ) -> Result<Value, idemkit::redis::redis::RedisError> {
         let mut inv = script.prepare_invoke();
         inv.key(key);
         for a in args {
@@ -541,7 +541,7 @@ async fn scripts_refuse_bad_arguments_before_writing() {
         }
         inv.invoke_async(conn).await
     }
-    let refused = |what: String, got: Result<Value, idem::redis::redis::RedisError>| match got {
+    let refused = |what: String, got: Result<Value, idemkit::redis::redis::RedisError>| match got {
         Err(e) if e.code() == Some("IDEM_INVALID") => {}
         other => panic!("{what}: expected an IDEM_INVALID error, got {other:?}"),
     };
@@ -579,11 +579,11 @@ async fn scripts_refuse_bad_arguments_before_writing() {
         panic!("acquire")
     };
     let lease_token = lease.token.to_bytes();
-    let snapshot = |conn: &mut idem::redis::redis::aio::MultiplexedConnection| {
+    let snapshot = |conn: &mut idemkit::redis::redis::aio::MultiplexedConnection| {
         let rk = rk.clone();
         let mut conn = conn.clone();
         async move {
-            let record: Vec<u8> = idem::redis::redis::cmd("GET")
+            let record: Vec<u8> = idemkit::redis::redis::cmd("GET")
                 .arg(&rk)
                 .query_async(&mut conn)
                 .await
@@ -683,7 +683,7 @@ async fn scripts_refuse_bad_arguments_before_writing() {
 /// fence and attempt: the second delivery does not lock its own caller out.
 #[tokio::test]
 async fn resent_acquire_is_still_acquired_with_the_same_fence() {
-    use idem::redis::redis::{Script, Value};
+    use idemkit::redis::redis::{Script, Value};
     let store = standalone().await;
     let mut conn = raw_conn().await;
     let k = testkit::unique_key("resent");
@@ -737,7 +737,7 @@ async fn fence_exceeds_a_stored_fence_ahead_of_the_clock() {
     // A fence an hour ahead of the clock.
     let ahead = first.fence + 3_600_000_000;
     // The fence: 8 big-endian bytes at offset 54 of the stored record.
-    let _: i64 = idem::redis::redis::cmd("SETRANGE")
+    let _: i64 = idemkit::redis::redis::cmd("SETRANGE")
         .arg(store.redis_key(&k))
         .arg(54)
         .arg(&ahead.to_be_bytes()[..])
@@ -949,10 +949,10 @@ async fn replays_under_wait_leave_no_key_per_replay() {
         .complete(&l, b"once", Duration::from_secs(600))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let dbsize = |conn: &mut idem::redis::redis::aio::MultiplexedConnection| {
+    let dbsize = |conn: &mut idemkit::redis::redis::aio::MultiplexedConnection| {
         let mut conn = conn.clone();
         async move {
-            idem::redis::redis::cmd("DBSIZE")
+            idemkit::redis::redis::cmd("DBSIZE")
                 .query_async::<i64>(&mut conn)
                 .await
                 .unwrap_or_else(|e| panic!("{e}"))
@@ -964,7 +964,7 @@ async fn replays_under_wait_leave_no_key_per_replay() {
         assert!(matches!(got, Ok(Acquisition::Completed(_))), "{got:?}");
     }
     let after = dbsize(&mut conn).await;
-    let markers: Vec<String> = idem::redis::redis::cmd("KEYS")
+    let markers: Vec<String> = idemkit::redis::redis::cmd("KEYS")
         .arg("*delete/*")
         .query_async(&mut conn)
         .await
@@ -976,7 +976,7 @@ async fn replays_under_wait_leave_no_key_per_replay() {
         markers.iter().take(3).collect::<Vec<_>>()
     );
     for marker in &markers {
-        let pttl: i64 = idem::redis::redis::cmd("PTTL")
+        let pttl: i64 = idemkit::redis::redis::cmd("PTTL")
             .arg(marker)
             .query_async(&mut conn)
             .await
@@ -1009,10 +1009,10 @@ async fn a_replay_under_wait_on_a_full_server_is_retryable() {
         .complete(&l, b"once", Duration::from_secs(600))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let set_maxmemory = |conn: &mut idem::redis::redis::aio::MultiplexedConnection, v: &str| {
+    let set_maxmemory = |conn: &mut idemkit::redis::redis::aio::MultiplexedConnection, v: &str| {
         let (mut conn, v) = (conn.clone(), v.to_owned());
         async move {
-            idem::redis::redis::cmd("CONFIG")
+            idemkit::redis::redis::cmd("CONFIG")
                 .arg("SET")
                 .arg("maxmemory")
                 .arg(v)
@@ -1082,7 +1082,10 @@ async fn under_wait_extensions_and_replays_are_only_of_what_the_replicas_have() 
         "a duplicate was replayed a completion the replica does not have: {duplicate:?}"
     );
     let many = store
-        .acquire_many(&[idem::AcquireItem::new(&k, None)], Duration::from_secs(30))
+        .acquire_many(
+            &[idemkit::AcquireItem::new(&k, None)],
+            Duration::from_secs(30),
+        )
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(
@@ -1177,7 +1180,7 @@ async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
 /// EVALSHA).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() {
-    use idem::redis::redis::AsyncCommands;
+    use idemkit::redis::redis::AsyncCommands;
     let (servers, proxies) = redis_server::start_cluster_behind_proxies().await;
     let admin = RedisStore::connect_cluster(
         proxies
@@ -1193,7 +1196,7 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
     let owner = redis_server::owner_of(&servers, &rk);
     // The workers reach the key's node directly (single-key scripts).
     let direct =
-        idem::redis::redis::Client::open(format!("redis://127.0.0.1:{}/", servers[owner].port))
+        idemkit::redis::redis::Client::open(format!("redis://127.0.0.1:{}/", servers[owner].port))
             .unwrap_or_else(|e| panic!("{e}"))
             .get_multiplexed_async_connection()
             .await
@@ -1208,7 +1211,7 @@ async fn a_resent_delete_on_redis_cluster_does_not_remove_a_later_reservation() 
         .await
         .unwrap_or_else(|e| panic!("{e}"));
 
-    let sha: String = idem::redis::redis::cmd("SCRIPT")
+    let sha: String = idemkit::redis::redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(include_str!("../../idem-redis/scripts/delete.lua"))
         .query_async(&mut direct.clone())
@@ -1297,13 +1300,15 @@ async fn resent_conditional_writes_on_redis_cluster_answer_what_the_first_send_d
         };
         // Loaded on the key's node, so the first send is an EVALSHA of
         // this SHA (no NOSCRIPT round).
-        let mut direct =
-            idem::redis::redis::Client::open(format!("redis://127.0.0.1:{}/", servers[owner].port))
-                .unwrap_or_else(|e| panic!("{e}"))
-                .get_multiplexed_async_connection()
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-        let sha: String = idem::redis::redis::cmd("SCRIPT")
+        let mut direct = idemkit::redis::redis::Client::open(format!(
+            "redis://127.0.0.1:{}/",
+            servers[owner].port
+        ))
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let sha: String = idemkit::redis::redis::cmd("SCRIPT")
             .arg("LOAD")
             .arg(source)
             .query_async(&mut direct)
@@ -1425,19 +1430,19 @@ async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
     let keys: Vec<IdempotencyKey> = (0..9_998)
         .map(|i| testkit::unique_key(&format!("big-batch-{i}")))
         .collect();
-    let _: i64 = idem::redis::redis::cmd("HSET")
+    let _: i64 = idemkit::redis::redis::cmd("HSET")
         .arg(store.redis_key(&keys[5_000]))
         .arg("x")
         .arg("y")
         .query_async(&mut conn)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let mut items: Vec<idem::AcquireItem<'_>> = keys
+    let mut items: Vec<idemkit::AcquireItem<'_>> = keys
         .iter()
-        .map(|k| idem::AcquireItem::new(k, None))
+        .map(|k| idemkit::AcquireItem::new(k, None))
         .collect();
-    items.push(idem::AcquireItem::new(&keys[0], None));
-    items.push(idem::AcquireItem::new(&keys[9_997], None));
+    items.push(idemkit::AcquireItem::new(&keys[0], None));
+    items.push(idemkit::AcquireItem::new(&keys[9_997], None));
     let got = store
         .acquire_many(&items, Duration::from_secs(30))
         .await
@@ -1459,7 +1464,7 @@ async fn a_batch_of_ten_thousand_keys_with_a_wrong_type_and_a_repeat() {
             ),
         }
     }
-    let kind: String = idem::redis::redis::cmd("TYPE")
+    let kind: String = idemkit::redis::redis::cmd("TYPE")
         .arg(store.redis_key(&keys[5_000]))
         .query_async(&mut conn)
         .await
@@ -1476,7 +1481,7 @@ async fn expire_without_ttl(
     conn: &mut impl ConnectionLike,
     key: &IdempotencyKey,
 ) {
-    use idem::redis::redis::cmd;
+    use idemkit::redis::redis::cmd;
     let rk = store.redis_key(key);
     let mut raw: Vec<u8> = cmd("GET")
         .arg(&rk)
@@ -1510,8 +1515,8 @@ async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
     let store = standalone().await;
     let mut conn = raw_conn().await;
     let (a, b) = (
-        idem::Fingerprint::of_bytes(b"a"),
-        idem::Fingerprint::of_bytes(b"b"),
+        idemkit::Fingerprint::of_bytes(b"a"),
+        idemkit::Fingerprint::of_bytes(b"b"),
     );
     let lease = Duration::from_secs(30);
     let ks: Vec<IdempotencyKey> = (0..3)
@@ -1540,7 +1545,7 @@ async fn an_expired_record_is_absent_for_any_payload_never_a_mismatch() {
         "another payload on an expired record: {other:?}"
     );
     let batch = store
-        .acquire_many(&[idem::AcquireItem::new(&ks[2], Some(&b))], lease)
+        .acquire_many(&[idemkit::AcquireItem::new(&ks[2], Some(&b))], lease)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(
@@ -1557,16 +1562,16 @@ struct WrappedCluster(ClusterConnection);
 impl ConnectionLike for WrappedCluster {
     fn req_packed_command<'a>(
         &'a mut self,
-        cmd: &'a idem::redis::redis::Cmd,
-    ) -> idem::redis::redis::RedisFuture<'a, idem::redis::redis::Value> {
+        cmd: &'a idemkit::redis::redis::Cmd,
+    ) -> idemkit::redis::redis::RedisFuture<'a, idemkit::redis::redis::Value> {
         self.0.req_packed_command(cmd)
     }
     fn req_packed_commands<'a>(
         &'a mut self,
-        pipeline: &'a idem::redis::redis::Pipeline,
+        pipeline: &'a idemkit::redis::redis::Pipeline,
         offset: usize,
         count: usize,
-    ) -> idem::redis::redis::RedisFuture<'a, Vec<idem::redis::redis::Value>> {
+    ) -> idemkit::redis::redis::RedisFuture<'a, Vec<idemkit::redis::redis::Value>> {
         self.0.req_packed_commands(pipeline, offset, count)
     }
     fn get_db(&self) -> i64 {
@@ -1583,7 +1588,7 @@ impl ConnectionLike for WrappedCluster {
 #[tokio::test]
 async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
     let client =
-        idem::redis::redis::cluster::ClusterClient::new(redis_server::shared_cluster().to_vec())
+        idemkit::redis::redis::cluster::ClusterClient::new(redis_server::shared_cluster().to_vec())
             .unwrap_or_else(|e| panic!("{e}"));
     let conn = client
         .get_async_connection()
@@ -1627,7 +1632,7 @@ async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
 /// and overwritten (DESIGN 3, `Corrupt`).
 #[tokio::test]
 async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() {
-    use idem::redis::redis::cmd;
+    use idemkit::redis::redis::cmd;
     let store = standalone().await;
     let mut conn = raw_conn().await;
     let ks: Vec<IdempotencyKey> = (0..2)
@@ -1666,7 +1671,7 @@ async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() 
     );
     let batch = store
         .acquire_many(
-            &[idem::AcquireItem::new(&ks[1], None)],
+            &[idemkit::AcquireItem::new(&ks[1], None)],
             Duration::from_secs(30),
         )
         .await
@@ -1679,8 +1684,8 @@ async fn an_in_progress_record_with_trailing_bytes_is_corrupt_to_every_reader() 
 
 /// A plain connection to the server at `url`, for commands the store does
 /// not send.
-async fn raw_connection(url: &str) -> idem::redis::redis::aio::MultiplexedConnection {
-    idem::redis::redis::Client::open(url)
+async fn raw_connection(url: &str) -> idemkit::redis::redis::aio::MultiplexedConnection {
+    idemkit::redis::redis::Client::open(url)
         .unwrap_or_else(|e| panic!("{e}"))
         .get_multiplexed_async_connection()
         .await

@@ -8,12 +8,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::postgres::PgStore;
-use idem::testkit::{self, Harness, Settings, Tap};
-use idem::tiered::{
+use idemkit::postgres::PgStore;
+use idemkit::testkit::{self, Harness, Settings, Tap};
+use idemkit::tiered::{
     CacheError, MokaCache, RecordCache, RedisCache, RedisInvalidation, TieredStore,
 };
-use idem::{
+use idemkit::{
     async_trait, Acquisition, CompletedRecord, Fingerprint, Idempotency, IdempotencyKey,
     IdempotencyStore, InProgressPolicy, MemoryStore, Processed,
 };
@@ -97,12 +97,12 @@ impl Harness for MokaPg {
 
 mod moka_redis_postgres {
     use super::*;
-    idem::conformance_tests!(MokaRedisPg);
+    idemkit::conformance_tests!(MokaRedisPg);
 }
 
 mod moka_postgres {
     use super::*;
-    idem::conformance_tests!(MokaPg);
+    idemkit::conformance_tests!(MokaPg);
 }
 
 /// A real cache tier that counts the lookups it answered.
@@ -237,7 +237,7 @@ async fn duplicates_are_answered_by_the_fastest_tier_that_holds_them() {
         })
         .await;
     assert!(
-        matches!(other, Err(idem::IdemError::PayloadMismatch)),
+        matches!(other, Err(idemkit::IdemError::PayloadMismatch)),
         "{other:?}"
     );
     assert_eq!(
@@ -260,13 +260,13 @@ async fn undecodable_cache_entries_are_misses_and_dropped() {
         .complete(&l, b"truth", Duration::from_secs(600))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let client = idem::redis::redis::Client::open(redis_server::shared_url())
+    let client = idemkit::redis::redis::Client::open(redis_server::shared_url())
         .unwrap_or_else(|e| panic!("{e}"));
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let _: () = idem::redis::redis::cmd("SET")
+    let _: () = idemkit::redis::redis::cmd("SET")
         .arg(redis.redis_key(&key))
         .arg("garbage")
         .query_async(&mut conn)
@@ -432,7 +432,7 @@ async fn purge_periodically_deletes_expired_rows() {
         .complete(&l, b"r", Duration::from_millis(50))
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let purger = idem::purge_periodically(store.clone(), Duration::from_millis(50), 100);
+    let purger = idemkit::purge_periodically(store.clone(), Duration::from_millis(50), 100);
     let sql = format!(
         "SELECT count(*) FROM {} WHERE scope = $1 AND key = $2",
         store.qualified_table()
@@ -465,7 +465,7 @@ async fn acquire_lease(
     store: &impl IdempotencyStore,
     key: &IdempotencyKey,
     f: &str,
-) -> idem::Lease {
+) -> idemkit::Lease {
     match store
         .acquire(key, Some(&fp(f)), Duration::from_secs(30))
         .await
@@ -642,7 +642,7 @@ async fn delete_fails_when_a_tier_could_not_be_invalidated() {
 }
 
 async fn numsub(channel: &str) -> i64 {
-    use idem::redis::redis;
+    use idemkit::redis::redis;
     let client = redis::Client::open(redis_server::shared_url()).unwrap_or_else(|e| panic!("{e}"));
     let mut conn = client
         .get_multiplexed_async_connection()
@@ -855,7 +855,7 @@ async fn dropped_tiered_stores_release_their_subscriber_connections() {
 /// cache (confirmed there); `complete_many` writes through to every tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_asks_each_tier_once_and_the_source_once() {
-    use idem::AcquireItem;
+    use idemkit::AcquireItem;
     let moka = Counted::new(moka());
     let redis = Counted::new(redis_cache(redis_server::shared_url()).await);
     let store = TieredStore::new(Tap::new(postgres().await))
@@ -872,7 +872,7 @@ async fn a_batch_asks_each_tier_once_and_the_source_once() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(store.source().acquire_batches(), 1);
-    let leases: Vec<idem::Lease> = first
+    let leases: Vec<idemkit::Lease> = first
         .into_iter()
         .map(|o| match o {
             Ok(Acquisition::Acquired(l)) => l,
@@ -880,7 +880,7 @@ async fn a_batch_asks_each_tier_once_and_the_source_once() {
         })
         .collect();
     let responses: Vec<Vec<u8>> = keys.iter().map(|k| k.id().as_bytes().to_vec()).collect();
-    let done: Vec<(&idem::Lease, &[u8])> = leases
+    let done: Vec<(&idemkit::Lease, &[u8])> = leases
         .iter()
         .zip(&responses)
         .map(|(l, r)| (l, r.as_slice()))

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::{IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
+use idemkit::{IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
 
 pub type Action = Box<dyn FnOnce() + Send>;
 

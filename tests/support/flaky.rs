@@ -3,7 +3,7 @@
 //! a real store. For receiver tests that need an outage at an exact point
 //! of a handler (the fault suite kills real servers instead).
 //!
-//! `idem::testkit::Tap` injects the other faults (the next n completions
+//! `idemkit::testkit::Tap` injects the other faults (the next n completions
 //! failing, releases lost, answers held back, a clock ahead) and counts the
 //! calls; a test that only needs completions to fail uses it. What Tap has
 //! no switch for is a store that refuses *every* call for a while, the
@@ -15,7 +15,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idem::{Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record, StoreError};
+use idemkit::{
+    Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, Record, StoreError,
+};
 
 /// `inner`, failing every call with `Unavailable` while `down` is set.
 pub struct FlakyStore<S> {

@@ -14,8 +14,8 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Claim, PgStore};
-use idem::{IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
+use idemkit::postgres::{Claim, PgStore};
+use idemkit::{IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
 
 /// Messages per redelivery storm (the storms of `tests/faults/storms`
 /// without a fault and the failover storms): 2,500, each delivered 1 to 8
@@ -171,7 +171,7 @@ impl Receiver {
 /// store is away (30 s at most), as a consumer does: the run's value once
 /// written, `LeaseLost` if another worker took the key over, `Failed` if
 /// the store refused it.
-async fn finish(idem: &Idempotency<dyn IdempotencyStore>, u: &idem::Unrecorded) -> Delivery {
+async fn finish(idem: &Idempotency<dyn IdempotencyStore>, u: &idemkit::Unrecorded) -> Delivery {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
         match idem.finish(u).await {

@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
-use idem::{
+use idemkit::{
     Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
     MemoryStore, Processed,
 };
@@ -465,18 +465,18 @@ async fn run(
 }
 
 #[cfg(feature = "postgres")]
-async fn pg_store(args: &Args) -> Result<idem::postgres::PgStore, Box<dyn std::error::Error>> {
+async fn pg_store(args: &Args) -> Result<idemkit::postgres::PgStore, Box<dyn std::error::Error>> {
     let url = args
         .postgres_url
         .as_deref()
         .ok_or("this backend needs --postgres-url (or IDEM_POSTGRES_URL)")?;
     // Fails at once with the cause (refused, authentication, unknown
     // database), where PgPoolOptions::connect would wait 30 s.
-    let options = idem::postgres::sqlx::postgres::PgPoolOptions::new()
+    let options = idemkit::postgres::sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
         .test_before_acquire(false);
-    let pool = idem::postgres::connect_with(options, url).await?;
-    let store = idem::postgres::PgStore::builder(pool)
+    let pool = idemkit::postgres::connect_with(options, url).await?;
+    let store = idemkit::postgres::PgStore::builder(pool)
         .connections(args.concurrency.clamp(2, 64))
         .build()?;
     store.migrate().await?;
@@ -501,7 +501,7 @@ async fn redis_store(args: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn s
         .redis_url
         .as_deref()
         .ok_or("--backend redis needs --redis-url (or IDEM_REDIS_URL)")?;
-    Ok(Arc::new(idem::redis::RedisStore::connect(url).await?))
+    Ok(Arc::new(idemkit::redis::RedisStore::connect(url).await?))
 }
 
 #[cfg(not(feature = "redis"))]
@@ -513,7 +513,7 @@ async fn redis_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std:
 async fn tiered_store(
     args: &Args,
 ) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
-    use idem::tiered::{MokaCache, RedisCache, TieredStore};
+    use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
     let url = args
         .redis_url
         .as_deref()

@@ -6,8 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use idem::redis::{redis, RedisStore};
-use idem::{IdempotencyStore, StoreError};
+use idemkit::redis::{redis, RedisStore};
+use idemkit::{IdempotencyStore, StoreError};
 
 use super::{
     acl_user, certs, chain, expect_refused, key, redis_acl, redis_admin, report, round, trusted,
@@ -33,7 +33,7 @@ async fn redis_store_runs_as_a_minimal_acl_user() {
         server.port,
         "idem-wait",
         ACL_PASSWORD,
-        &format!("on {}", idem::redis::acl_rules("idem:", true)),
+        &format!("on {}", idemkit::redis::acl_rules("idem:", true)),
     )
     .await;
     let waiting = RedisStore::connect_tls(
@@ -86,7 +86,7 @@ async fn redis_store_runs_as_a_minimal_acl_user() {
         },
     )
     .unwrap_or_else(|e| panic!("{e}"));
-    idem::redis::install_crypto_provider();
+    idemkit::redis::install_crypto_provider();
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
@@ -182,7 +182,7 @@ async fn acl_rules_work_for_every_prefix_the_store_accepts() {
     let started = Instant::now();
     let server = tokio::task::block_in_place(|| support::redis_server::RedisServer::start(&[]));
     let client =
-        idem::redis::redis::Client::open(server.url.as_str()).unwrap_or_else(|e| panic!("{e}"));
+        idemkit::redis::redis::Client::open(server.url.as_str()).unwrap_or_else(|e| panic!("{e}"));
     let mut admin = client
         .get_multiplexed_async_connection()
         .await
@@ -218,9 +218,9 @@ async fn acl_rules_work_for_every_prefix_the_store_accepts() {
             rows.push((format!("{prefix:?}"), String::new(), outcome));
             continue;
         }
-        let rules = idem::redis::acl_rules(prefix, false);
+        let rules = idemkit::redis::acl_rules(prefix, false);
         let user = format!("u{n}");
-        let mut cmd = idem::redis::redis::cmd("ACL");
+        let mut cmd = idemkit::redis::redis::cmd("ACL");
         cmd.arg("SETUSER")
             .arg(&user)
             .arg("reset")
@@ -295,7 +295,7 @@ async fn redis_prefix_edge_cases_never_panic() {
             .unwrap_or_else(|e| panic!("{prefix:?} refused: {e}"));
         let k = key("access.prefix");
         let lease = match store.acquire(&k, None, Duration::from_secs(30)).await {
-            Ok(idem::Acquisition::Acquired(lease)) => lease,
+            Ok(idemkit::Acquisition::Acquired(lease)) => lease,
             other => panic!(
                 "acquire with prefix {:?}: {other:?}",
                 &prefix[..prefix.len().min(20)]
@@ -314,7 +314,7 @@ async fn redis_prefix_edge_cases_never_panic() {
             .delete(&k)
             .await
             .unwrap_or_else(|e| panic!("delete: {e}")));
-        let _ = idem::redis::acl_rules(prefix, true);
+        let _ = idemkit::redis::acl_rules(prefix, true);
         rounds += 1;
     }
     for bad in ["a b", "\u{85}", "\u{2028}", "\u{3000}x"] {

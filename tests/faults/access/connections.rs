@@ -5,8 +5,8 @@
 
 use std::time::{Duration, Instant};
 
-use idem::redis::RedisStore;
-use idem::{Acquisition, IdempotencyStore, StoreError};
+use idemkit::redis::RedisStore;
+use idemkit::{Acquisition, IdempotencyStore, StoreError};
 
 use super::{key, report};
 use crate::support;

@@ -31,9 +31,9 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::redis::redis;
-use idem::redis::TlsOptions;
-use idem::{
+use idemkit::redis::redis;
+use idemkit::redis::TlsOptions;
+use idemkit::{
     AcquireItem, Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError,
 };
 use support::report::{chain, report};
@@ -55,7 +55,7 @@ const ACL_PASSWORD: &str = "acl-Pa55";
 /// check at connect) is left out on purpose: the store logs a warning and
 /// goes on.
 fn redis_acl() -> String {
-    format!("on {}", idem::redis::acl_rules("idem:", false))
+    format!("on {}", idemkit::redis::acl_rules("idem:", false))
 }
 
 /// A fresh key in `scope`.
@@ -201,7 +201,7 @@ async fn round(store: impl IdempotencyStore) {
             other => panic!("acquire_many: {other:?}"),
         })
         .collect();
-    let done: Vec<(&idem::Lease, &[u8])> = leases.iter().map(|l| (l, &b"ok"[..])).collect();
+    let done: Vec<(&idemkit::Lease, &[u8])> = leases.iter().map(|l| (l, &b"ok"[..])).collect();
     for r in store
         .complete_many(&done, Duration::from_secs(60))
         .await
@@ -227,7 +227,7 @@ fn trusted() -> TlsOptions {
 async fn redis_admin(port: u16) -> redis::aio::MultiplexedConnection {
     // rustls needs a process-wide provider for the redis crate's own TLS
     // connections (this build has two: ring, and aws-lc-rs from the AWS SDK).
-    idem::redis::install_crypto_provider();
+    idemkit::redis::install_crypto_provider();
     let client = redis::Client::build_with_tls(
         format!("rediss://:{PASSWORD}@127.0.0.1:{port}/"),
         redis::TlsCertificates {

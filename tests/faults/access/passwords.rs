@@ -4,8 +4,8 @@
 
 use std::time::{Duration, Instant};
 
-use idem::redis::RedisStore;
-use idem::IdempotencyStore;
+use idemkit::redis::RedisStore;
+use idemkit::IdempotencyStore;
 
 use super::{acl_user, expect_refused, key, redis_acl, trusted, ACL_PASSWORD};
 use crate::support;
@@ -75,7 +75,7 @@ async fn redis_wrong_password_is_refused_fast() {
 async fn postgres_wrong_password_is_refused_fast() {
     let url = pg_url("127.0.0.1", "idem:wrong", &verify_full(&certs().ca("a")));
     let started = Instant::now();
-    let result = idem::postgres::connect_with(pool_options(), &url).await;
+    let result = idemkit::postgres::connect_with(pool_options(), &url).await;
     expect_refused(
         "tls_wrong_password",
         "postgres",
@@ -87,7 +87,7 @@ async fn postgres_wrong_password_is_refused_fast() {
     // No password at all.
     let url = pg_url("127.0.0.1", "idem", &verify_full(&certs().ca("a")));
     let started = Instant::now();
-    let result = idem::postgres::connect_with(pool_options(), &url).await;
+    let result = idemkit::postgres::connect_with(pool_options(), &url).await;
     expect_refused(
         "tls_no_password",
         "postgres",

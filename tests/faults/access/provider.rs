@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use crate::support;
 
-use idem::tiered::RedisCache;
+use idemkit::tiered::RedisCache;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cache_with_a_rediss_url_does_not_panic() {
@@ -92,8 +92,8 @@ async fn stream_consumer_with_a_rediss_url_does_not_panic() {
         .unwrap_or_else(|e| panic!("{e}"));
     let url = format!("rediss://127.0.0.1:{port}/");
     let panicked = panics(async move {
-        let idem = idem::Idempotency::new(idem::MemoryStore::new());
-        match idem::redis::streams::StreamConsumer::connect(&url, "s", "g", "c", idem).await {
+        let idem = idemkit::Idempotency::new(idemkit::MemoryStore::new());
+        match idemkit::redis::streams::StreamConsumer::connect(&url, "s", "g", "c", idem).await {
             Ok(_) => "connected".to_owned(),
             Err(e) => e.to_string(),
         }

@@ -7,9 +7,9 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use idem::postgres::PgStore;
-use idem::redis::{RedisStore, TlsOptions};
-use idem::{IdempotencyStore, StoreError};
+use idemkit::postgres::PgStore;
+use idemkit::redis::{RedisStore, TlsOptions};
+use idemkit::{IdempotencyStore, StoreError};
 
 use super::{certs, chain, expect_refused, key, report, round, trusted, PASSWORD};
 use crate::support;
@@ -268,7 +268,7 @@ async fn postgres_tls_scram_round() {
     let ca = certs().ca("a");
     for host in ["127.0.0.1", "localhost"] {
         let url = pg_url(host, &format!("idem:{PASSWORD}"), &verify_full(&ca));
-        let pool = idem::postgres::connect_with(pool_options(), &url)
+        let pool = idemkit::postgres::connect_with(pool_options(), &url)
             .await
             .unwrap_or_else(|e| panic!("connect {host}: {}", chain(&e)));
         let (ssl, version): (bool, String) =
@@ -296,7 +296,7 @@ async fn postgres_untrusted_certificate_is_refused_fast() {
         &verify_full(&certs().ca("b")),
     );
     let started = Instant::now();
-    let result = idem::postgres::connect_with(pool_options(), &url).await;
+    let result = idemkit::postgres::connect_with(pool_options(), &url).await;
     expect_refused(
         "tls_untrusted_certificate",
         "postgres",
@@ -327,7 +327,7 @@ async fn postgres_untrusted_certificate_is_refused_fast() {
 async fn postgres_plaintext_to_tls_only_is_refused_fast() {
     let url = pg_url("127.0.0.1", &format!("idem:{PASSWORD}"), "sslmode=disable");
     let started = Instant::now();
-    let result = idem::postgres::connect_with(pool_options(), &url).await;
+    let result = idemkit::postgres::connect_with(pool_options(), &url).await;
     expect_refused(
         "plaintext_to_tls_only",
         "postgres",
@@ -345,7 +345,7 @@ async fn postgres_refused_connection_stays_unavailable() {
         verify_full(&certs().ca("a"))
     );
     let started = Instant::now();
-    match idem::postgres::connect_with(pool_options(), &url).await {
+    match idemkit::postgres::connect_with(pool_options(), &url).await {
         Err(e @ StoreError::Unavailable(_)) => eprintln!("refused: {}", chain(&e)),
         other => panic!("a refused connection should be Unavailable: {other:?}"),
     }

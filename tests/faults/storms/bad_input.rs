@@ -236,10 +236,10 @@ async fn corrupt_records_affect_only_their_key() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         } else {
-            let mut conn = idem::redis::redis::Client::open(support::redis_server::shared_url())
+            let mut conn = idemkit::redis::redis::Client::open(support::redis_server::shared_url())
                 .and_then(|c| c.get_connection())
                 .unwrap_or_else(|e| panic!("{e}"));
-            let _: () = idem::redis::redis::cmd("SET")
+            let _: () = idemkit::redis::redis::cmd("SET")
                 .arg(redis.redis_key(&damaged))
                 .arg("garbage")
                 .query(&mut conn)

@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Claim, PgStore, TxLease};
-use idem::redis::RedisStore;
-use idem::testkit::Tap;
-use idem::tiered::{MokaCache, RedisCache, TieredStore};
-use idem::{
+use idemkit::postgres::{Claim, PgStore, TxLease};
+use idemkit::redis::RedisStore;
+use idemkit::testkit::Tap;
+use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
+use idemkit::{
     Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
     MemoryStore, Processed, Record, StoreError,
 };
@@ -250,7 +250,7 @@ async fn storm(
     for msg in 0..messages {
         match store.get(&key("faults.storm", &run, msg)).await {
             Ok(Some(Record {
-                state: idem::RecordState::Completed { .. },
+                state: idemkit::RecordState::Completed { .. },
                 ..
             })) => {}
             _ => lost_completions += 1,

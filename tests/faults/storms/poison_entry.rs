@@ -10,8 +10,8 @@ use super::*;
 /// acknowledges everything: 0 pending, every payment charged once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_streams_consumer() {
-    use idem::redis::redis;
-    use idem::redis::streams::{StreamConsumer, StreamEntry};
+    use idemkit::redis::redis;
+    use idemkit::redis::streams::{StreamConsumer, StreamEntry};
     let started = Instant::now();
     let url = support::redis_server::shared_url();
     let stream = format!("faults-poison-{}", run_id());

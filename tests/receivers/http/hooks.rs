@@ -8,7 +8,7 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::Idempotency;
+use idemkit::Idempotency;
 use serde_json::json;
 
 use super::{layer_on, pg_store, send, serve_counting, spawn_server, RawReply};
@@ -92,9 +92,9 @@ async fn the_replay_hook_sees_replays_only_and_a_panic_is_a_clean_500() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_custom_problem_rendering_gets_every_problem_and_falls_back_when_it_panics() {
     use axum::response::IntoResponse;
-    use idem::http::Problem;
+    use idemkit::http::Problem;
     let render = |problem: &Problem| {
-        if problem.kind == idem::http::ProblemKind::CallerUnknown {
+        if problem.kind == idemkit::http::ProblemKind::CallerUnknown {
             panic!("renderer bug");
         }
         let body = json!({

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::Idempotency;
+use idemkit::Idempotency;
 use serde_json::{json, Value};
 
 use super::{api_key, layer_on, pg_store, post_json, post_until_done, serve, spawn_server};
@@ -94,7 +94,8 @@ async fn a_client_that_gives_up_and_retries_does_not_run_the_handler_twice() {
     let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
     let handler = {
         let (executions, gate) = (executions.clone(), gate.clone());
-        move |axum::Extension(context): axum::Extension<idem::Context>, Json(body): Json<Value>| async move {
+        move |axum::Extension(context): axum::Extension<idemkit::Context>,
+              Json(body): Json<Value>| async move {
             let n = executions.fetch_add(1, Ordering::SeqCst) + 1;
             let _ = started_tx.send(());
             let _permit = gate.acquire().await;
@@ -198,7 +199,7 @@ async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
     assert_eq!(executions.load(Ordering::SeqCst), 2);
 }
 
-/// The executor waits on in-progress keys (`idem::InProgressPolicy::Wait`, the
+/// The executor waits on in-progress keys (`idemkit::InProgressPolicy::Wait`, the
 /// configuration the layer's docs show). Request R1 runs; its completions
 /// fail (the store stays reachable, as in `outages::a_different_body_...`)
 /// until its 1 s lease ends: `Unrecorded`, the key goes into the layer's
@@ -209,13 +210,13 @@ async fn not_detached_a_cut_off_handler_holds_its_key_until_the_lease_ends() {
 /// the handler a second time, on the same instance).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_waiting_on_a_key_being_finished_gets_its_replay_never_a_second_run() {
-    let redis = idem::redis::RedisStore::connect(support::redis_server::shared_url())
+    let redis = idemkit::redis::RedisStore::connect(support::redis_server::shared_url())
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let store = Arc::new(idem::testkit::Tap::new(redis));
+    let store = Arc::new(idemkit::testkit::Tap::new(redis));
     let idem = Idempotency::from_arc(store.clone())
         .lease(std::time::Duration::from_secs(1))
-        .on_in_progress(idem::InProgressPolicy::Wait {
+        .on_in_progress(idemkit::InProgressPolicy::Wait {
             max_wait: std::time::Duration::from_secs(10),
             poll: std::time::Duration::from_millis(100),
         });
@@ -233,7 +234,7 @@ async fn a_request_waiting_on_a_key_being_finished_gets_its_replay_never_a_secon
         }
     };
     let router = Router::new().route("/payments", post(handler)).layer(
-        idem::http::IdempotencyLayer::new(idem.clone())
+        idemkit::http::IdempotencyLayer::new(idem.clone())
             .scope(format!("http.{:08x}", fastrand::u32(..)))
             .unwrap_or_else(|e| panic!("{e}"))
             .tenant(api_key),

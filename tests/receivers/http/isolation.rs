@@ -17,10 +17,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::http::IdempotencyLayer;
-use idem::postgres::PgStore;
-use idem::tiered::{MokaCache, RedisCache, TieredStore};
-use idem::{IdemError, Idempotency, IdempotencyKey, Processed};
+use idemkit::http::IdempotencyLayer;
+use idemkit::postgres::PgStore;
+use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
+use idemkit::{IdemError, Idempotency, IdempotencyKey, Processed};
 use serde_json::{json, Value};
 
 use super::{api_key, spawn_server};

@@ -15,8 +15,8 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::http::IdempotencyLayer;
-use idem::Idempotency;
+use idemkit::http::IdempotencyLayer;
+use idemkit::Idempotency;
 use serde_json::{json, Value};
 
 use super::{
@@ -380,7 +380,7 @@ async fn route_templates_share_a_record_and_refuse_another_path() {
     use axum::extract::Path;
     let redis = support::redis_server::RedisServer::start(&[]);
     let store = Arc::new(
-        idem::redis::RedisStore::connect(&redis.url)
+        idemkit::redis::RedisStore::connect(&redis.url)
             .await
             .unwrap_or_else(|e| panic!("{e}")),
     );
@@ -439,10 +439,11 @@ async fn route_templates_share_a_record_and_refuse_another_path() {
     let one_again = send(&format!("{inside}/accounts/1/transfer"), &h, ct, "{}").await;
     assert_eq!((one_again.status, one_again.replayed()), (201, true));
     assert_eq!(one_again.body, one.body);
-    let template = idem::http::request_key(&scope, "t1", "POST", "/accounts/{id}/transfer", "k-1")
-        .unwrap_or_else(|e| panic!("{e}"));
+    let template =
+        idemkit::http::request_key(&scope, "t1", "POST", "/accounts/{id}/transfer", "k-1")
+            .unwrap_or_else(|e| panic!("{e}"));
     assert!(
-        idem::IdempotencyStore::get(&*store, &template)
+        idemkit::IdempotencyStore::get(&*store, &template)
             .await
             .unwrap_or_else(|e| panic!("{e}"))
             .is_some(),
@@ -455,10 +456,10 @@ async fn route_templates_share_a_record_and_refuse_another_path() {
     assert_eq!((one.status, two.status, two.replayed()), (201, 201, false));
     assert_eq!(two.json()["account"], "2");
     for path in ["/accounts/1/transfer", "/accounts/2/transfer"] {
-        let key = idem::http::request_key(&outside_scope, "t1", "POST", path, "k-1")
+        let key = idemkit::http::request_key(&outside_scope, "t1", "POST", path, "k-1")
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(
-            idem::IdempotencyStore::get(&*store, &key)
+            idemkit::IdempotencyStore::get(&*store, &key)
                 .await
                 .unwrap_or_else(|e| panic!("{e}"))
                 .is_some(),
@@ -550,9 +551,9 @@ async fn an_invalid_scope_is_refused_when_the_layer_is_built() {
         assert!(
             matches!(
                 refused,
-                Err(idem::KeyError::InvalidScopeChar { .. }
-                    | idem::KeyError::EmptyScope
-                    | idem::KeyError::ScopeTooLong { .. })
+                Err(idemkit::KeyError::InvalidScopeChar { .. }
+                    | idemkit::KeyError::EmptyScope
+                    | idemkit::KeyError::ScopeTooLong { .. })
             ),
             "{bad:?}: {refused:?}"
         );
@@ -590,7 +591,7 @@ async fn the_same_key_value_on_another_method_or_path_is_another_key() {
     let router = Router::new()
         .route("/a", post(handler.clone()).patch(handler.clone()))
         .route("/b", post(handler))
-        .layer(layer_on(Idempotency::new(idem::MemoryStore::new())));
+        .layer(layer_on(Idempotency::new(idemkit::MemoryStore::new())));
     let url = spawn_server(router).await;
     let h = [("x-api-key", "t1"), ("idempotency-key", "same")];
     let ct = "application/json";
@@ -641,11 +642,11 @@ async fn nested_layers_run_the_handler_once_and_never_record_each_others_answers
             )
         }
     };
-    let layer = layer_on(Idempotency::new(idem::MemoryStore::new()));
+    let layer = layer_on(Idempotency::new(idemkit::MemoryStore::new()));
     let inner = Router::new()
         .route("/pay", post(handler.clone()))
         .layer(layer.clone());
-    let other_scope = IdempotencyLayer::new(Idempotency::new(idem::MemoryStore::new()))
+    let other_scope = IdempotencyLayer::new(Idempotency::new(idemkit::MemoryStore::new()))
         .scope("http.inner")
         .unwrap_or_else(|e| panic!("{e}"))
         .tenant(api_key)

@@ -30,9 +30,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::http::IdempotencyLayer;
-use idem::postgres::PgStore;
-use idem::Idempotency;
+use idemkit::http::IdempotencyLayer;
+use idemkit::postgres::PgStore;
+use idemkit::Idempotency;
 use serde_json::{json, Value};
 
 mod hooks;
@@ -201,7 +201,7 @@ fn api_key(req: &axum::http::request::Parts) -> Option<String> {
 }
 
 /// A layer on `idem` with a fresh scope and the `x-api-key` tenant.
-fn layer_on<S: idem::IdempotencyStore>(idem: Idempotency<S>) -> IdempotencyLayer<S> {
+fn layer_on<S: idemkit::IdempotencyStore>(idem: Idempotency<S>) -> IdempotencyLayer<S> {
     IdempotencyLayer::new(idem)
         .scope(scope())
         .unwrap_or_else(|e| panic!("{e}"))

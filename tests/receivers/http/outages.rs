@@ -12,10 +12,10 @@ use std::sync::Arc;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::http::{IdempotencyLayer, Problem, ProblemKind};
-use idem::postgres::PgStore;
-use idem::testkit::Tap;
-use idem::Idempotency;
+use idemkit::http::{IdempotencyLayer, Problem, ProblemKind};
+use idemkit::postgres::PgStore;
+use idemkit::testkit::Tap;
+use idemkit::Idempotency;
 use serde_json::json;
 
 use super::{api_key, layer_on, post_json, post_raw, spawn_server};
@@ -26,7 +26,7 @@ use super::{api_key, layer_on, post_json, post_raw, spawn_server};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_down_is_503_with_retry_after_and_runs_nothing() {
     let redis = support::redis_server::RedisServer::start(&[]);
-    let store = idem::redis::RedisStore::connect(&redis.url)
+    let store = idemkit::redis::RedisStore::connect(&redis.url)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .call_timeout(std::time::Duration::from_millis(300));
@@ -94,7 +94,7 @@ async fn a_store_down_is_503_with_retry_after_and_runs_nothing() {
 /// gets the replay, and the effect ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_twice() {
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
     let effects = Arc::new(AtomicU64::new(0));
     let handler = {
@@ -119,7 +119,7 @@ async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_tw
     let during = post_json(&url, Some("k-outage"), "t1", &json!({})).await;
     assert_eq!(during.status, 409, "{:?}", during.body);
     // Once the store is back, the completion is written (awaited, 20 s).
-    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-outage")
+    let key = idemkit::http::request_key("http", "t1", "POST", "/payments", "k-outage")
         .unwrap_or_else(|e| panic!("{e}"));
     let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
     loop {
@@ -154,7 +154,7 @@ async fn a_store_outage_past_the_lease_while_recording_never_runs_the_handler_tw
 /// run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_gone_before_an_unrecorded_response_never_gets_the_handler_run_twice() {
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
     let effects = Arc::new(AtomicU64::new(0));
     let handler = {
@@ -223,7 +223,7 @@ async fn a_client_gone_before_an_unrecorded_response_never_gets_the_handler_run_
 /// again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_the_store_refuses_after_an_outage_is_never_run_again() {
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let refuse = store.refuse_completes.clone();
     let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
     let effects = Arc::new(AtomicU64::new(0));
@@ -292,7 +292,7 @@ async fn a_response_the_store_refuses_after_an_outage_is_never_run_again() {
 /// up to 500 ms, and B took the expired lease over and ran it again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retry_at_another_instance_soon_after_the_store_is_back_gets_the_replay() {
-    let records = idem::MemoryStore::new();
+    let records = idemkit::MemoryStore::new();
     let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
     let effects = Arc::new(AtomicU64::new(0));
     let handler = {
@@ -312,11 +312,11 @@ async fn a_retry_at_another_instance_soon_after_the_store_is_back_gets_the_repla
     };
     let lease = std::time::Duration::from_secs(1);
     let a = spawn_server(instance(
-        Idempotency::new(Arc::new(store_a) as Arc<dyn idem::IdempotencyStore>).lease(lease),
+        Idempotency::new(Arc::new(store_a) as Arc<dyn idemkit::IdempotencyStore>).lease(lease),
     ))
     .await;
     let b = spawn_server(instance(
-        Idempotency::new(Arc::new(records) as Arc<dyn idem::IdempotencyStore>).lease(lease),
+        Idempotency::new(Arc::new(records) as Arc<dyn idemkit::IdempotencyStore>).lease(lease),
     ))
     .await;
     let first = post_json(&format!("{a}/payments"), Some("k-two"), "t1", &json!({})).await;
@@ -349,7 +349,7 @@ async fn a_retry_at_another_instance_soon_after_the_store_is_back_gets_the_repla
 /// which the layer answers without asking the store.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_different_body_while_the_response_is_finishing_is_422_not_409() {
-    let store = Arc::new(Tap::new(idem::MemoryStore::new()));
+    let store = Arc::new(Tap::new(idemkit::MemoryStore::new()));
     let idem = Idempotency::from_arc(store.clone()).lease(std::time::Duration::from_secs(1));
     let effects = Arc::new(AtomicU64::new(0));
     let handler = {
@@ -368,7 +368,7 @@ async fn a_different_body_while_the_response_is_finishing_is_422_not_409() {
     let first = post_json(&url, Some("k-rv16b"), "t1", &json!({ "amount": 1 })).await;
     assert_eq!(first.status, 201, "{:?}", first.body);
     // What the store itself says to the other body (control).
-    let key = idem::http::request_key("http", "t1", "POST", "/payments", "k-rv16b")
+    let key = idemkit::http::request_key("http", "t1", "POST", "/payments", "k-rv16b")
         .unwrap_or_else(|e| panic!("{e}"));
     let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
     assert!(

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::postgres::PgStore;
-use idem::Idempotency;
+use idemkit::postgres::PgStore;
+use idemkit::Idempotency;
 use serde_json::json;
 
 use super::{
@@ -574,7 +574,7 @@ async fn a_response_that_varies_is_replayed_only_to_a_request_that_matches_it() 
     let router = Router::new()
         .route("/negotiated", post(negotiated))
         .route("/everything", post(everything))
-        .layer(layer_on(Idempotency::new(idem::MemoryStore::new())));
+        .layer(layer_on(Idempotency::new(idemkit::MemoryStore::new())));
     let url = spawn_server(router).await;
     let with = |encoding: &'static str| {
         [

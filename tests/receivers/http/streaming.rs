@@ -11,8 +11,8 @@ use std::time::Duration;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
-use idem::postgres::PgStore;
-use idem::Idempotency;
+use idemkit::postgres::PgStore;
+use idemkit::Idempotency;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::{layer_on, pg_store};

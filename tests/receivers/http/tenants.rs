@@ -8,8 +8,8 @@ use std::sync::Arc;
 
 use axum::routing::post;
 use axum::{Json, Router};
-use idem::http::IdempotencyLayer;
-use idem::Idempotency;
+use idemkit::http::IdempotencyLayer;
+use idemkit::Idempotency;
 use serde_json::json;
 
 use super::{layer_on, pg_store, post_json, post_raw, scope, serve, spawn_server};
@@ -134,7 +134,7 @@ async fn a_panicking_tenant_function_is_a_500_and_runs_nothing() {
             "ran"
         }
     };
-    let layer = IdempotencyLayer::new(Idempotency::new(idem::MemoryStore::new())).tenant(
+    let layer = IdempotencyLayer::new(Idempotency::new(idemkit::MemoryStore::new())).tenant(
         |parts: &axum::http::request::Parts| -> Option<String> {
             if parts.headers.contains_key("x-boom") {
                 panic!("the tenant lookup failed");

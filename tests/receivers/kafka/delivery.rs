@@ -10,9 +10,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::kafka::{KafkaRecord, RecordError};
-use idem::redis::RedisStore;
-use idem::Idempotency;
+use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::redis::RedisStore;
+use idemkit::Idempotency;
 
 use super::{
     all_committed, committed, consumer, effect, exactly_once, name, once_set, produce, redis_store,
@@ -150,12 +150,12 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
             .keys()
             .cloned()
             .collect();
-        let scope = idem::kafka::default_scope(&topic);
+        let scope = idemkit::kafka::default_scope(&topic);
         until("A's effects recorded", Duration::from_secs(30), || {
             let (store, ran, scope) = (store.clone(), ran.clone(), scope.clone());
             async move {
                 for id in &ran {
-                    let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())
+                    let key = idemkit::IdempotencyKey::new(scope.as_str(), id.as_str())
                         .unwrap_or_else(|e| panic!("{e}"));
                     match store.get(&key).await {
                         Ok(Some(r)) if r.is_completed() => {}

@@ -24,15 +24,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::kafka::rdkafka::config::ClientConfig;
-use idem::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
-use idem::kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders};
-use idem::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
-use idem::kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
-use idem::kafka::rdkafka::util::Timeout;
-use idem::kafka::{ConsumerStats, KafkaConsumer, KafkaRecord};
-use idem::redis::RedisStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::kafka::rdkafka::config::ClientConfig;
+use idemkit::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use idemkit::kafka::rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use idemkit::kafka::rdkafka::producer::{FutureProducer, FutureRecord};
+use idemkit::kafka::rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use idemkit::kafka::rdkafka::util::Timeout;
+use idemkit::kafka::{ConsumerStats, KafkaConsumer, KafkaRecord};
+use idemkit::redis::RedisStore;
+use idemkit::{Idempotency, IdempotencyStore};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 

@@ -11,10 +11,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::kafka::rdkafka::producer::FutureRecord;
-use idem::kafka::rdkafka::util::Timeout;
-use idem::kafka::{KafkaRecord, RecordError};
-use idem::{Idempotency, MemoryStore};
+use idemkit::kafka::rdkafka::producer::FutureRecord;
+use idemkit::kafka::rdkafka::util::Timeout;
+use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{
     all_committed, committed, consumer, effect, headers_of, merge, name, payload_of, produce,
@@ -170,13 +170,13 @@ async fn a_record_whose_runs_keep_dying_is_dead_lettered_without_running_again()
     let store = redis_store().await;
     // Three earlier runs of "t-1" were cut off (their consumers died): the
     // key was acquired three times, each lease taken over after it ended.
-    let key = idem::IdempotencyKey::new(idem::kafka::default_scope(&topic), "t-1")
+    let key = idemkit::IdempotencyKey::new(idemkit::kafka::default_scope(&topic), "t-1")
         .unwrap_or_else(|e| panic!("{e}"));
     let attempt = Arc::new(AtomicU64::new(0));
     until("three acquisitions", Duration::from_secs(10), || {
         let (store, key, attempt) = (store.clone(), key.clone(), attempt.clone());
         async move {
-            if let Ok(idem::Acquisition::Acquired(lease)) =
+            if let Ok(idemkit::Acquisition::Acquired(lease)) =
                 store.acquire(&key, None, Duration::from_millis(1)).await
             {
                 attempt.store(u64::from(lease.attempt), Ordering::SeqCst);

@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::kafka::{KafkaRecord, RecordError};
-use idem::{Idempotency, MemoryStore};
+use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{
     all_committed, committed, consumer, effect, exactly_once, name, once_set, produce, redis_store,

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::kafka::{KafkaRecord, MAX_IN_FLIGHT};
-use idem::{Idempotency, KeyError, MemoryStore};
+use idemkit::kafka::{KafkaRecord, MAX_IN_FLIGHT};
+use idemkit::{Idempotency, KeyError, MemoryStore};
 
 use super::{consumer, name, produce, run_until_committed};
 

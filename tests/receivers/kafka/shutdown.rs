@@ -7,8 +7,8 @@ use crate::support;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::kafka::{KafkaRecord, RecordError};
-use idem::{Idempotency, MemoryStore};
+use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{
     committed, consumer, effect, effects_of, name, run_until_committed, send, wait_for, Effects,

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::BoxFuture;
-use idem::kafka::{KafkaRecord, RecordError};
-use idem::{Idempotency, MemoryStore};
+use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::{Idempotency, MemoryStore};
 use support::flaky::FlakyStore;
 
 use super::{
@@ -228,7 +228,7 @@ async fn a_batch_with_a_key_twice_and_an_outage_past_the_lease_runs_the_effect_o
 /// lost) and never overwrites B's result; the record is committed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebalance_while_a_result_waits_hands_the_record_on_with_a_higher_fence() {
-    use idem::IdempotencyStore;
+    use idemkit::IdempotencyStore;
     use std::sync::Mutex;
     let topic = name("rebalance-unrecorded");
     let group = name("rebalance-unrecorded-g");
@@ -248,7 +248,7 @@ async fn a_rebalance_while_a_result_waits_hands_the_record_on_with_a_higher_fenc
         config
             .set("client.id", client_id)
             .set("topic.metadata.refresh.interval.ms", "500");
-        idem::kafka::KafkaConsumer::new(&config, &[topic.as_str()], idem)
+        idemkit::kafka::KafkaConsumer::new(&config, &[topic.as_str()], idem)
             .unwrap_or_else(|e| panic!("{e}"))
             .commit_interval(Duration::ZERO)
             .revoke_wait(Duration::from_millis(500))
@@ -333,13 +333,13 @@ async fn a_rebalance_while_a_result_waits_hands_the_record_on_with_a_higher_fenc
         second_fence > first_fence,
         "B's run must carry a higher fence: {runs:?}"
     );
-    let key = idem::IdempotencyKey::new(&idem::kafka::default_scope(&topic), "pay-1")
+    let key = idemkit::IdempotencyKey::new(idemkit::kafka::default_scope(&topic), "pay-1")
         .unwrap_or_else(|e| panic!("{e}"));
     match shared.get(&key).await {
         Ok(Some(record)) => {
             assert_eq!(record.fence, second_fence, "the record is B's: {record:?}");
             assert!(
-                matches!(record.state, idem::RecordState::Completed { .. }),
+                matches!(record.state, idemkit::RecordState::Completed { .. }),
                 "{record:?}"
             );
         }

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use idem::sqs::{SqsConsumer, SqsConsumerError, SqsMessage};
-use idem::{Idempotency, MemoryStore};
+use idemkit::sqs::{SqsConsumer, SqsConsumerError, SqsMessage};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{client, create_queue};
 

@@ -6,10 +6,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::sqs::aws_sdk_sqs::types::QueueAttributeName;
-use idem::sqs::aws_sdk_sqs::Client;
-use idem::sqs::{SqsConsumer, SqsMessage};
-use idem::{Idempotency, MemoryStore};
+use idemkit::sqs::aws_sdk_sqs::types::QueueAttributeName;
+use idemkit::sqs::aws_sdk_sqs::Client;
+use idemkit::sqs::{SqsConsumer, SqsMessage};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{client, create_queue_with, queue_empty, text, wait_until, BoxError, Running};
 

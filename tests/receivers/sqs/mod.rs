@@ -26,14 +26,14 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
-use idem::sqs::aws_sdk_sqs::types::{
+use idemkit::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use idemkit::sqs::aws_sdk_sqs::types::{
     Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
 };
-use idem::sqs::aws_sdk_sqs::{self, Client};
-use idem::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
-use idem::{IdempotencyStore, MemoryStore};
+use idemkit::sqs::aws_sdk_sqs::{self, Client};
+use idemkit::sqs::{ConsumerStats, SqsConsumer, SqsConsumerError, SqsMessage};
+use idemkit::{IdempotencyStore, MemoryStore};
 use tokio::sync::oneshot;
 
 mod config;

@@ -7,10 +7,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::sqs::aws_sdk_sqs::primitives::Blob;
-use idem::sqs::aws_sdk_sqs::types::{Message, MessageAttributeValue, QueueAttributeName};
-use idem::sqs::{SqsConsumer, SqsMessage};
-use idem::{Idempotency, MemoryStore};
+use idemkit::sqs::aws_sdk_sqs::primitives::Blob;
+use idemkit::sqs::aws_sdk_sqs::types::{Message, MessageAttributeValue, QueueAttributeName};
+use idemkit::sqs::{SqsConsumer, SqsMessage};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{
     addr_of, attr, client, client_at, create_queue, create_queue_with, dead_of, queue_empty, send,

@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use idem::sqs::{SqsConsumer, SqsMessage};
-use idem::{Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore, RecordState};
+use idemkit::sqs::{SqsConsumer, SqsMessage};
+use idemkit::{Idempotency, IdempotencyKey, IdempotencyStore, MemoryStore, RecordState};
 
 use super::{client, create_queue, depth, queue_empty, send, text, wait_until, BoxError, Running};
 
@@ -81,7 +81,7 @@ async fn a_store_outage_past_the_lease_never_runs_the_message_twice() {
         "the duplicate waited: {stats:?}"
     );
     assert_eq!(stats.heartbeat_failures, 0, "{stats:?}");
-    let scope = idem::sqs::default_scope(idem::sqs::queue_name(&url));
+    let scope = idemkit::sqs::default_scope(idemkit::sqs::queue_name(&url));
     let key = IdempotencyKey::new(scope, "k-1").unwrap();
     match idem.get(&key).await.unwrap().map(|r| r.state) {
         Some(RecordState::Completed { response, .. }) => assert_eq!(&response[..], b"7"),

@@ -9,9 +9,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::sqs::aws_sdk_sqs::Client;
-use idem::sqs::{ConsumerStats, SqsConsumer, SqsMessage};
-use idem::{Idempotency, MemoryStore};
+use idemkit::sqs::aws_sdk_sqs::Client;
+use idemkit::sqs::{ConsumerStats, SqsConsumer, SqsMessage};
+use idemkit::{Idempotency, MemoryStore};
 
 use super::{
     client, client_at, create_queue, moto_addr, queue_empty, send, text, wait_until, BoxError,

@@ -12,10 +12,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use idem::redis::redis;
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::redis::RedisStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::redis::redis;
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::redis::RedisStore;
+use idemkit::{Idempotency, IdempotencyStore};
 
 use super::{
     conn, consumer_on, counting, entries_of, nothing_pending, pending, pending_of,
@@ -136,10 +136,10 @@ async fn two_consumers_one_killed_mid_batch_every_entry_once_and_acked() {
             .collect();
         let mut recorded = 0;
         for id in &ran {
-            let key = idem::IdempotencyKey::new(scope.as_str(), id.as_str())
+            let key = idemkit::IdempotencyKey::new(scope.as_str(), id.as_str())
                 .unwrap_or_else(|e| panic!("{e}"));
             if let Ok(Some(record)) = store_view.get(&key).await {
-                if matches!(record.state, idem::RecordState::Completed { .. }) {
+                if matches!(record.state, idemkit::RecordState::Completed { .. }) {
                     recorded += 1;
                 }
             }
@@ -376,7 +376,7 @@ async fn a_read_batch_is_acquired_with_one_acquire_many() {
         xadd(&stream, &[("message_id", &format!("m-{i}"))]).await;
     }
     xadd(&stream, &[("message_id", "m-3")]).await; // a duplicate in the batch
-    let store = Arc::new(idem::testkit::Tap::new(redis_store().await));
+    let store = Arc::new(idemkit::testkit::Tap::new(redis_store().await));
     let idem = Idempotency::from_arc(store.clone());
     let consumer = consumer_on(&stream, "c", idem).await.batch(32);
     let runs = Arc::new(AtomicU64::new(0));
@@ -492,11 +492,12 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
     // while the key is held, and takes it over once the lease is over.
     let other = Idempotency::new(redis_store().await)
         .lease(Duration::from_secs(30))
-        .on_in_progress(idem::InProgressPolicy::Wait {
+        .on_in_progress(idemkit::InProgressPolicy::Wait {
             max_wait: Duration::from_secs(20),
             poll: Duration::from_millis(20),
         });
-    let key = idem::IdempotencyKey::new(scope, queued.as_str()).unwrap_or_else(|e| panic!("{e}"));
+    let key =
+        idemkit::IdempotencyKey::new(scope, queued.as_str()).unwrap_or_else(|e| panic!("{e}"));
     let taken = other
         .process_with(&key, None, |_| {
             let (effects, queued) = (effects.clone(), queued.clone());
@@ -511,7 +512,7 @@ async fn an_entry_queued_behind_a_slow_handler_never_runs_after_its_lease_was_ta
         })
         .await;
     assert!(
-        matches!(taken, Ok(idem::Processed::Executed(()))),
+        matches!(taken, Ok(idemkit::Processed::Executed(()))),
         "the other consumer: {taken:?}"
     );
     // The slow handler ends; wait until the consumer settled both entries.
@@ -605,7 +606,7 @@ async fn two_streams_whose_names_are_not_scopes_never_share_keys() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_restarted_after_its_run_was_dropped_strands_no_entry() {
     let stream = format!("review-restart-{:08x}", fastrand::u32(..));
-    let idem = Idempotency::new(idem::MemoryStore::new()).lease(Duration::from_secs(20));
+    let idem = Idempotency::new(idemkit::MemoryStore::new()).lease(Duration::from_secs(20));
     let claim_idle = Duration::from_millis(500);
     let a = consumer_on(&stream, "a", idem.clone())
         .await

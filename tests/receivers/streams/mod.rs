@@ -21,10 +21,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::redis::redis;
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::redis::RedisStore;
-use idem::{Idempotency, IdempotencyStore};
+use idemkit::redis::redis;
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::redis::RedisStore;
+use idemkit::{Idempotency, IdempotencyStore};
 
 mod delivery;
 mod poison;
@@ -141,11 +141,11 @@ async fn consumer_on<S: IdempotencyStore>(
 /// `limit`), then shuts it down and returns what `run` returned. A `run`
 /// that ends before `done` holds is an error.
 async fn run_until<S, R, F, Fut, T, E>(
-    consumer: &StreamConsumer<S, idem::JsonCodec, R>,
+    consumer: &StreamConsumer<S, idemkit::JsonCodec, R>,
     handler: F,
     limit: Duration,
     done: impl Fn() -> Check,
-) -> Result<idem::redis::streams::ConsumerStats, String>
+) -> Result<idemkit::redis::streams::ConsumerStats, String>
 where
     S: IdempotencyStore + ?Sized,
     R: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,

@@ -11,9 +11,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem::redis::redis;
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::Idempotency;
+use idemkit::redis::redis;
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::Idempotency;
 
 use super::{
     conn, consumer_on, entries_of, nothing_pending, pending, redis_store, run_until, xadd, Check,

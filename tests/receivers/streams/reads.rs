@@ -9,10 +9,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::redis::redis;
-use idem::redis::streams::{StreamConsumer, StreamEntry};
-use idem::redis::RedisStore;
-use idem::Idempotency;
+use idemkit::redis::redis;
+use idemkit::redis::streams::{StreamConsumer, StreamEntry};
+use idemkit::redis::RedisStore;
+use idemkit::Idempotency;
 
 use super::{
     consumer_on, counting, pending, ran_and_nothing_pending, redis_store, run_until, xadd, Check,
@@ -91,7 +91,7 @@ async fn late_entry_on_an_idle_stream(
     tag: &str,
     block: Duration,
     claim_idle: Duration,
-) -> idem::redis::streams::ConsumerStats {
+) -> idemkit::redis::streams::ConsumerStats {
     let stream = format!("{tag}-{:08x}", fastrand::u32(..));
     let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
         .await
@@ -156,7 +156,7 @@ async fn batch_and_concurrency_of_usize_max_are_clamped_not_an_error() {
         .concurrency(usize::MAX);
     let debug = format!("{consumer:?}");
     assert!(
-        debug.contains(&format!("batch: {}", idem::redis::streams::MAX_BATCH)),
+        debug.contains(&format!("batch: {}", idemkit::redis::streams::MAX_BATCH)),
         "{debug}"
     );
     let runs = Arc::new(AtomicU64::new(0));
@@ -180,9 +180,9 @@ async fn an_invalid_scope_is_refused_when_the_consumer_is_built() {
         let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await)).await;
         match consumer.scope(bad) {
             Err(
-                idem::KeyError::EmptyScope
-                | idem::KeyError::ScopeTooLong { .. }
-                | idem::KeyError::InvalidScopeChar { .. },
+                idemkit::KeyError::EmptyScope
+                | idemkit::KeyError::ScopeTooLong { .. }
+                | idemkit::KeyError::InvalidScopeChar { .. },
             ) => {}
             other => panic!("scope {bad:?}: {:?}", other.map(|_| "accepted")),
         }
@@ -196,7 +196,7 @@ async fn an_invalid_scope_is_refused_when_the_consumer_is_built() {
 /// Cluster connection. Both process, dead-letter and acknowledge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_takes_an_existing_standalone_or_cluster_connection() {
-    use idem::redis::redis::AsyncConnectionConfig;
+    use idemkit::redis::redis::AsyncConnectionConfig;
     // Standalone.
     let stream = format!("own-conn-{:08x}", fastrand::u32(..));
     xadd(&stream, &[("message_id", "m-1")]).await;

@@ -11,9 +11,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use idem::redis::redis;
-use idem::redis::streams::StreamEntry;
-use idem::Idempotency;
+use idemkit::redis::redis;
+use idemkit::redis::streams::StreamEntry;
+use idemkit::Idempotency;
 
 use super::{
     conn, consumer_on, pending, pending_of, ran_and_nothing_pending, run_until, xadd, Check,
@@ -52,7 +52,7 @@ fn charging(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_twice() {
     let stream = format!("outage-{:08x}", fastrand::u32(..));
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let consumer = consumer_on(&stream, "a", idem.clone())
         .await
@@ -76,11 +76,11 @@ async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_tw
         "the effect ran twice: {stats:?}"
     );
     assert_eq!(stats.executed, 1, "{stats:?}");
-    let key = idem::IdempotencyKey::new(format!("stream.{stream}"), "m-1")
+    let key = idemkit::IdempotencyKey::new(format!("stream.{stream}"), "m-1")
         .unwrap_or_else(|e| panic!("{e}"));
     let record = idem.get(&key).await.unwrap_or_else(|e| panic!("{e}"));
     let response = match record.map(|r| r.state) {
-        Some(idem::RecordState::Completed { response, .. }) => response,
+        Some(idemkit::RecordState::Completed { response, .. }) => response,
         other => panic!("the entry's record: {other:?}"),
     };
     assert_eq!(&response[..], b"\"charged\"", "the first run's result");
@@ -97,7 +97,7 @@ async fn a_store_outage_past_the_lease_during_completion_never_runs_the_entry_tw
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_entry_of_an_unfinished_key_never_runs_it_again() {
     let stream = format!("unfinished-dup-{:08x}", fastrand::u32(..));
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let consumer = consumer_on(&stream, "a", idem.clone())
         .await
@@ -153,7 +153,7 @@ async fn a_duplicate_entry_of_an_unfinished_key_never_runs_it_again() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_held_back_by_an_unfinished_key_is_settled_once_it_finishes() {
     let stream = format!("unfinished-held-{:08x}", fastrand::u32(..));
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let consumer = consumer_on(&stream, "a", idem.clone())
         .await
@@ -222,7 +222,7 @@ async fn a_duplicate_held_back_by_an_unfinished_key_is_settled_once_it_finishes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_consumer_never_reclaims_an_entry_its_holder_is_finishing() {
     let stream = format!("unfinished-reclaim-{:08x}", fastrand::u32(..));
-    let records = idem::MemoryStore::new();
+    let records = idemkit::MemoryStore::new();
     let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
     let idem_a = Idempotency::new(store_a).lease(Duration::from_secs(1));
     let idem_b = Idempotency::new(records).lease(Duration::from_secs(1));
@@ -279,7 +279,7 @@ async fn another_consumer_never_reclaims_an_entry_its_holder_is_finishing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_held_back_for_an_unfinished_key_is_kept_from_other_consumers() {
     let stream = format!("review-heldback-{:08x}", fastrand::u32(..));
-    let records = idem::MemoryStore::new();
+    let records = idemkit::MemoryStore::new();
     let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
     let idem_a = Idempotency::new(store_a).lease(Duration::from_secs(1));
     let idem_b = Idempotency::new(records).lease(Duration::from_secs(1));
@@ -347,7 +347,7 @@ async fn a_duplicate_held_back_for_an_unfinished_key_is_kept_from_other_consumer
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_entry_deleted_from_the_stream_leaves_nothing_stuck() {
     let stream = format!("review-xdel-{:08x}", fastrand::u32(..));
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let a = consumer_on(&stream, "a", idem.clone())
         .await
@@ -396,7 +396,7 @@ async fn an_unfinished_entry_deleted_from_the_stream_leaves_nothing_stuck() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_of_a_key_whose_completion_was_refused_never_run() {
     let stream = format!("unfinished-refused-{:08x}", fastrand::u32(..));
-    let (store, down) = support::flaky::FlakyStore::new(idem::MemoryStore::new());
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let refuse = store.refuse_completes.clone();
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let consumer = consumer_on(&stream, "a", idem)

@@ -8,10 +8,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use idem::dynamodb::aws_sdk_dynamodb::primitives::Blob;
-use idem::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
-use idem::dynamodb::DynamoDbStore;
-use idem::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
+use idemkit::dynamodb::aws_sdk_dynamodb::primitives::Blob;
+use idemkit::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
+use idemkit::dynamodb::DynamoDbStore;
+use idemkit::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, Processed, StoreError};
 
 use super::{acquired, key, overwrite, proxied, store, store_on, DAY, LONG};
 use crate::support::moto;
@@ -95,7 +95,7 @@ async fn large_responses_are_stored_in_chunks_and_a_missing_chunk_is_corrupt() {
     }
     let k = key("too-large");
     let lease = acquired(&store, &k, LONG).await;
-    let over = vec![7u8; idem::dynamodb::DEFAULT_MAX_RESPONSE_BYTES + 1];
+    let over = vec![7u8; idemkit::dynamodb::DEFAULT_MAX_RESPONSE_BYTES + 1];
     let refused = store.complete(&lease, &over, DAY).await;
     assert!(
         matches!(refused, Err(StoreError::ResponseTooLarge { .. })),
@@ -137,7 +137,10 @@ async fn large_responses_are_stored_in_chunks_and_a_missing_chunk_is_corrupt() {
 }
 
 /// The chunk items among `items` of the response completed by `token`.
-fn chunk_items(items: &[HashMap<String, AttributeValue>], token: &idem::LeaseToken) -> Vec<String> {
+fn chunk_items(
+    items: &[HashMap<String, AttributeValue>],
+    token: &idemkit::LeaseToken,
+) -> Vec<String> {
     let prefix = format!("#{}/", token.to_hex());
     items
         .iter()

@@ -13,11 +13,11 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idem::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
-use idem::dynamodb::{create_table, local_client, DynamoDbStore};
-use idem::testkit::{self, Harness, Settings};
-use idem::tiered::{MokaCache, TieredStore};
-use idem::{
+use idemkit::dynamodb::aws_sdk_dynamodb::types::AttributeValue;
+use idemkit::dynamodb::{create_table, local_client, DynamoDbStore};
+use idemkit::testkit::{self, Harness, Settings};
+use idemkit::tiered::{MokaCache, TieredStore};
+use idemkit::{
     async_trait, Acquisition, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
     Processed,
 };
@@ -58,12 +58,12 @@ fn key(tag: &str) -> IdempotencyKey {
     testkit::unique_key(tag)
 }
 
-fn fp(text: &str) -> idem::Fingerprint {
-    idem::Fingerprint::of_bytes(text.as_bytes())
+fn fp(text: &str) -> idemkit::Fingerprint {
+    idemkit::Fingerprint::of_bytes(text.as_bytes())
 }
 
 /// `k` acquired for `lease` (anything else fails the test).
-async fn acquired(store: &DynamoDbStore, k: &IdempotencyKey, lease: Duration) -> idem::Lease {
+async fn acquired(store: &DynamoDbStore, k: &IdempotencyKey, lease: Duration) -> idemkit::Lease {
     match store.acquire(k, None, lease).await {
         Ok(Acquisition::Acquired(l)) => l,
         other => panic!("acquire {k}: {other:?}"),
@@ -116,7 +116,7 @@ impl Harness for DynamoHarness {
     }
 }
 
-idem::conformance_tests!(DynamoHarness);
+idemkit::conformance_tests!(DynamoHarness);
 
 /// A store whose requests go through a counting proxy in front of `url`.
 async fn proxied(url: &str) -> (DynamoDbStore, CountingProxy) {

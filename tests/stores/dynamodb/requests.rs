@@ -5,7 +5,7 @@ use crate::support;
 
 use std::time::Duration;
 
-use idem::{Acquisition, IdempotencyStore, StoreError};
+use idemkit::{Acquisition, IdempotencyStore, StoreError};
 use support::moto;
 
 use super::{acquired, fp, key, proxied, DAY, LONG};

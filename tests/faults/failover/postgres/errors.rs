@@ -8,8 +8,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Failover, PgStore};
-use idem::{IdempotencyStore, StoreError};
+use idemkit::postgres::{Failover, PgStore};
+use idemkit::{IdempotencyStore, StoreError};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::Connection;
 use support::pg::PgServer;
@@ -53,8 +53,8 @@ async fn tls_misconfiguration_is_not_retryable() {
     ];
     let mut rows = Vec::new();
     for (what, bad) in &cases {
-        let single = idem::postgres::connect(bad).await.map(|_| ());
-        let any = idem::postgres::connect_any(&[bad.as_str()])
+        let single = idemkit::postgres::connect(bad).await.map(|_| ());
+        let any = idemkit::postgres::connect_any(&[bad.as_str()])
             .await
             .map(|_| ());
         rows.push((*what, single, any));
@@ -101,7 +101,7 @@ async fn missing_ca_file_is_not_retryable() {
     let idem = format!("idem:{PASSWORD}");
     // Control: the right CA connects.
     let good = pg_url("127.0.0.1", &idem, &verify_full(&certs().ca("a")));
-    let pool = idem::postgres::connect_with(pool_options(), &good)
+    let pool = idemkit::postgres::connect_with(pool_options(), &good)
         .await
         .unwrap_or_else(|e| panic!("control connect: {}", chain(&e)));
     pool.close().await;
@@ -109,7 +109,7 @@ async fn missing_ca_file_is_not_retryable() {
     let missing = pg_url("127.0.0.1", &idem, &verify_full(&certs().ca("no-such")));
     let mut failures = Vec::new();
     let started = Instant::now();
-    let direct = idem::postgres::connect_with(pool_options(), &missing).await;
+    let direct = idemkit::postgres::connect_with(pool_options(), &missing).await;
     let direct_ms = started.elapsed().as_millis();
     let started2 = Instant::now();
     let failover = Failover::new([missing.as_str()]).unwrap_or_else(|e| panic!("{e}"));

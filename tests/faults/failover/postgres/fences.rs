@@ -8,8 +8,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::Claim;
-use idem::{Acquisition, IdempotencyStore};
+use idemkit::postgres::Claim;
+use idemkit::{Acquisition, IdempotencyStore};
 use support::pg_replica::{PgReplicaPair, Replication};
 use support::report::report;
 use support::storm::run_id;

@@ -6,8 +6,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::Failover;
-use idem::IdempotencyStore;
+use idemkit::postgres::Failover;
+use idemkit::IdempotencyStore;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::Connection;
 use support::pg::PgServer;
@@ -119,7 +119,7 @@ async fn watcher_ends_when_failovers_and_stores_are_dropped() {
             .connect_with(pool_options())
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        let store = idem::postgres::PgStore::builder(pool.clone())
+        let store = idemkit::postgres::PgStore::builder(pool.clone())
             .failover(failover.clone())
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
@@ -131,7 +131,7 @@ async fn watcher_ends_when_failovers_and_stores_are_dropped() {
         }
         let k = key(&run_id(), 0);
         match store.acquire(&k, None, Duration::from_secs(30)).await {
-            Ok(idem::Acquisition::Acquired(lease)) => store
+            Ok(idemkit::Acquisition::Acquired(lease)) => store
                 .complete(&lease, b"ok", Duration::from_secs(60))
                 .await
                 .unwrap_or_else(|e| panic!("complete: {e}")),

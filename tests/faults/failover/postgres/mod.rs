@@ -23,8 +23,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Failover, PgStore};
-use idem::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
+use idemkit::postgres::{Failover, PgStore};
+use idemkit::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
 use sqlx::postgres::PgPoolOptions;
 use support::pg_replica::PgReplicaPair;
 

@@ -7,8 +7,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Failover, PgStore};
-use idem::{Acquisition, IdempotencyStore, StoreError};
+use idemkit::postgres::{Failover, PgStore};
+use idemkit::{Acquisition, IdempotencyStore, StoreError};
 use support::pg_replica::{PgReplicaPair, Replication};
 use support::report::report;
 use support::storm::run_id;
@@ -44,7 +44,7 @@ async fn picks_the_writable_server() {
     let k = key(&run_id(), 1);
     assert!(matches!(
         store.acquire(&k, None, Duration::from_secs(5)).await,
-        Ok(idem::Acquisition::Acquired(_))
+        Ok(idemkit::Acquisition::Acquired(_))
     ));
 
     let dead = format!(
@@ -102,7 +102,7 @@ async fn read_only_server_is_left_and_found_again() {
             store
                 .acquire(&key(&run, i), None, Duration::from_secs(5))
                 .await,
-            Ok(idem::Acquisition::Acquired(_))
+            Ok(idemkit::Acquisition::Acquired(_))
         ));
     }
 
@@ -161,7 +161,7 @@ async fn read_only_server_is_left_and_found_again() {
             .acquire(&key(&run, 300), None, Duration::from_secs(5))
             .await
         {
-            Ok(idem::Acquisition::Acquired(_)) => break,
+            Ok(idemkit::Acquisition::Acquired(_)) => break,
             Err(StoreError::Unavailable(_)) => {}
             other => panic!("expected Acquired, got {other:?}"),
         }

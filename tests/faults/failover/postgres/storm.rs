@@ -37,9 +37,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::postgres::{Failover, PgStore};
-use idem::tiered::{MokaCache, RedisCache, TieredStore};
-use idem::{Idempotency, IdempotencyStore, InProgressPolicy, Record, RecordState};
+use idemkit::postgres::{Failover, PgStore};
+use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
+use idemkit::{Idempotency, IdempotencyStore, InProgressPolicy, Record, RecordState};
 use support::pg_replica::{PgReplicaPair, Replication};
 use support::storm::{deliver_all, plan, run_id, Delivery, Ledger, Receiver};
 

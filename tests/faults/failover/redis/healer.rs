@@ -12,9 +12,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idem::redis::redis::cluster_async::ClusterConnection;
-use idem::redis::RedisStore;
-use idem::{IdempotencyStore, StoreError};
+use idemkit::redis::redis::cluster_async::ClusterConnection;
+use idemkit::redis::RedisStore;
+use idemkit::{IdempotencyStore, StoreError};
 use support::redis_server::{command, start_cluster_servers};
 use support::report::report;
 

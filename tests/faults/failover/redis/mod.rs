@@ -5,7 +5,7 @@
 //!
 //! `cargo test --all-features --test faults failover::redis -- --nocapture`
 
-use idem::IdempotencyKey;
+use idemkit::IdempotencyKey;
 
 mod healer;
 mod replicas;

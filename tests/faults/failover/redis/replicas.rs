@@ -8,8 +8,8 @@ use crate::support;
 
 use std::time::{Duration, Instant};
 
-use idem::redis::RedisStore;
-use idem::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
+use idemkit::redis::RedisStore;
+use idemkit::{Acquisition, IdempotencyKey, IdempotencyStore, StoreError};
 use support::report::report;
 
 use super::key;

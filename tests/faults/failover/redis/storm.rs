@@ -41,8 +41,8 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idem::redis::RedisStore;
-use idem::{
+use idemkit::redis::RedisStore;
+use idemkit::{
     IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy, Processed, Record,
     RecordState, StoreError,
 };
@@ -148,7 +148,7 @@ struct Shared {
     stalled_us: AtomicU64,
     /// Every store made (clones: they share their connection), to read how
     /// many times each replaced a silent connection by itself.
-    stores: Mutex<Vec<RedisStore<idem::redis::redis::cluster_async::ClusterConnection>>>,
+    stores: Mutex<Vec<RedisStore<idemkit::redis::redis::cluster_async::ClusterConnection>>>,
 }
 
 impl Shared {
