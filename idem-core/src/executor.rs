@@ -300,7 +300,10 @@ where
     /// for such a key (with the same fingerprint, or any when the call has
     /// none) waits without asking the store, which would let it take the
     /// key over (the lease is over) and run the handler again, until the
-    /// key is let go; then it gets the replay. The HTTP layer sets its own.
+    /// key is let go; then it gets the replay. A key the receiver gave up
+    /// finishing ([`FinishingKeys::given_up`]) is answered
+    /// [`IdemError::ResultUnavailable`] without asking the store, whatever
+    /// the policy. The HTTP layer sets its own.
     pub fn waits_for_finishing(mut self, keys: Arc<FinishingKeys>) -> Self {
         self.finishing = Some(keys);
         self
@@ -858,6 +861,15 @@ where
                     continue;
                 }
             }
+            // A key whose completion this receiver gave up writing (its
+            // handler ran): never asked of the store, which would hand
+            // the expired lease over. Checked after the wait above, which
+            // ends when the finisher lets the key go (given up first).
+            if let Some(keys) = &self.finishing {
+                if keys.given_up().holds(key, fingerprint) {
+                    return Err(given_up_here());
+                }
+            }
             let sent_at = Instant::now();
             let started = *first_sent.get_or_insert(sent_at);
             let call = self.store.acquire(key, fingerprint, self.lease);
@@ -1037,5 +1049,16 @@ fn outcome_name<T, E>(result: &Result<Processed<T>, IdemError<E>>) -> &'static s
         Err(IdemError::Store(_)) => "store_error",
         Err(IdemError::InvalidKey(_)) => "invalid_key",
         Err(IdemError::Unrecorded(_)) => "unrecorded",
+    }
+}
+
+/// The answer for a key whose completion this receiver gave up writing
+/// ([`FinishingKeys::given_up`]): its handler ran, its result is not
+/// recorded, and it never runs again here.
+pub(crate) fn given_up_here<E>() -> IdemError<E> {
+    IdemError::ResultUnavailable {
+        reason:
+            "the handler of this key ran at this receiver, but its result could not be recorded"
+                .to_owned(),
     }
 }

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::codec::Codec;
 use crate::error::{StoreError, Unrecorded};
@@ -41,6 +41,8 @@ pub struct FinishingKeys {
     /// Wakes the finishers pausing between two tries
     /// ([`store_answered`](Self::store_answered)).
     answered: tokio::sync::Notify,
+    /// The keys whose completion the receiver gave up writing.
+    given_up: GivenUpKeys,
 }
 
 impl FinishingKeys {
@@ -99,6 +101,17 @@ impl FinishingKeys {
         }
     }
 
+    /// The keys whose completion this receiver gave up writing
+    /// ([`GivenUpKeys`]): put one in before its [`FinishingGuard`] is
+    /// dropped, so a delivery that finds the key no longer held finds it
+    /// given up. An executor that [waits for these
+    /// keys](Idempotency::waits_for_finishing) answers
+    /// [`IdemError::ResultUnavailable`](crate::IdemError::ResultUnavailable)
+    /// for them without asking the store.
+    pub fn given_up(&self) -> &GivenUpKeys {
+        &self.given_up
+    }
+
     /// How many keys are being finished.
     pub fn len(&self) -> usize {
         self.count.load(Ordering::Acquire)
@@ -143,6 +156,81 @@ impl FinishingGuard {
 impl Drop for FinishingGuard {
     fn drop(&mut self) {
         self.keys.remove(&self.key, &self.fingerprint);
+    }
+}
+
+/// The keys whose handler ran at this receiver but whose completion it
+/// gave up writing ([`Finished::Refused`], [`Finished::GaveUp`]). The
+/// store holds such a key in progress, its lease over: any delivery that
+/// asks the store takes it over and runs the handler again. So another
+/// delivery of the key at this receiver is answered without asking the
+/// store (HTTP: 409 "not recorded"; a consumer dead-letters it) until the
+/// retention the result would have had ends. Another receiver (instance,
+/// consumer) does not know it: that is the window an outage longer than
+/// the lease leaves (DESIGN 4).
+///
+/// One entry per given-up key, pruned as entries expire; a lookup reads
+/// one atomic counter while the set is empty.
+#[derive(Debug, Default)]
+pub struct GivenUpKeys {
+    count: AtomicUsize,
+    keys: Mutex<HashMap<IdempotencyKey, GivenUp>>,
+}
+
+/// A key given up: its run's fingerprint (`None`: every payload) and when
+/// it is let go (`None`: a retention too long for this clock, kept for the
+/// process's life).
+type GivenUp = (Option<Fingerprint>, Option<Instant>);
+
+impl GivenUpKeys {
+    /// Keeps `key` (with its run's `fingerprint`, or `None` for every
+    /// payload) for `retention` from now.
+    pub fn insert(
+        &self,
+        key: IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        retention: Duration,
+    ) {
+        let now = Instant::now();
+        let mut keys = lock(&self.keys);
+        keys.retain(|_, (_, until)| until.is_none_or(|u| u > now));
+        keys.insert(key, (fingerprint, now.checked_add(retention)));
+        self.count.store(keys.len(), Ordering::Release);
+    }
+
+    /// Whether `key` was given up for a run with this `fingerprint` (or
+    /// for a run without one, or when the delivery has none). A delivery
+    /// with another payload than a fingerprinted run's is not: the store
+    /// answers its mismatch.
+    pub fn holds(&self, key: &IdempotencyKey, fingerprint: Option<&Fingerprint>) -> bool {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let now = Instant::now();
+        let mut keys = lock(&self.keys);
+        match keys.get(key) {
+            Some((_, Some(until))) if *until <= now => {
+                keys.remove(key);
+                self.count.store(keys.len(), Ordering::Release);
+                false
+            }
+            Some((held, _)) => match (held, fingerprint) {
+                (Some(held), Some(given)) => held == given,
+                _ => true,
+            },
+            None => false,
+        }
+    }
+
+    /// How many keys are kept (expired ones included until the next
+    /// insert or lookup prunes them).
+    pub fn len(&self) -> usize {
+        self.count.load(Ordering::Acquire)
+    }
+
+    /// Whether no key is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 

@@ -52,7 +52,7 @@ pub use codec::{Codec, JsonCodec};
 pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError, Unrecorded};
 pub use executor::{BatchOutcome, Context, Idempotency, InProgressPolicy, Processed};
 pub use fingerprint::Fingerprint;
-pub use finishing::{Finished, FinishingGuard, FinishingKeys, Pauses, MIN_PAUSE};
+pub use finishing::{Finished, FinishingGuard, FinishingKeys, GivenUpKeys, Pauses, MIN_PAUSE};
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use record::{

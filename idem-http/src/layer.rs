@@ -119,10 +119,6 @@ pub(crate) struct Config<S: ?Sized, C> {
     /// ([`finish_later`](crate::finishing::finish_later)); shared by the
     /// layer's clones.
     pub(crate) finishing: Arc<FinishingKeys>,
-    /// Keys whose response this layer gave up recording after their
-    /// handler ran ([`GivenUp`](crate::finishing::GivenUp)); shared by the
-    /// layer's clones.
-    pub(crate) given_up: Arc<crate::finishing::GivenUp>,
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {
@@ -143,7 +139,6 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             route_template: self.route_template,
             on_replay: self.on_replay.clone(),
             finishing: self.finishing.clone(),
-            given_up: self.given_up.clone(),
             render: self.render.clone(),
         }
     }
@@ -229,7 +224,6 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 on_replay: None,
                 render: None,
                 finishing,
-                given_up: Arc::default(),
             }),
         }
     }

@@ -18,7 +18,7 @@ use idem_core::{
 };
 
 use crate::fingerprint::fingerprint;
-use crate::finishing::{finish_later, GivenUp};
+use crate::finishing::finish_later;
 use crate::key::{key_id, key_path};
 use crate::layer::{Config, KeySource};
 use crate::recorded::{self, Buffered, Outcome, Prefixed, Recorded};
@@ -364,24 +364,23 @@ where
             Ok::<_, NotRecorded<Inner::Error>>(outcome)
         }
     };
-    if config.given_up.holds(&key, &fingerprint) {
-        return Ok(render(&config, Problem::new(ProblemKind::NotRecorded)));
-    }
+    // Held first, then given up: the finisher puts a key it gives up in
+    // `given_up` before it lets the key go, so a request that finds the key
+    // no longer held finds it given up.
     if config.finishing.holds(&key, &fingerprint) {
         let problem =
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
         return Ok(render(&config, problem));
     }
+    if config.finishing.given_up().holds(&key, Some(&fingerprint)) {
+        return Ok(render(&config, Problem::new(ProblemKind::NotRecorded)));
+    }
     let run = if config.detached {
         // The whole run, the start of the finisher included, is one task
         // that the request only awaits: a client that goes away does not
         // stop the recording of what its handler did.
-        let (idem, finishing, given_up, run_key) = (
-            config.idem.clone(),
-            config.finishing.clone(),
-            config.given_up.clone(),
-            key.clone(),
-        );
+        let (idem, finishing, run_key) =
+            (config.idem.clone(), config.finishing.clone(), key.clone());
         let task = async move {
             let run = match idem
                 .process_with(&run_key, Some(fingerprint), handler)
@@ -389,8 +388,7 @@ where
             {
                 Err(IdemError::Unrecorded(unrecorded)) => {
                     let cause = unrecorded.cause().to_string();
-                    let sets = (&finishing, &given_up);
-                    finish_in_background(sets, &idem, run_key, fingerprint, unrecorded);
+                    finish_in_background(&finishing, &idem, run_key, fingerprint, unrecorded);
                     Run::Finishing { cause }
                 }
                 outcome => Run::Done(outcome),
@@ -443,7 +441,7 @@ where
             Err(IdemError::Unrecorded(unrecorded)) => {
                 let cause = unrecorded.cause().to_string();
                 finish_in_background(
-                    (&config.finishing, &config.given_up),
+                    &config.finishing,
                     &config.idem,
                     key.clone(),
                     fingerprint,
@@ -581,10 +579,10 @@ impl<T, E> Run<T, E> {
 /// Holds `key` finishing (a retry with the same payload gets 409 without
 /// asking the store) and writes the completion of `unrecorded` in a task
 /// of its own, which lets the key go when it ends however it ends; one it
-/// gave up recording goes into `given_up` first (its retries get 409 "not
-/// recorded" for the retention).
+/// gave up recording is put in the keys given up first (its retries get
+/// 409 "not recorded" for the retention).
 fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
-    (finishing, given_up): (&Arc<FinishingKeys>, &Arc<GivenUp>),
+    finishing: &Arc<FinishingKeys>,
     idem: &Idempotency<S, C>,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
@@ -593,11 +591,13 @@ fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             let guard = finishing.hold(key.clone(), Some(fingerprint));
-            let (idem, finishing, given_up) = (idem.clone(), finishing.clone(), given_up.clone());
+            let (idem, finishing) = (idem.clone(), finishing.clone());
             runtime.spawn(async move {
                 let retention = idem.retention_period();
                 if finish_later(idem, unrecorded, &finishing).await {
-                    given_up.insert(key, fingerprint, retention);
+                    finishing
+                        .given_up()
+                        .insert(key, Some(fingerprint), retention);
                 }
                 drop(guard);
             });

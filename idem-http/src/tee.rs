@@ -4,26 +4,29 @@
 //! the limit or at trailers: the rest of the body then goes to the caller
 //! as it is, unread by the layer.
 //!
-//! The copy never waits for the caller: the frames it hands on wait in a
-//! queue for the caller to read them, so a caller that stops reading (its
+//! The copy never waits for the caller: the data it hands on waits in a
+//! queue for the caller to read it, so a caller that stops reading (its
 //! connection open, its window closed) holds up neither the recording nor
-//! the lease. The queue holds what the copy holds, the body up to the
-//! limit, at most: past it, the rest goes to the caller unread.
+//! the lease. The data waiting there is kept in one buffer (frames the
+//! caller has not read yet are joined), so the queue holds the body up to
+//! the limit, at most, whatever the size of its frames: past the limit,
+//! the rest goes to the caller unread.
 
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll, Waker};
 
 use bytes::{Bytes, BytesMut};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::BodyExt;
-use tokio::sync::mpsc;
 
 use crate::{BoxError, LayerBody};
 
-/// What the copy sends to the caller's body.
+/// What the copy sends to the caller's body after its data.
 enum Piece {
+    /// A frame that is not data (trailers).
     Frame(Frame<Bytes>),
     /// The body failed: the caller's body fails with it.
     Failed(BoxError),
@@ -33,6 +36,55 @@ enum Piece {
     End,
 }
 
+/// The queue from the copy to the caller's body.
+#[derive(Default)]
+struct Queue {
+    /// Data handed on and not read yet, joined.
+    data: BytesMut,
+    /// What comes after that data, in order.
+    after: VecDeque<Piece>,
+    /// The caller's body, waiting for more.
+    waker: Option<Waker>,
+    /// The copy stopped (its sender dropped).
+    closed: bool,
+}
+
+fn lock(queue: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
+    queue.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The copy's end of the queue; dropping it (the copy ended, or its task
+/// was cut off) closes the queue.
+struct Sender(Arc<Mutex<Queue>>);
+
+impl Sender {
+    fn data(&self, data: &[u8]) {
+        let mut queue = lock(&self.0);
+        queue.data.extend_from_slice(data);
+        if let Some(waker) = queue.waker.take() {
+            waker.wake();
+        }
+    }
+
+    fn piece(&self, piece: Piece) {
+        let mut queue = lock(&self.0);
+        queue.after.push_back(piece);
+        if let Some(waker) = queue.waker.take() {
+            waker.wake();
+        }
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let mut queue = lock(&self.0);
+        queue.closed = true;
+        if let Some(waker) = queue.waker.take() {
+            waker.wake();
+        }
+    }
+}
+
 /// The caller's body of a response that streams: the frames read before
 /// the head was handed out, then what the copy sends, then the rest of the
 /// body if the copy was given up. A copy that stops without saying the
@@ -40,7 +92,7 @@ enum Piece {
 /// looks whole.
 pub(crate) struct Forwarded {
     read: VecDeque<Frame<Bytes>>,
-    pieces: mpsc::UnboundedReceiver<Piece>,
+    queue: Arc<Mutex<Queue>>,
     rest: Option<LayerBody>,
     ended: bool,
 }
@@ -64,22 +116,36 @@ impl Body for Forwarded {
             if this.ended {
                 return Poll::Ready(None);
             }
-            return match this.pieces.poll_recv(cx) {
-                Poll::Pending => Poll::Pending,
-                Poll::Ready(Some(Piece::Frame(frame))) => Poll::Ready(Some(Ok(frame))),
-                Poll::Ready(Some(Piece::Rest(rest))) => {
+            let piece = {
+                let mut queue = lock(&this.queue);
+                if !queue.data.is_empty() {
+                    let data = queue.data.split().freeze();
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                match queue.after.pop_front() {
+                    Some(piece) => Some(piece),
+                    None if queue.closed => None,
+                    None => {
+                        queue.waker = Some(cx.waker().clone());
+                        return Poll::Pending;
+                    }
+                }
+            };
+            return match piece {
+                Some(Piece::Frame(frame)) => Poll::Ready(Some(Ok(frame))),
+                Some(Piece::Rest(rest)) => {
                     this.rest = Some(rest);
                     continue;
                 }
-                Poll::Ready(Some(Piece::Failed(error))) => {
+                Some(Piece::Failed(error)) => {
                     this.ended = true;
                     Poll::Ready(Some(Err(error)))
                 }
-                Poll::Ready(Some(Piece::End)) => {
+                Some(Piece::End) => {
                     this.ended = true;
                     Poll::Ready(None)
                 }
-                Poll::Ready(None) => {
+                None => {
                     this.ended = true;
                     Poll::Ready(Some(Err(
                         "the response was cut off before its end (its task stopped)".into(),
@@ -125,10 +191,11 @@ pub(crate) fn tee(
             copy.extend_from_slice(data);
         }
     }
-    let (tx, pieces) = mpsc::unbounded_channel();
+    let queue = Arc::new(Mutex::new(Queue::default()));
+    let tx = Sender(queue.clone());
     let caller = Forwarded {
         read,
-        pieces,
+        queue,
         rest: None,
         ended: false,
     };
@@ -137,7 +204,7 @@ pub(crate) fn tee(
         loop {
             match rest.frame().await {
                 None => {
-                    let _ = tx.send(Piece::End);
+                    tx.piece(Piece::End);
                     return Ok(copy.freeze());
                 }
                 Some(Ok(frame)) => {
@@ -155,15 +222,18 @@ pub(crate) fn tee(
                     };
                     // A caller gone: the copy goes on (the response is
                     // still recorded).
-                    let _ = tx.send(Piece::Frame(frame));
+                    match frame.into_data() {
+                        Ok(data) => tx.data(&data),
+                        Err(frame) => tx.piece(Piece::Frame(frame)),
+                    }
                     if let Some(why) = given_up {
-                        let _ = tx.send(Piece::Rest(rest));
+                        tx.piece(Piece::Rest(rest));
                         return Err(why);
                     }
                 }
                 Some(Err(error)) => {
                     let why = format!("the response body failed: {error}");
-                    let _ = tx.send(Piece::Failed(error));
+                    tx.piece(Piece::Failed(error));
                     return Err(why);
                 }
             }

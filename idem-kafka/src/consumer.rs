@@ -177,7 +177,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             producer,
             group,
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),
-            idem,
+            // A key whose completion the consumer gave up writing is
+            // never acquired again here (its handler ran).
+            idem: idem.waits_for_finishing(shared.finishing.clone()),
             key: KeySource::RecordKey,
             scope: None,
             batch: 1,

@@ -275,6 +275,16 @@ where
                     // The store refuses the completion for good: the
                     // handler ran, so the record is never run again.
                     Ok(Finished::Refused(e) | Finished::GaveUp(e)) => {
+                        // Given up before the key is let go, so the later
+                        // records of the key, which wait for it, are
+                        // settled as duplicates, never run.
+                        if let Some(k) = &key {
+                            let retention = self.idem.retention_period();
+                            self.shared
+                                .finishing
+                                .given_up()
+                                .insert(k.clone(), None, retention);
+                        }
                         unfinished = None;
                         dead = Some((
                             0,

@@ -283,8 +283,9 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     /// `run` runs (see [`keeper`]).
     held: Arc<keeper::Held>,
     /// Keys whose handler ran but whose completion the store refused for
-    /// good: their later entries are dead-lettered, never run.
-    refused: Arc<std::sync::Mutex<HashSet<IdempotencyKey>>>,
+    /// good: their later entries are dead-lettered, never run, until the
+    /// retention their result would have had ends.
+    refused: Arc<idem_core::GivenUpKeys>,
 }
 
 impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
@@ -643,10 +644,8 @@ where
                     // The handler ran for this key: no later entry of it
                     // runs again at this consumer (its lease is over, a
                     // run would take the key over).
-                    self.refused
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(u.lease().key.clone());
+                    let retention = self.idem.retention_period();
+                    self.refused.insert(u.lease().key.clone(), None, retention);
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
                     let delivery = Delivery {
@@ -824,11 +823,6 @@ where
                 map.values().map(|(_, u)| u.lease().key.clone()).collect(),
             )
         };
-        let refused = self
-            .refused
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
         for (i, delivery) in deliveries.iter().enumerate() {
             let outcome = match &delivery.unusable {
                 // Its handler ran: only its completion is left to write
@@ -843,7 +837,7 @@ where
                 None => match self.key_of(&delivery.entry) {
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                     Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Pending),
-                    Ok(key) if refused.contains(&key) => Some(Outcome::Dead(
+                    Ok(key) if self.refused.holds(&key, None) => Some(Outcome::Dead(
                         "the handler of this key ran but the store refused its result for good: never run again"
                             .to_owned(),
                     )),

@@ -113,10 +113,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     pub fn new(client: Client, queue_url: impl Into<String>, idem: Idempotency<S, C>) -> Self {
         let queue_url = queue_url.into();
         let scope = default_scope(queue_name(&queue_url));
+        let shared = Arc::<Shared>::default();
         SqsConsumer {
             client,
             queue_url,
-            idem,
+            // A key whose completion the consumer gave up writing is never
+            // acquired again here (its handler ran).
+            idem: idem.waits_for_finishing(shared.finishing.clone()),
             key: KeySource::MessageId,
             scope,
             batch: MAX_BATCH,
@@ -129,7 +132,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             dead_letter: None,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             shutdown_wait: Duration::from_secs(30),
-            shared: Arc::default(),
+            shared,
         }
     }
 

@@ -80,6 +80,16 @@ where
             let Ok(finished) = self.idem.try_finish(&unrecorded).await else {
                 continue;
             };
+            // Its handler ran: given up before its key leaves
+            // `unfinished`, so the other messages of the key are settled as
+            // duplicates, never run.
+            if let Finished::Refused(_) | Finished::GaveUp(_) = &finished {
+                let retention = self.idem.retention_period();
+                shared
+                    .finishing
+                    .given_up()
+                    .insert(unrecorded.lease().key.clone(), None, retention);
+            }
             let Some(u) = lock(&shared.unfinished).remove(&receipt) else {
                 continue;
             };

@@ -1,9 +1,9 @@
 //! The state shared by the run loop, the batch tasks and the heartbeat.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use idem_core::{IdempotencyKey, StoreError};
+use idem_core::{FinishingKeys, IdempotencyKey, StoreError};
 
 use crate::finishing::Unfinished;
 use crate::stats::Counters;
@@ -24,6 +24,10 @@ pub(crate) struct Shared {
     pub(crate) fatal: Mutex<Option<StoreError>>,
     /// Keys that a batch task is processing.
     pub(crate) busy: Mutex<HashSet<IdempotencyKey>>,
+    /// Holds no key (`unfinished` does that): its keys given up
+    /// ([`FinishingKeys::given_up`]), which the executor answers
+    /// `ResultUnavailable` for.
+    pub(crate) finishing: Arc<FinishingKeys>,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

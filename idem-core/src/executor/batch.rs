@@ -16,8 +16,8 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use super::{
-    count, later, lock, panic_message, run_handler, AbortOnDrop, Context, HandlerOutcome,
-    Idempotency, InProgressPolicy, Processed,
+    count, given_up_here, later, lock, panic_message, run_handler, AbortOnDrop, Context,
+    HandlerOutcome, Idempotency, InProgressPolicy, Processed,
 };
 use crate::codec::Codec;
 use crate::error::{CodecError, IdemError, StoreError};
@@ -281,6 +281,22 @@ where
                     attempt,
                 }));
             }
+            // Keys whose completion the receiver gave up writing (their
+            // handler ran): never acquired, as in a single call.
+            let round: Vec<_> = match &self.finishing {
+                Some(keys) if !keys.given_up().is_empty() => round
+                    .into_iter()
+                    .filter_map(|item| {
+                        if keys.given_up().holds(&item.key, item.fingerprint.as_ref()) {
+                            out[item.index] = Some(Err(given_up_here()));
+                            None
+                        } else {
+                            Some(item)
+                        }
+                    })
+                    .collect(),
+                _ => round,
+            };
             if round.is_empty() {
                 continue;
             }

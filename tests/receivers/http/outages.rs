@@ -283,6 +283,87 @@ async fn a_response_the_store_refuses_after_an_outage_is_never_run_again() {
     );
 }
 
+/// A request waits (`InProgressPolicy::Wait`) on a key whose response the
+/// layer is finishing after an outage; the store then refuses that
+/// completion for good. The waiting request is answered 409 "not
+/// recorded" (and so is a later one): it never takes the expired lease
+/// over to run the handler again. On MemoryStore and on Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_request_never_runs_a_key_whose_response_was_given_up() {
+    waiting_on_a_refused_key(idemkit::MemoryStore::new(), "k-wait-refused").await;
+    let redis = idemkit::redis::RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let key = format!("k-wait-refused-{:08x}", fastrand::u32(..));
+    waiting_on_a_refused_key(redis, &key).await;
+}
+
+async fn waiting_on_a_refused_key<S: idemkit::IdempotencyStore>(inner: S, key: &str) {
+    let (flaky, _down) = support::flaky::FlakyStore::new(inner);
+    let refuse = flaky.refuse_completes.clone();
+    let store = Arc::new(Tap::new(flaky));
+    let idem = Idempotency::from_arc(store.clone())
+        .lease(std::time::Duration::from_secs(1))
+        .on_in_progress(idemkit::InProgressPolicy::Wait {
+            max_wait: std::time::Duration::from_secs(20),
+            poll: std::time::Duration::from_millis(100),
+        });
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, store) = (effects.clone(), store.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+                // Completions fail (retryably) until the test says.
+                store.fail_completes(usize::MAX);
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = tokio::spawn({
+        let (url, key) = (url.clone(), key.to_owned());
+        async move { post_json(&url, Some(&key), "t1", &json!({})).await }
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let second = tokio::spawn({
+        let (url, key) = (url.clone(), key.to_owned());
+        async move { post_json(&url, Some(&key), "t1", &json!({})).await }
+    });
+    let first = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    // The lease is over; the completion is now refused for good.
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    refuse.store(true, Ordering::SeqCst);
+    store.fail_completes(0);
+    let second = second.await.unwrap_or_else(|e| panic!("{e}"));
+    let third = post_json(&url, Some(key), "t1", &json!({})).await;
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the handler ran twice at one instance: first {} {:?}, waiting second {} {:?}, third {} {:?}",
+        first.status,
+        first.body,
+        second.status,
+        second.body,
+        third.status,
+        third.body
+    );
+    let not_recorded = json!(Problem::new(ProblemKind::NotRecorded).title);
+    for (which, r) in [("the waiting request", &second), ("a later one", &third)] {
+        assert_eq!(
+            (r.status, &r.body["title"]),
+            (409, &not_recorded),
+            "{which}: {:?}",
+            r.body
+        );
+    }
+}
+
 /// Two instances of a service over one store. Instance A's handler runs
 /// and the store goes away for 3.2 s, past the 1 s lease: A answers its
 /// client and writes the completion once the store is back. A retry

@@ -28,15 +28,16 @@ const FRAME: usize = 4096;
 /// The listening socket has a small send buffer (accepted sockets inherit
 /// it), so a caller that does not read holds the server's writes soon.
 async fn serve(idem: Idempotency<PgStore>) -> (String, Arc<AtomicU64>) {
-    serve_with(idem, usize::MAX, FRAMES, None).await
+    serve_with(idem, usize::MAX, (FRAMES, FRAME), None).await
 }
 
 /// As [`serve`], the layer's max_response_bytes `limit` (`usize::MAX`: the
-/// default), `frames` frames, and a failure in place of frame `fail_at`.
+/// default), `frames` frames of `frame` bytes, and a failure in place of
+/// frame `fail_at`.
 async fn serve_with(
     idem: Idempotency<PgStore>,
     limit: usize,
-    frames: usize,
+    (frames, frame): (usize, usize),
     fail_at: Option<usize>,
 ) -> (String, Arc<AtomicU64>) {
     let executions = Arc::new(AtomicU64::new(0));
@@ -44,15 +45,15 @@ async fn serve_with(
         let executions = executions.clone();
         move || async move {
             executions.fetch_add(1, Ordering::SeqCst);
-            let first = futures::stream::once(async {
+            let first = futures::stream::once(async move {
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'a'; FRAME]))
+                Ok::<_, std::io::Error>(bytes::Bytes::from(vec![b'a'; frame]))
             });
             let rest = futures::stream::iter((1..frames).map(move |i| {
                 if Some(i) == fail_at {
                     Err(std::io::Error::other("upstream failed"))
                 } else {
-                    Ok(bytes::Bytes::from(vec![b'b'; FRAME]))
+                    Ok(bytes::Bytes::from(vec![b'b'; frame]))
                 }
             }));
             use futures::StreamExt;
@@ -194,6 +195,43 @@ async fn a_caller_that_stops_reading_does_not_hold_the_key_in_progress() {
     );
 }
 
+/// This process's resident memory, in KiB.
+fn resident_kib() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_else(|e| panic!("{e}"));
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no VmRSS in /proc/self/status"))
+}
+
+/// A 2 MiB body in 1-byte frames (within a 2 MiB limit) to a caller that
+/// stops reading: the data waiting for the caller is kept joined, so the
+/// process holds about the body (and its copy), not a frame's allocation
+/// and queue slot per byte (that was about 135 times the body).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_frames_to_a_caller_that_stops_reading_hold_about_the_body() {
+    const BODY: usize = 2 << 20;
+    let idem = Idempotency::new(pg_store().await);
+    let (addr, executions) = serve_with(idem, BODY, (BODY, 1), None).await;
+    let before = resident_kib();
+    let stalled = stalled_caller(&addr, "tiny-frames").await;
+    let again = settled(&addr, "tiny-frames").await;
+    let during = resident_kib();
+    drop(stalled);
+    assert_eq!(
+        again,
+        (200, true, BODY),
+        "the copy is recorded and replayed"
+    );
+    assert_eq!(executions.load(Ordering::SeqCst), 1);
+    let grown = during.saturating_sub(before);
+    assert!(
+        grown < 48 * 1024,
+        "2 MiB in 1-byte frames to a caller that stopped reading grew the process by {grown} KiB"
+    );
+}
+
 /// Retries a duplicate while it gets 409 with a Retry-After ("in
 /// progress"), for 10 s at most: its last answer.
 async fn settled(addr: &str, key: &str) -> (u16, bool, usize) {
@@ -212,7 +250,7 @@ async fn settled(addr: &str, key: &str) -> (u16, bool, usize) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_body_at_the_limit_is_recorded() {
     let idem = Idempotency::new(pg_store().await);
-    let (addr, executions) = serve_with(idem, 3 * FRAME, 3, None).await;
+    let (addr, executions) = serve_with(idem, 3 * FRAME, (3, FRAME), None).await;
     let first = duplicate(&addr, "at-limit").await;
     assert_eq!(first, (200, false, 3 * FRAME));
     let again = settled(&addr, "at-limit").await;
@@ -226,7 +264,7 @@ async fn a_streamed_body_at_the_limit_is_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_body_over_the_limit_whose_caller_is_gone_is_not_replayable() {
     let idem = Idempotency::new(pg_store().await).lease(Duration::from_secs(2));
-    let (addr, executions) = serve_with(idem, 2 * FRAME, FRAMES, None).await;
+    let (addr, executions) = serve_with(idem, 2 * FRAME, (FRAMES, FRAME), None).await;
     let stalled = stalled_caller(&addr, "over-gone").await;
     drop(stalled);
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -240,7 +278,7 @@ async fn a_streamed_body_over_the_limit_whose_caller_is_gone_is_not_replayable()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_streamed_body_that_fails_is_never_run_again() {
     let idem = Idempotency::new(pg_store().await).lease(Duration::from_secs(2));
-    let (addr, executions) = serve_with(idem, usize::MAX, 4, Some(2)).await;
+    let (addr, executions) = serve_with(idem, usize::MAX, (4, FRAME), Some(2)).await;
     let first = reqwest::Client::new()
         .post(format!("http://{addr}/big"))
         .header("idempotency-key", "fails")

@@ -346,3 +346,57 @@ async fn a_rebalance_while_a_result_waits_hands_the_record_on_with_a_higher_fenc
         other => panic!("{other:?}"),
     }
 }
+
+/// Two records of one key in one partition. The first one's handler runs,
+/// the store is away past the 1 s lease, and once back it refuses the
+/// completion for good: the first record is dead-lettered (its handler
+/// ran). The second, which waited for it, is settled as a duplicate whose
+/// result was not recorded, never run: one effect, both committed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_record_of_a_key_whose_completion_was_refused_never_runs() {
+    let topic = name("refused");
+    let dead = name("refused-dlt");
+    let group = name("refused-g");
+    support::kafka::create_topic(&topic, 1);
+    support::kafka::create_topic(&dead, 1);
+    send(&topic, 0, Some(b"pay-1"), &[], Some(b"{\"amount\":1}")).await;
+    let end = send(&topic, 0, Some(b"pay-1"), &[], Some(b"{\"amount\":1}")).await + 1;
+    let (store, down) = FlakyStore::new(MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let consumer = consumer(&group, &topic, idem)
+        .dead_letter(&dead)
+        .commit_interval(Duration::ZERO)
+        .retry_backoff(Duration::from_millis(20), Duration::from_millis(200));
+    let effects: Effects = Arc::default();
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        let first = Arc::new(AtomicBool::new(true));
+        move |record: KafkaRecord| {
+            let (effects, down, refuse, first) =
+                (effects.clone(), down.clone(), refuse.clone(), first.clone());
+            Box::pin(async move {
+                let id = record.key_text()?.to_owned();
+                effect(&effects, &id);
+                if first.swap(false, Ordering::SeqCst) {
+                    refuse.store(true, Ordering::SeqCst);
+                    support::flaky::outage(&down, Duration::from_millis(2500));
+                }
+                Ok::<_, RecordError>(format!("done {id}"))
+            }) as BoxFuture<'static, Result<String, RecordError>>
+        }
+    };
+    let stats = run_until_committed(
+        &consumer,
+        handler,
+        (&group, &topic),
+        end,
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(
+        effects_of(&effects, "pay-1"),
+        1,
+        "the effect of pay-1 ran twice: {stats:?}"
+    );
+}

@@ -177,3 +177,56 @@ async fn an_unrecorded_message_is_never_run_again_by_another_consumer_sharing_it
         "an Unrecorded run ran again: A {sa:?} B {sb:?}"
     );
 }
+
+/// The store is away past the 1 s lease after the handler ran, and once
+/// it is back it refuses the completion for good: the message is
+/// dead-lettered (its handler ran). The producer then sends the key again
+/// as a new message: this consumer settles it as a duplicate whose result
+/// was not recorded (deleted), never taking the expired lease over to run
+/// the handler again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_later_message_of_a_key_whose_completion_was_refused_never_runs() {
+    let client = client();
+    let url = create_queue(&client, "idem-refused").await;
+    let dlq = create_queue(&client, "idem-refused-dlq").await;
+    let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let effects = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        move |_m: SqsMessage| {
+            let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+            Box::pin(async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    refuse.store(true, Ordering::SeqCst);
+                    support::flaky::outage(&down, Duration::from_millis(2500));
+                }
+                Ok::<usize, BoxError>(7)
+            }) as BoxFuture<'static, Result<usize, BoxError>>
+        }
+    };
+    let consumer = SqsConsumer::new(client.clone(), &url, idem.clone())
+        .key_attribute("key")
+        .visibility_timeout(Duration::from_secs(3))
+        .retry_visibility(Duration::from_secs(1))
+        .wait_time(Duration::from_secs(1))
+        .dead_letter(&dlq);
+    let running = Running::start(consumer, handler);
+    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
+    let dead = super::take_dead(&client, &dlq, 1).await;
+    refuse.store(false, Ordering::SeqCst);
+    // The producer's retry, as a new message.
+    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
+    wait_until("the queue empty", Duration::from_secs(60), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the effect ran twice at one consumer: {stats:?}; dead letter: {:?}",
+        dead.first().map(|m| m.message_attributes())
+    );
+}
