@@ -2,8 +2,8 @@
 //! group per backend. Each bench name says what one iteration does.
 //!
 //! ```text
-//! cargo bench --all-features --bench backends              # everything
-//! cargo bench --all-features --bench backends -- redis/    # one group
+//! cargo bench --features postgres,redis --bench backends              # everything
+//! cargo bench --features postgres,redis --bench backends -- redis/    # one group
 //! ```
 //!
 //! Server backends use the servers of `tests/support`: a PostgreSQL, a Redis

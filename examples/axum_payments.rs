@@ -2,7 +2,7 @@
 //! on PostgreSQL or on the tiered store (moka -> Redis -> PostgreSQL).
 //!
 //! ```text
-//! cargo run --all-features --example axum_payments -- --postgres-url postgres://... [--backend tiered --redis-url redis://...]
+//! cargo run --features http,postgres,tiered,redis --example axum_payments -- --postgres-url postgres://... [--backend tiered --redis-url redis://...]
 //! ```
 //!
 //! Without `--serve` it starts the API on a free port, plays a client that

@@ -15,7 +15,7 @@
 //!   with one `acquire_many` and recorded with one `complete_many`).
 //!
 //! ```text
-//! scripts/with-servers cargo run --release --all-features --example kafka_rate -- --records 50000
+//! scripts/with-servers cargo run --release --features kafka,redis,postgres,tiered --example kafka_rate -- --records 50000
 //! # kafka_rate records=50000 partitions=8 concurrency=64 plain_per_sec=... redis_b1_per_sec=... redis_b1_ratio=... redis_b64_per_sec=...
 //! ```
 

@@ -2,7 +2,7 @@
 //! and prints one line per run with ops/s and latency percentiles.
 //!
 //! ```text
-//! cargo run --release --all-features --example load -- --backend redis --concurrency 64 --seconds 10 --mix fresh
+//! cargo run --release --features redis --example load -- --backend redis --concurrency 64 --seconds 10 --mix fresh
 //! ```
 //!
 //! Output (one line, `name=value` pairs, stable for scripts):
@@ -291,7 +291,10 @@ impl Target {
         via: Via,
         keys: Vec<IdempotencyKey>,
     ) -> Result<Vec<Result<Outcome, BoxError>>, BoxError> {
-        let Target::Store(store, idem, response) = self else {
+        // Irrefutable in a build without postgres and dynamodb.
+        #[allow(irrefutable_let_patterns)]
+        let Target::Store(store, idem, response) = self
+        else {
             return Err("--batch needs a store backend (not postgres-tx or dynamodb-bare)".into());
         };
         match via {
@@ -624,6 +627,19 @@ fn name<V: ValueEnum>(v: V) -> String {
         .unwrap_or_default()
 }
 
+/// The Cargo features a backend needs.
+fn features_of(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Memory => "(none)",
+        Backend::Postgres | Backend::PostgresTx => "postgres",
+        Backend::Redis | Backend::RedisCluster => "redis",
+        Backend::Tiered | Backend::TieredRedis => "tiered,postgres,redis",
+        Backend::TieredPostgres => "tiered,postgres",
+        Backend::Dynamodb | Backend::DynamodbBare => "dynamodb",
+        Backend::TieredDynamodb => "dynamodb,tiered",
+    }
+}
+
 async fn target(args: &Args) -> Result<Target, BoxError> {
     let store: Arc<dyn IdempotencyStore> = match args.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
@@ -675,8 +691,9 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         #[allow(unreachable_patterns)]
         other => {
             return Err(format!(
-                "this build has no {} backend: run with --all-features",
-                name(other)
+                "this build has no {} backend: build it with --features {}",
+                name(other),
+                features_of(other)
             )
             .into())
         }
