@@ -23,6 +23,10 @@ pub(crate) struct Stores {
     timeout: Duration,
 }
 
+/// How many Redis key names a "not found" reads to find the scopes
+/// holding its id (`idem stuck` and `idem stats` read as many by default).
+const REDIS_SCAN_MAX: usize = 1_000_000;
+
 enum Kind {
     Postgres(PgStore),
     Redis(RedisStore<ConnectionManager>),
@@ -251,6 +255,43 @@ impl Stores {
         }
     }
 
+    /// Where else a key's id has records, for a "not found": the scopes
+    /// that hold one (a key looked for in the wrong scope, say the HTTP
+    /// layer's default `http` when the app set its own), or that none
+    /// does. Empty if the store cannot tell.
+    async fn elsewhere(&self, key: &IdempotencyKey) -> String {
+        const LISTED: usize = 20;
+        let found = match &self.kind {
+            Kind::Postgres(s) => s.scopes_holding(key.id(), LISTED).await.map(|s| (s, true)),
+            Kind::Tiered(t) => t
+                .source
+                .scopes_holding(key.id(), LISTED)
+                .await
+                .map(|s| (s, true)),
+            Kind::Redis(s) => s.scopes_holding(key.id(), REDIS_SCAN_MAX).await,
+            Kind::Cluster(s) => s.scopes_holding(key.id(), REDIS_SCAN_MAX).await,
+        };
+        let Ok((scopes, complete)) = found else {
+            return String::new();
+        };
+        let others: Vec<String> = scopes
+            .into_iter()
+            .filter(|s| s != key.scope())
+            .take(LISTED)
+            .map(|s| escape(&s))
+            .collect();
+        match (others.is_empty(), complete) {
+            (true, true) => "; no other scope holds a record for this id".to_owned(),
+            (true, false) => String::new(),
+            (false, _) => format!(
+                "; this id has records in scope {} (inspect it there: `idem inspect {} ID`, or `--scope {}` with --http-key)",
+                others.join(", "),
+                others[0],
+                others[0]
+            ),
+        }
+    }
+
     /// `idem inspect`.
     pub(crate) async fn inspect(
         &self,
@@ -265,9 +306,10 @@ impl Stores {
         let in_cache = cache.as_ref().is_some_and(|c| c.present);
         if record.is_none() && !in_cache {
             return Err(Failure::NotFound(format!(
-                "{} has no record{}",
+                "{} has no record{}{}",
                 escape(&key.to_string()),
-                if cache.is_some() { " in any tier" } else { "" }
+                if cache.is_some() { " in any tier" } else { "" },
+                self.elsewhere(key).await
             )));
         }
         let mut doc = json!({

@@ -312,6 +312,36 @@ async fn postgres_records_are_inspected_listed_counted_deleted_and_purged() {
     assert_eq!(left, 0);
 }
 
+/// A key looked for in the wrong scope (the HTTP layer's default `http`
+/// when the app set its own, say): "not found" names the scopes that hold
+/// a record for its id, on PostgreSQL and on Redis; an id no scope holds
+/// says so.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_key_not_found_names_the_scopes_that_hold_its_id() {
+    let (scope, other) = (unique("held"), unique("asked"));
+    let id = format!("order-{:08x}", fastrand::u32(..));
+    let prefix = format!("{}:", unique("scopes"));
+    let pg = pg_store().await;
+    let redis = redis_store(&prefix).await;
+    completed(&pg, &key(&scope, &id), b"done", Duration::from_secs(600)).await;
+    completed(&redis, &key(&scope, &id), b"done", Duration::from_secs(600)).await;
+    for base in [pg_args(), redis_args(&prefix)] {
+        let out = expect(1, with(base.clone(), &["inspect", &other, &id])).await;
+        assert!(
+            stderr(&out).contains(&format!("this id has records in scope {scope}")),
+            "{base:?}: {}",
+            stderr(&out)
+        );
+        let nowhere = format!("nowhere-{:08x}", fastrand::u32(..));
+        let out = expect(1, with(base.clone(), &["inspect", &other, &nowhere])).await;
+        assert!(
+            stderr(&out).contains("no other scope holds a record for this id"),
+            "{base:?}: {}",
+            stderr(&out)
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn migrate_creates_a_table_of_its_own_and_runs_again() {
     let table = format!("cli_{:08x}", fastrand::u32(..));

@@ -254,6 +254,50 @@ impl PgStore {
         Ok(StuckRows { now, records })
     }
 
+    /// The scopes holding a live record (not expired by the server's
+    /// clock) for `id`, in order, at most `limit`: what an operator looking
+    /// for a key in the wrong scope needs. One statement that walks the
+    /// distinct scopes on the primary key's index (one probe per scope,
+    /// never a scan of the rows).
+    pub async fn scopes_holding(&self, id: &str, limit: usize) -> Result<Vec<String>, StoreError> {
+        let statement = format!(
+            "WITH RECURSIVE s(scope) AS ( \
+               (SELECT scope FROM {table} ORDER BY scope LIMIT 1) \
+               UNION ALL \
+               SELECT (SELECT t.scope FROM {table} t WHERE t.scope > s.scope \
+                       ORDER BY t.scope LIMIT 1) \
+               FROM s WHERE s.scope IS NOT NULL) \
+             SELECT s.scope FROM s \
+             WHERE s.scope IS NOT NULL AND EXISTS ( \
+               SELECT 1 FROM {table} r WHERE r.scope = s.scope AND r.key = $1 \
+                 AND r.expires_at > clock_timestamp()) \
+             ORDER BY s.scope LIMIT $2",
+            table = self.qualified_table()
+        );
+        let statement = statement.as_str();
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let id = id.to_owned();
+        let rows = self
+            .call(|conn, _| {
+                let id = id.clone();
+                Box::pin(async move {
+                    Ok(sqlx::query(AssertSqlSafe(statement))
+                        .bind(id)
+                        .bind(limit)
+                        .fetch_all(&mut *conn)
+                        .await?)
+                })
+            })
+            .await?;
+        rows.iter()
+            .map(|row| {
+                row.try_get(0).map_err(|e| {
+                    StoreError::backend(format!("scopes_holding: the scope does not decode: {e}"))
+                })
+            })
+            .collect()
+    }
+
     /// Counts the rows by scope and state, by the server's clock; scopes
     /// in order.
     pub async fn counts(&self) -> Result<Vec<ScopeCounts>, StoreError> {

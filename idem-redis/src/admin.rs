@@ -151,8 +151,51 @@ where
         prefix: &str,
         max: usize,
     ) -> Result<(Vec<Vec<u8>>, bool), StoreError> {
+        self.scan_matching(&format!("{}*", glob_escape(prefix)), max)
+            .await
+    }
+
+    /// The scopes holding a record for `id` (under this store's prefix):
+    /// what an operator looking for a key in the wrong scope needs. Walks
+    /// the key space as [`scan_keys`](Self::scan_keys) does, reading at
+    /// most `max_scan` key names, and says whether it got through it all.
+    /// Scopes in order; delete markers are not records.
+    pub async fn scopes_holding(
+        &self,
+        id: &str,
+        max_scan: usize,
+    ) -> Result<(Vec<String>, bool), StoreError> {
+        let pattern = format!("{}*/{}", glob_escape(&self.prefix), glob_escape(id));
+        let (keys, complete) = self.scan_matching(&pattern, max_scan).await?;
+        let mut scopes = std::collections::BTreeSet::new();
+        for key in keys {
+            let Some(rest) = key.strip_prefix(self.prefix.as_bytes()) else {
+                continue;
+            };
+            let Some(slash) = rest.iter().position(|&b| b == b'/') else {
+                continue;
+            };
+            let (scope, tail) = (&rest[..slash], &rest[slash + 1..]);
+            if tail != id.as_bytes() {
+                continue;
+            }
+            if let Ok(scope) = std::str::from_utf8(scope) {
+                if IdempotencyKey::new(scope, id).is_ok() {
+                    scopes.insert(scope.to_owned());
+                }
+            }
+        }
+        Ok((scopes.into_iter().collect(), complete))
+    }
+
+    /// The key names matching a `SCAN` pattern on every primary, at most
+    /// `max`, and whether the walk got through the whole key space.
+    async fn scan_matching(
+        &self,
+        pattern: &str,
+        max: usize,
+    ) -> Result<(Vec<Vec<u8>>, bool), StoreError> {
         let mut keys: Vec<Vec<u8>> = Vec::new();
-        let pattern = format!("{}*", glob_escape(prefix));
         for node in self.nodes().await? {
             let mut cursor: u64 = 0;
             loop {
@@ -162,7 +205,7 @@ where
                 let mut cmd = redis::cmd("SCAN");
                 cmd.arg(cursor)
                     .arg("MATCH")
-                    .arg(&pattern)
+                    .arg(pattern)
                     .arg("COUNT")
                     .arg(PAGE);
                 let (next, page): (u64, Vec<Vec<u8>>) = self.on_node(&node, cmd).await?;
