@@ -867,7 +867,10 @@ where
             // ends when the finisher lets the key go (given up first).
             if let Some(keys) = &self.finishing {
                 if keys.given_up().holds(key, fingerprint) {
-                    return Err(given_up_here());
+                    if self.still_held(key).await? {
+                        return Err(given_up_here());
+                    }
+                    keys.given_up().remove(key);
                 }
             }
             let sent_at = Instant::now();
@@ -904,6 +907,16 @@ where
                 }
             }
         }
+    }
+
+    /// Whether the store still holds a record of `key`, a key whose
+    /// completion this receiver gave up writing: if not (an operator
+    /// deleted it, or it expired), the key may run again.
+    pub(crate) async fn still_held(&self, key: &IdempotencyKey) -> Result<bool, StoreError> {
+        let call = self.store.get(key);
+        Ok(timed(self.store.backend_name(), StoreOperation::Get, call)
+            .await?
+            .is_some())
     }
 
     async fn release(&self, lease: &Lease) {

@@ -161,11 +161,16 @@ impl Drop for FinishingGuard {
 
 /// The keys whose handler ran at this receiver but whose completion it
 /// gave up writing ([`Finished::Refused`], [`Finished::GaveUp`]). The
-/// store holds such a key in progress, its lease over: any delivery that
-/// asks the store takes it over and runs the handler again. So another
-/// delivery of the key at this receiver is answered without asking the
-/// store (HTTP: 409 "not recorded"; a consumer dead-letters it) until the
-/// retention the result would have had ends. Another receiver (instance,
+/// store holds such a key in progress, its lease over: an acquisition
+/// would take it over and run the handler again. So another delivery of
+/// the key at this receiver, with the same payload, is not acquired: an
+/// executor that [waits for these keys](Idempotency::waits_for_finishing)
+/// reads the record (one `get`) and answers
+/// [`IdemError::ResultUnavailable`](crate::IdemError::ResultUnavailable)
+/// while the store holds it (HTTP: 409 "not recorded"; a consumer settles
+/// it), until the retention the result would have had ends. A record the
+/// store no longer holds (an operator deleted it to have the key run
+/// again, or it expired) lets the key go: it runs. Another receiver (instance,
 /// consumer) does not know it: that is the window an outage longer than
 /// the lease leaves (DESIGN 4).
 ///
@@ -220,6 +225,17 @@ impl GivenUpKeys {
             },
             None => false,
         }
+    }
+
+    /// Lets `key` go (the store no longer holds its record: an operator
+    /// deleted it, or it expired).
+    pub fn remove(&self, key: &IdempotencyKey) {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut keys = lock(&self.keys);
+        keys.remove(key);
+        self.count.store(keys.len(), Ordering::Release);
     }
 
     /// How many keys are kept (expired ones included until the next

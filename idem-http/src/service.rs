@@ -364,16 +364,13 @@ where
             Ok::<_, NotRecorded<Inner::Error>>(outcome)
         }
     };
-    // Held first, then given up: the finisher puts a key it gives up in
-    // `given_up` before it lets the key go, so a request that finds the key
-    // no longer held finds it given up.
+    // A key given up (the finisher puts it in the keys given up before it
+    // lets the key go) is the executor's: it answers `ResultUnavailable`
+    // (409 "not recorded") while the store holds the record.
     if config.finishing.holds(&key, &fingerprint) {
         let problem =
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1));
         return Ok(render(&config, problem));
-    }
-    if config.finishing.given_up().holds(&key, Some(&fingerprint)) {
-        return Ok(render(&config, Problem::new(ProblemKind::NotRecorded)));
     }
     let run = if config.detached {
         // The whole run, the start of the finisher included, is one task

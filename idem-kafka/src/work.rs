@@ -278,12 +278,13 @@ where
                         // Given up before the key is let go, so the later
                         // records of the key, which wait for it, are
                         // settled as duplicates, never run.
-                        if let Some(k) = &key {
+                        if let Some((u, _)) = &unfinished {
                             let retention = self.idem.retention_period();
-                            self.shared
-                                .finishing
-                                .given_up()
-                                .insert(k.clone(), None, retention);
+                            self.shared.finishing.given_up().insert(
+                                u.lease().key.clone(),
+                                u.lease().fingerprint,
+                                retention,
+                            );
                         }
                         unfinished = None;
                         dead = Some((

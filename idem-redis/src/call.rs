@@ -14,14 +14,10 @@ use crate::scripts::{millis, RecordKey};
 use crate::slots::slot_of;
 use crate::store::{Conn, RedisStore};
 
-/// How long the marker a replay writes before its `WAIT` lives (one key per
-/// slot, [`RedisStore::wait_replicas`]): long enough to be written, short
+/// How long the marker a replay writes before its `WAIT` lives
+/// ([`RedisStore::wait_replicas`]): long enough to be written, short
 /// enough that replays leave nothing behind.
 const WAIT_MARKER_TTL: Duration = Duration::from_secs(1);
-
-/// The id of that marker: the form of a call's marker (32 hex digits, so
-/// the operator's scans skip it as one), never a call's random id.
-const WAIT_MARKER_ID: &str = "00000000000000000000000000000000";
 
 impl<C> RedisStore<C>
 where
@@ -137,9 +133,9 @@ where
     /// nothing (a replay, which only read a completion someone else wrote)
     /// passes `write_first`: a marker is written in the record's slot
     /// first, so the `WAIT` covers everything the node wrote before it,
-    /// that completion included. One marker key per slot, living
-    /// [`WAIT_MARKER_TTL`]: its write, not its value, is what counts, so
-    /// replays never leave keys behind.
+    /// that completion included. The marker lives [`WAIT_MARKER_TTL`]:
+    /// its write, not its value, is what counts, so replays leave no key
+    /// behind for longer than that.
     pub(crate) async fn wait_replicas(
         &self,
         redis_key: &str,
@@ -166,7 +162,13 @@ where
                 // pipeline to the key's node in a cluster; WAIT's reply is
                 // the second.
                 match write_first
-                    .then(|| crate::slots::delete_marker(&self.prefix, redis_key, WAIT_MARKER_ID))
+                    .then(|| {
+                        // A random id, as a call's marker: a fixed one is
+                        // the name of a valid record (scope `delete`),
+                        // which the marker would overwrite.
+                        let request = idem_core::LeaseToken::random().to_hex();
+                        crate::slots::delete_marker(&self.prefix, redis_key, &request)
+                    })
                     .flatten()
                 {
                     Some(marker) => pipe

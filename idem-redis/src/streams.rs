@@ -645,7 +645,9 @@ where
                     // runs again at this consumer (its lease is over, a
                     // run would take the key over).
                     let retention = self.idem.retention_period();
-                    self.refused.insert(u.lease().key.clone(), None, retention);
+                    let lease = u.lease();
+                    self.refused
+                        .insert(lease.key.clone(), lease.fingerprint, retention);
                     let reason =
                         format!("the handler ran but its result could not be recorded: {e}");
                     let delivery = Delivery {
@@ -837,10 +839,17 @@ where
                 None => match self.key_of(&delivery.entry) {
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                     Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Pending),
-                    Ok(key) if self.refused.holds(&key, None) => Some(Outcome::Dead(
-                        "the handler of this key ran but the store refused its result for good: never run again"
-                            .to_owned(),
-                    )),
+                    Ok(key)
+                        if self.refused.holds(
+                            &key,
+                            Fingerprint::of(&delivery.entry.fields).ok().as_ref(),
+                        ) =>
+                    {
+                        Some(Outcome::Dead(
+                            "the handler of this key ran but the store refused its result for good: never run again"
+                                .to_owned(),
+                        ))
+                    }
                     Ok(key) => {
                         let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
                         let (handler, entry) = (handler.clone(), delivery.entry.clone());

@@ -85,10 +85,11 @@ where
             // duplicates, never run.
             if let Finished::Refused(_) | Finished::GaveUp(_) = &finished {
                 let retention = self.idem.retention_period();
-                shared
-                    .finishing
-                    .given_up()
-                    .insert(unrecorded.lease().key.clone(), None, retention);
+                shared.finishing.given_up().insert(
+                    unrecorded.lease().key.clone(),
+                    unrecorded.lease().fingerprint,
+                    retention,
+                );
             }
             let Some(u) = lock(&shared.unfinished).remove(&receipt) else {
                 continue;

@@ -282,19 +282,27 @@ where
                 }));
             }
             // Keys whose completion the receiver gave up writing (their
-            // handler ran): never acquired, as in a single call.
+            // handler ran): never acquired while the store holds their
+            // record, as in a single call.
             let round: Vec<_> = match &self.finishing {
-                Some(keys) if !keys.given_up().is_empty() => round
-                    .into_iter()
-                    .filter_map(|item| {
-                        if keys.given_up().holds(&item.key, item.fingerprint.as_ref()) {
-                            out[item.index] = Some(Err(given_up_here()));
-                            None
-                        } else {
-                            Some(item)
+                Some(keys) if !keys.given_up().is_empty() => {
+                    let mut kept = Vec::with_capacity(round.len());
+                    for item in round {
+                        if !keys.given_up().holds(&item.key, item.fingerprint.as_ref()) {
+                            kept.push(item);
+                            continue;
                         }
-                    })
-                    .collect(),
+                        match self.still_held(&item.key).await {
+                            Ok(true) => out[item.index] = Some(Err(given_up_here())),
+                            Ok(false) => {
+                                keys.given_up().remove(&item.key);
+                                kept.push(item);
+                            }
+                            Err(e) => out[item.index] = Some(Err(IdemError::from(e))),
+                        }
+                    }
+                    kept
+                }
                 _ => round,
             };
             if round.is_empty() {

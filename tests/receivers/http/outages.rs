@@ -364,6 +364,62 @@ async fn waiting_on_a_refused_key<S: idemkit::IdempotencyStore>(inner: S, key: &
     }
 }
 
+/// A key whose response the layer gave up recording (refused after an
+/// outage) and that an operator then deletes (`Idempotency::delete`, as
+/// `idem delete`) to have the request run again: the layer reads the
+/// record before answering 409 "not recorded", so once the store no
+/// longer holds it, the request runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_given_up_key_deleted_by_an_operator_runs_again() {
+    let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(std::time::Duration::from_secs(1));
+    let effects = Arc::new(AtomicU64::new(0));
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        move || async move {
+            let n = effects.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == 1 {
+                refuse.store(true, Ordering::SeqCst);
+                support::flaky::outage(&down, std::time::Duration::from_millis(2500));
+            }
+            (StatusCode::CREATED, format!("payment {n}"))
+        }
+    };
+    let router = Router::new()
+        .route("/payments", post(handler))
+        .layer(IdempotencyLayer::new(idem.clone()).tenant(api_key));
+    let url = format!("{}/payments", spawn_server(router).await);
+    let first = post_json(&url, Some("k-deleted"), "t1", &json!({})).await;
+    assert_eq!(first.status, 201, "{:?}", first.body);
+    let not_recorded = json!(Problem::new(ProblemKind::NotRecorded).title);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let r = post_json(&url, Some("k-deleted"), "t1", &json!({})).await;
+        if r.status == 409 && r.body["title"] == not_recorded {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never given up: {:?}",
+            r.body
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    refuse.store(false, Ordering::SeqCst);
+    let key = idemkit::http::request_key("http", "t1", "POST", "/payments", "k-deleted")
+        .unwrap_or_else(|e| panic!("{e}"));
+    let deleted = idem.delete(&key).await;
+    assert!(matches!(deleted, Ok(true)), "{deleted:?}");
+    let after = post_json(&url, Some("k-deleted"), "t1", &json!({})).await;
+    assert_eq!(
+        (after.status, effects.load(Ordering::SeqCst)),
+        (201, 2),
+        "after the operator's delete: {:?}",
+        after.body
+    );
+}
+
 /// Two instances of a service over one store. Instance A's handler runs
 /// and the store goes away for 3.2 s, past the 1 s lease: A answers its
 /// client and writes the completion once the store is back. A retry

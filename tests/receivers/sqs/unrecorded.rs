@@ -230,3 +230,56 @@ async fn a_later_message_of_a_key_whose_completion_was_refused_never_runs() {
         dead.first().map(|m| m.message_attributes())
     );
 }
+
+/// As above, but the producer then sends the key with another body: a
+/// payload mismatch, which this consumer dead-letters at once (DESIGN
+/// 5b). The key is kept given up with the run's fingerprint, so the other
+/// payload goes on to the store, which answers the mismatch: dead-lettered,
+/// never run, never deleted as a duplicate (lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn another_payload_of_a_key_whose_completion_was_refused_is_dead_lettered() {
+    let client = client();
+    let url = create_queue(&client, "idem-refused-other").await;
+    let dlq = create_queue(&client, "idem-refused-other-dlq").await;
+    let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
+    let refuse = store.refuse_completes.clone();
+    let idem = Idempotency::new(store).lease(Duration::from_secs(1));
+    let effects = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+        move |_m: SqsMessage| {
+            let (effects, down, refuse) = (effects.clone(), down.clone(), refuse.clone());
+            Box::pin(async move {
+                if effects.fetch_add(1, Ordering::SeqCst) == 0 {
+                    refuse.store(true, Ordering::SeqCst);
+                    support::flaky::outage(&down, Duration::from_millis(2500));
+                }
+                Ok::<usize, BoxError>(7)
+            }) as BoxFuture<'static, Result<usize, BoxError>>
+        }
+    };
+    let consumer = SqsConsumer::new(client.clone(), &url, idem.clone())
+        .key_attribute("key")
+        .visibility_timeout(Duration::from_secs(3))
+        .retry_visibility(Duration::from_secs(1))
+        .wait_time(Duration::from_secs(1))
+        .dead_letter(&dlq);
+    let running = Running::start(consumer, handler);
+    send(&client, &url, "charge", &[("key", text("k-1"))]).await;
+    let first = super::take_dead(&client, &dlq, 1).await;
+    refuse.store(false, Ordering::SeqCst);
+    send(&client, &url, "refund 500", &[("key", text("k-1"))]).await;
+    let later = super::take_dead(&client, &dlq, 1).await;
+    let stats = running.stop().await;
+    assert_eq!(
+        first.iter().map(|m| m.body()).collect::<Vec<_>>(),
+        vec![Some("charge")],
+        "{stats:?}"
+    );
+    assert_eq!(
+        later.iter().map(|m| m.body()).collect::<Vec<_>>(),
+        vec![Some("refund 500")],
+        "the message with another payload is dead-lettered: {stats:?}"
+    );
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "{stats:?}");
+}
