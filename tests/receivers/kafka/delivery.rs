@@ -70,7 +70,14 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             let idem = Idempotency::new(store).lease(Duration::from_secs(2));
-            let consumer = consumer(&group, &topic, idem)
+            // Killed below with its client possibly left open (its task
+            // dropped in the background): a client that stops polling
+            // leaves the group after max.poll.interval.ms (default 300 s,
+            // longer than the test waits for B to get the partitions).
+            let mut config = super::config(&group);
+            config.set("max.poll.interval.ms", "15000");
+            let consumer = idemkit::kafka::KafkaConsumer::new(&config, &[topic.as_str()], idem)
+                .unwrap_or_else(|e| panic!("{e}"))
                 .key_header("message-id")
                 .batch(16)
                 .commit_interval(Duration::from_secs(3600));

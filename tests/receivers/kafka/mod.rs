@@ -201,8 +201,8 @@ where
     }
 }
 
-/// Waits (up to 240 s: the broker's group joins take seconds each, and
-/// the suite shares two cores with the fault suite) until each of
+/// Waits (up to 360 s: the broker's group joins take seconds each, and
+/// the suite shares two cores with the fault suite and the smoke runs) until each of
 /// `messages` messages had an effect and the group committed every
 /// partition of `topic` up to its end; on a timeout, says how far it got.
 async fn until_every_effect_and_commit(
@@ -211,7 +211,7 @@ async fn until_every_effect_and_commit(
     (group, topic): (&str, &str),
     ends: &Ends,
 ) {
-    let done = wait_for(Duration::from_secs(240), || async {
+    let done = wait_for(Duration::from_secs(360), || async {
         effects.lock().unwrap_or_else(|p| p.into_inner()).len() == messages as usize
             && all_committed(group, topic, ends).await
     })

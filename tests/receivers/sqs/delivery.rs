@@ -89,7 +89,7 @@ async fn thousand_messages_with_duplicates_two_consumers_one_killed_mid_batch() 
     let a_consumer = a.consumer.clone();
     wait_until(
         "consumer A executed 100 messages with handlers running",
-        Duration::from_secs(180),
+        Duration::from_secs(600),
         || {
             let (stats, running) = (a_consumer.stats(), a_running.load(Ordering::SeqCst));
             async move { stats.executed >= 100 && running > 0 }
