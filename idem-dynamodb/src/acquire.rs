@@ -10,7 +10,7 @@ use idem_core::{
     IN_PROGRESS_GRACE,
 };
 
-use crate::item::{self, b, n, s, Attrs, State};
+use crate::item::{self, b, n, s, Attrs, Item, State};
 use crate::request::{random_rev, Write};
 use crate::response::Chunks;
 use crate::store::{millis, since, wall, DynamoDbStore};
@@ -36,19 +36,23 @@ struct NextWrite {
 }
 
 impl DynamoDbStore {
-    /// The write of a fresh acquisition where no item is (the first round,
-    /// or the item gone since it was read): attempt 1, the call's
-    /// fingerprint, a fence from the clock, the lease from now.
+    /// The write of a fresh acquisition: attempt 1, the call's
+    /// fingerprint, a fence from the clock, the lease from now. Where no
+    /// item is (`over` none: the first round, or the item gone since it
+    /// was read), or over an item that is as good as absent (a tombstone,
+    /// an expired record), conditioned on its revision, with a fence at
+    /// least `above` and the chunks a tombstone still names to remove.
     fn fresh_write(
         &self,
         key: &IdempotencyKey,
         token: LeaseToken,
         fingerprint: Option<&Fingerprint>,
         lease_ms: i64,
+        over: Option<(&Item, u64)>,
     ) -> NextWrite {
         let now = self.now_ms();
         let lease_until = now.saturating_add(lease_ms);
-        let fence = self.now_us();
+        let fence = self.now_us().max(over.map_or(0, |(_, above)| above));
         NextWrite {
             attrs: self.in_progress_item(
                 key,
@@ -60,12 +64,15 @@ impl DynamoDbStore {
                 lease_until,
                 random_rev(),
             ),
-            expect_rev: None,
+            expect_rev: over.map(|(old, _)| old.rev),
             lease_until,
             fence,
             attempt: 1,
             fingerprint: fingerprint.copied(),
-            leftover: None,
+            leftover: over.and_then(|(old, _)| match (&old.state, old.token) {
+                (State::Deleted { chunks: Some(c) }, Some(t)) => Some((t, *c)),
+                _ => None,
+            }),
         }
     }
 
@@ -112,7 +119,7 @@ impl DynamoDbStore {
         let lease_ms = millis(lease);
         let token = LeaseToken::random();
         // Round 1: a fresh key.
-        let mut next = self.fresh_write(key, token, fingerprint, lease_ms);
+        let mut next = self.fresh_write(key, token, fingerprint, lease_ms, None);
         // The revision of an item whose response had a chunk missing.
         let mut missing_in: Option<u64> = None;
         for _ in 0..ACQUIRE_ROUNDS {
@@ -133,7 +140,7 @@ impl DynamoDbStore {
             };
             let Some(old) = old else {
                 // The item went away between the two writes: a fresh key.
-                next = self.fresh_write(key, token, fingerprint, lease_ms);
+                next = self.fresh_write(key, token, fingerprint, lease_ms, None);
                 continue;
             };
             let now = self.now_ms();
@@ -156,30 +163,9 @@ impl DynamoDbStore {
                     "the fence is at its maximum: no higher one can be given",
                 ));
             };
-            let fence = self.now_us().max(above);
             if old.is_tombstone() || self.gone(old.expires, now) {
                 // Absent: a fresh acquisition, above the stored fence.
-                next = NextWrite {
-                    attrs: self.in_progress_item(
-                        key,
-                        token,
-                        fence,
-                        1,
-                        fingerprint,
-                        now,
-                        lease_until,
-                        random_rev(),
-                    ),
-                    expect_rev: Some(old.rev),
-                    lease_until,
-                    fence,
-                    attempt: 1,
-                    fingerprint: fingerprint.copied(),
-                    leftover: match (&old.state, old.token) {
-                        (State::Deleted { chunks: Some(c) }, Some(t)) => Some((t, *c)),
-                        _ => None,
-                    },
-                };
+                next = self.fresh_write(key, token, fingerprint, lease_ms, Some((&old, above)));
                 continue;
             }
             if let (Some(stored), Some(given)) = (&old.fingerprint, fingerprint) {
@@ -204,7 +190,7 @@ impl DynamoDbStore {
                                 return Err(Self::corrupt(key, detail));
                             }
                             missing_in = Some(old.rev);
-                            next = self.fresh_write(key, token, fingerprint, lease_ms);
+                            next = self.fresh_write(key, token, fingerprint, lease_ms, None);
                             continue;
                         }
                     };
@@ -236,6 +222,7 @@ impl DynamoDbStore {
                 _ => {
                     // Takeover: the holder's lease ended (by the margin).
                     // Fingerprint and attempt carry over.
+                    let fence = self.now_us().max(above);
                     let attempt = old.attempt.saturating_add(1);
                     let stored_fp = old.fingerprint.or(fingerprint.copied());
                     next = NextWrite {

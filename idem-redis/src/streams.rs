@@ -840,7 +840,8 @@ where
                     Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                     Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Pending),
                     Ok(key)
-                        if self.refused.holds(
+                        if !self.refused.is_empty()
+                            && self.refused.holds(
                             &key,
                             Fingerprint::of(&delivery.entry.fields).ok().as_ref(),
                         ) =>
