@@ -17,8 +17,13 @@ use crate::item;
 
 /// A client for a local DynamoDB endpoint (moto, DynamoDB Local,
 /// LocalStack): region `us-east-1`, static dummy credentials, the SDK's
-/// latest behaviour version. For AWS itself, build the client from
-/// `aws-config`.
+/// latest behaviour version, and an HTTP(S) client on rustls with ring.
+/// For AWS itself, build the client from `aws-config` (its default
+/// features bring the SDK's HTTPS client): this crate turns off the SDK's
+/// default features, so a client built by hand from an
+/// `aws_sdk_dynamodb::Config` needs an HTTP client from the application
+/// (`aws-sdk-dynamodb` with its default features among its dependencies,
+/// or `.http_client(...)`).
 ///
 /// ```
 /// let client = idem_dynamodb::local_client("http://127.0.0.1:5000");
@@ -31,8 +36,17 @@ pub fn local_client(endpoint_url: &str) -> Client {
         .region(Region::new("us-east-1"))
         .endpoint_url(endpoint_url)
         .credentials_provider(Credentials::new("idem", "idem", None, None, "idem-static"))
+        .http_client(local_http_client())
         .build();
     Client::from_conf(config)
+}
+
+/// rustls on ring: plain HTTP for a local endpoint, HTTPS for one behind TLS.
+fn local_http_client() -> aws_sdk_dynamodb::config::SharedHttpClient {
+    use aws_smithy_http_client::tls::{rustls_provider::CryptoMode, Provider};
+    aws_smithy_http_client::Builder::new()
+        .tls_provider(Provider::Rustls(CryptoMode::Ring))
+        .build_https()
 }
 
 /// Creates the table the store expects, if it does not exist: partition

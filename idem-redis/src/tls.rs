@@ -166,8 +166,8 @@ fn check_identity(cert: &[u8], key: &[u8]) -> Result<(), StoreError> {
 ///
 /// The `redis` crate builds its TLS configuration with that process-wide
 /// provider, and rustls cannot pick one by itself when two crates of the
-/// build enabled different ones (the AWS SDK brings aws-lc-rs, this crate
-/// ring): it panics. [`RedisStore::connect_tls`](crate::RedisStore::connect_tls),
+/// build enabled different ones (an application's AWS SDK HTTPS client,
+/// from `aws-config`, brings aws-lc-rs, this crate ring): it panics. [`RedisStore::connect_tls`](crate::RedisStore::connect_tls),
 /// `connect_cluster_tls`, `connect` and
 /// [`StreamConsumer::connect`](crate::streams::StreamConsumer::connect) with a
 /// `rediss://` URL call this (and idem-tiered's Redis tiers, with its `tls`

@@ -11,8 +11,8 @@
 //! use idem_sqs::{SqsConsumer, SqsMessage};
 //!
 //! # async fn run(client: idem_sqs::aws_sdk_sqs::Client) -> Result<(), Box<dyn std::error::Error>> {
-//! // `client` is an `aws_sdk_sqs::Client` you built (from `aws-config`, or
-//! // from an `aws_sdk_sqs::Config`).
+//! // `client` is an `aws_sdk_sqs::Client` you built (from `aws-config`;
+//! // for moto or ElasticMQ, `idem_sqs::local_client(url)`).
 //! let idem = Idempotency::new(MemoryStore::new());
 //! let queue = "https://sqs.us-east-1.amazonaws.com/123456789012/payments";
 //! let consumer = SqsConsumer::new(client, queue, idem)
@@ -145,6 +145,7 @@ mod dead_letter;
 mod error;
 mod finishing;
 mod heartbeat;
+mod local;
 mod message;
 mod queue;
 mod run;
@@ -157,6 +158,7 @@ pub use message::{default_scope, queue_name, KeySource, MessageError, SqsMessage
 pub use consumer::{SqsConsumer, DEFAULT_MAX_DELIVERIES, MAX_CONCURRENCY};
 pub use dead_letter::MAX_ATTRIBUTES;
 pub use error::{SqsConsumerError, SqsError};
+pub use local::local_client;
 pub use queue::MAX_BATCH;
 pub use stats::ConsumerStats;
 

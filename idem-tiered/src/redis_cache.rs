@@ -111,7 +111,8 @@ pub(crate) async fn connection_manager(
 /// feature brings) if none is installed; an application's own provider is
 /// kept. The `redis` crate builds its TLS configuration with the
 /// process-wide provider, and rustls panics when it has to pick one itself
-/// in a build with two (the AWS SDK brings aws-lc-rs). The same as
+/// in a build with two (an application's AWS SDK HTTPS client, from
+/// `aws-config`, brings aws-lc-rs). The same as
 /// `idem_redis::install_crypto_provider`, which this crate cannot call
 /// (it does not depend on idem-redis).
 #[cfg(feature = "tls")]

@@ -226,7 +226,8 @@ fn trusted() -> TlsOptions {
 /// An admin connection (the default user) to the TLS server.
 async fn redis_admin(port: u16) -> redis::aio::MultiplexedConnection {
     // rustls needs a process-wide provider for the redis crate's own TLS
-    // connections (this build has two: ring, and aws-lc-rs from the AWS SDK).
+    // connections (an application may have two: ring, and aws-lc-rs from
+    // the AWS SDK's HTTPS client).
     idemkit::redis::install_crypto_provider();
     let client = redis::Client::build_with_tls(
         format!("rediss://:{PASSWORD}@127.0.0.1:{port}/"),

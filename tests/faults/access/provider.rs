@@ -1,7 +1,11 @@
-//! `rediss://` URLs in a build with two rustls crypto providers (the
-//! `redis-tls` feature brings ring, an AWS backend aws-lc-rs): rustls
-//! cannot pick one by itself, and whoever builds a TLS configuration
-//! before one is installed panics. The tiered store's Redis tiers
+//! `rediss://` URLs in an application that may have two rustls crypto
+//! providers (the `redis-tls` feature brings ring; an AWS SDK client from
+//! `aws-config` brings aws-lc-rs): rustls cannot pick one by itself there,
+//! and whoever builds a TLS configuration before one is installed panics.
+//! This repository's build has ring alone (the AWS crates turn the SDK's
+//! HTTPS client off), so rustls would pick it anyway: these tests show
+//! that each connect path gives a connection or an error, with the
+//! provider installed by idem before the TLS configuration is built. The tiered store's Redis tiers
 //! (`RedisCache::connect`, `Invalidation::connect`) and the Redis Streams
 //! consumer's `connect` install ring's provider themselves: a user's URL
 //! gets a connection or an error, never a panic. Each test runs in a

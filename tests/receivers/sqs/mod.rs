@@ -26,7 +26,6 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use idemkit::sqs::aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
 use idemkit::sqs::aws_sdk_sqs::types::{
     Message, MessageAttributeValue, MessageSystemAttributeName, QueueAttributeName,
     SendMessageBatchRequestEntry,
@@ -46,13 +45,7 @@ mod visibility;
 /// A client of the SQS at `url`.
 fn client_at(url: &str) -> Client {
     support::logs::init();
-    let config = aws_sdk_sqs::Config::builder()
-        .behavior_version(BehaviorVersion::latest())
-        .region(Region::new("us-east-1"))
-        .endpoint_url(url)
-        .credentials_provider(Credentials::new("test", "test", None, None, "static"))
-        .build();
-    Client::from_conf(config)
+    idemkit::sqs::local_client(url)
 }
 
 /// A client of the shared moto server.
