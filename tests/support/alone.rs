@@ -35,3 +35,23 @@ pub fn in_own_process(name: &str) -> bool {
     );
     false
 }
+
+/// A child process that is killed (SIGKILL) when this is dropped, unless
+/// [`kill`](Killed::kill) did it first: a test that fails midway leaves
+/// no process behind.
+pub struct Killed(pub std::process::Child);
+
+impl Killed {
+    /// Kills the process (SIGKILL: no cleanup of its own, its connections
+    /// closed by the kernel) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

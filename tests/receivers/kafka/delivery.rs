@@ -19,13 +19,25 @@ use super::{
     until, until_every_effect_and_commit, Effects,
 };
 
+/// The variable that tells a child process of this binary to be member A
+/// of [`two_members_one_killed_mid_batch_every_effect_once_and_every_record_committed`]
+/// (its value: the topic and the group).
+const MEMBER_A: &str = "IDEM_TEST_KAFKA_MEMBER_A";
+
 /// 2,000 messages, each produced 1 to 4 times to any of 3 partitions; two
-/// members share a Redis store and one of them is killed (its runtime shut
-/// down) with records of its batch in flight and nothing committed. Every
-/// message's effect runs once, every record is committed, and the records
-/// the killed member ran are replayed to the survivor, not run again.
+/// members share a Redis store and one of them, a process of its own, is
+/// killed (SIGKILL) with records of its batch in flight and nothing
+/// committed. Every message's effect runs once, every record is
+/// committed, and the records the killed member ran are replayed to the
+/// survivor, not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_committed() {
+    if let Ok(spec) = std::env::var(MEMBER_A) {
+        let (topic, group) = spec
+            .split_once(' ')
+            .unwrap_or_else(|| panic!("{MEMBER_A}={spec}"));
+        return member_a(topic, group).await;
+    }
     let topic = name("payments");
     let group = name("billing");
     support::kafka::create_topic(&topic, 3);
@@ -51,55 +63,52 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
     let effects: Effects = Arc::default();
     let store = redis_store().await;
 
-    // Member A on a runtime of its own (a process): after 300 effects its
+    // Member A, a process of its own (this test in a child process): its
+    // effects are the lines it prints, read here. After 300 effects its
     // handlers stall before their effect, and it is killed with records of
     // its batch in flight. It never commits (a long commit interval), so
     // every record it executed is uncommitted when it dies.
     let a_effects = Arc::new(AtomicU64::new(0));
     let stalled = Arc::new(tokio::sync::Notify::new());
-    let a_runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
+    let mut a_process = {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("this test binary: {e}"));
+        let child = std::process::Command::new(exe)
+            .args([
+                "kafka::delivery::two_members_one_killed_mid_batch_every_effect_once_and_every_record_committed",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(MEMBER_A, format!("{topic} {group}"))
+            // The servers of this process (started here if none was given).
+            .env("IDEM_REDIS_URL", support::redis_server::shared_url())
+            .env("IDEM_KAFKA_BROKERS", support::kafka::brokers())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start member A: {e}"));
+        support::alone::Killed(child)
+    };
     {
+        let out = a_process
+            .0
+            .stdout
+            .take()
+            .unwrap_or_else(|| panic!("A's stdout"));
         let (effects, a_effects, stalled) = (effects.clone(), a_effects.clone(), stalled.clone());
-        let (topic, group) = (topic.clone(), group.clone());
-        a_runtime.spawn(async move {
-            let store = RedisStore::connect(support::redis_server::shared_url())
-                .await
-                .unwrap_or_else(|e| panic!("{e}"));
-            let idem = Idempotency::new(store).lease(Duration::from_secs(2));
-            // Killed below with its client possibly left open (its task
-            // dropped in the background): a client that stops polling
-            // leaves the group after max.poll.interval.ms (default 300 s,
-            // longer than the test waits for B to get the partitions).
-            let mut config = super::config(&group);
-            config.set("max.poll.interval.ms", "15000");
-            let consumer = idemkit::kafka::KafkaConsumer::new(&config, &[topic.as_str()], idem)
-                .unwrap_or_else(|e| panic!("{e}"))
-                .key_header("message-id")
-                .batch(16)
-                .commit_interval(Duration::from_secs(3600));
-            consumer
-                .run(
-                    move |record: KafkaRecord| {
-                        let (effects, a_effects, stalled) =
-                            (effects.clone(), a_effects.clone(), stalled.clone());
-                        async move {
-                            if a_effects.load(Ordering::SeqCst) >= 300 {
-                                stalled.notify_one();
-                                std::future::pending::<()>().await;
-                            }
-                            let id = record.header_text("message-id")?.to_owned();
-                            effect(&effects, &id);
-                            a_effects.fetch_add(1, Ordering::SeqCst);
-                            Ok::<_, RecordError>(id)
-                        }
-                    },
-                    std::future::pending::<()>(),
-                )
-                .await
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                // The first line may follow libtest's "test NAME ... ".
+                if let Some((_, id)) = line.split_once("idem-effect ") {
+                    effect(&effects, id);
+                    a_effects.fetch_add(1, Ordering::SeqCst);
+                } else if line.ends_with("idem-stalled") {
+                    stalled.notify_one();
+                } else {
+                    println!("member A: {line}");
+                }
+            }
         });
     }
 
@@ -173,8 +182,9 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
             }
         })
         .await;
-        // Kill A: its tasks dropped, its client closed without a commit.
-        a_runtime.shutdown_background();
+        // Kill A (SIGKILL): its connections close with nothing committed
+        // and no LeaveGroup; the group drops it after its session timeout.
+        a_process.kill();
         until_every_effect_and_commit(&effects, messages, (&group, &topic), &ends).await;
         done.store(true, Ordering::SeqCst);
     };
@@ -194,6 +204,44 @@ async fn two_members_one_killed_mid_batch_every_effect_once_and_every_record_com
     assert!(stats.replayed >= total - stats.executed, "{stats:?}");
     assert_eq!(stats.dead_lettered, 0, "{stats:?}");
     assert!(stats.committed >= total - stats.executed - a, "{stats:?}");
+}
+
+/// Member A of the test above, in its child process: its effects are
+/// lines on stdout (`idem-effect ID`), and after 300 of them its handlers
+/// stall (`idem-stalled`) until the process is killed.
+async fn member_a(topic: &str, group: &str) {
+    use std::io::Write;
+    let effects = Arc::new(AtomicU64::new(0));
+    let store = RedisStore::connect(support::redis_server::shared_url())
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let idem = Idempotency::new(store).lease(Duration::from_secs(2));
+    let consumer = super::consumer(group, topic, idem)
+        .key_header("message-id")
+        .batch(16)
+        .commit_interval(Duration::from_secs(3600));
+    let outcome = consumer
+        .run(
+            move |record: KafkaRecord| {
+                let effects = effects.clone();
+                async move {
+                    let id = record.header_text("message-id")?.to_owned();
+                    // One of the first 300 effects, or a stall (handlers
+                    // of several partitions run at once: the count is
+                    // taken before the effect).
+                    if effects.fetch_add(1, Ordering::SeqCst) >= 300 {
+                        let _ = writeln!(std::io::stdout().lock(), "idem-stalled");
+                        std::future::pending::<()>().await;
+                    }
+                    // The effect: one whole line, written at once.
+                    let _ = writeln!(std::io::stdout().lock(), "idem-effect {id}");
+                    Ok::<_, RecordError>(id)
+                }
+            },
+            std::future::pending::<()>(),
+        )
+        .await;
+    panic!("member A stopped before it was killed: {outcome:?}");
 }
 
 /// Records of one partition run concurrently and finish out of order: the
