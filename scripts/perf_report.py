@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Reads the lines of the load command (scripts/load-table writes them to
-docs/perf/load.txt), prints the README's per-backend table in Markdown and
+docs/perf/load.txt), prints docs/guide/performance.md's per-backend table in Markdown and
 writes an SVG bar chart of duplicate-hit latency per tier.
 
     python3 scripts/perf_report.py docs/perf/load.txt docs/perf/tier-latency.svg
