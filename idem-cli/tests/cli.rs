@@ -879,7 +879,7 @@ async fn usage_errors_exit_2_and_say_so() {
 }
 
 // ---------------------------------------------------------------------------
-// Review of issue 15: `idem delete` without --force.
+// `idem delete` without --force.
 
 /// A key of a fresh scope whose lease is over (by the store's clock), its
 /// row locked by a transaction (`FOR UPDATE`) that the caller rolls back:
@@ -1025,7 +1025,7 @@ async fn a_url_that_requires_tls_is_not_called_retryable() {
 }
 
 // ---------------------------------------------------------------------------
-// Review 2: `idem delete` compares lease tokens, and an extend keeps its token.
+// `idem delete` compares lease tokens, and an extend keeps its token.
 
 /// `idem delete` without `--force` refuses a live lease ("its handler may
 /// still be running"), and since the fix it deletes only the record it

@@ -1,4 +1,4 @@
-//! Issue 14: `MokaCache`'s byte budget counts what an entry really takes.
+//! `MokaCache`'s byte budget counts what an entry really takes.
 //! The cache is filled with 200,000 completed records (200-byte responses,
 //! keys like the load command's; `IDEM_MOKA_ENTRIES` sets the count), then
 //! a quarter as many with 4,000-byte responses, and its own weight is compared with the

@@ -915,7 +915,7 @@ async fn in_transaction_retention_of_duration_max() {
 }
 
 // ------------------------------------------------------------------
-// Waits, timeouts, restarts and connections (issue 13)
+// Waits, timeouts, restarts and connections
 // ------------------------------------------------------------------
 
 /// A store on the shared server with its own pool and call timeout.
@@ -941,8 +941,8 @@ async fn server_now(pool: &PgPool) -> std::time::SystemTime {
 /// Item 1: a delivery waits on an in-transaction claim for two leases, then
 /// acquires; its lease starts when its row is written, so a redelivery
 /// while its handler runs is told "in progress" and the handler runs once.
-/// (Review R5: the lease was counted from the statement's start, so the
-/// row was born with its lease over and the redelivery took it over.)
+/// (A lease counted from the statement's start would be born over, and
+/// the redelivery would take it over.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_granted_after_a_lock_wait_starts_when_the_row_is_written() {
     use std::sync::atomic::{AtomicU64, Ordering};
@@ -1272,7 +1272,7 @@ async fn a_connection_the_server_closed_while_idle_costs_no_failed_call() {
     assert!(done.is_ok(), "{done:?}");
 }
 
-/// Item 3 (review R4): an acquire that waited on a lock past the call
+/// An acquire that waited on a lock past the call
 /// timeout is told "unavailable", and its statement dies on the server
 /// too: no reservation commits after its caller gave up.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1311,7 +1311,7 @@ async fn an_acquire_that_timed_out_never_commits_a_reservation_later() {
     ));
 }
 
-/// Item 3 (review R4b): twenty retries of a call blocked by a frozen lock
+/// Twenty retries of a call blocked by a frozen lock
 /// holder leave no server backend waiting behind them (each statement died
 /// on the server with its call); before, each left one, past the store's
 /// connection limit.
@@ -1728,10 +1728,10 @@ fn store_connections_are_counted_and_replaced_after_the_max_lifetime() {
 }
 
 // ------------------------------------------------------------------
-// Review 2 findings (R2-1, R2-2, R2-5, R2-6, R2-7): regression tests
+// Call timeouts, settings, lost replies, the connection gauge, delete
 // ------------------------------------------------------------------
 
-/// Review 2, R2-1. DESIGN 5: "a call the client gave up on dies on the
+/// DESIGN 5: "a call the client gave up on dies on the
 /// server too (never a reservation that commits after its caller was told
 /// 'unavailable')". An acquire re-run (a row committed after the
 /// statement's snapshot, the usual result of waiting on the key's advisory
@@ -1835,7 +1835,7 @@ async fn an_acquire_rerun_too_late_in_the_call_is_not_sent_and_leaves_the_key_fr
     );
 }
 
-/// Review 2, R2-2. DESIGN 4: "Configuration never panics".
+/// DESIGN 4: "Configuration never panics".
 /// `PgStoreBuilder::connections(n)` is clamped to `MAX_CONNECTIONS` and
 /// nothing is allocated per possible connection, so `usize::MAX` builds a
 /// store (it used to panic: capacity overflow / tokio's MAX_PERMITS).
@@ -1890,7 +1890,7 @@ pub(crate) async fn proxied_shared_server() -> (support::proxy::CountingProxy, S
     (proxy, proxied)
 }
 
-/// Review 2, R2-5. An acquire whose reply is lost after the server
+/// An acquire whose reply is lost after the server
 /// committed it is sent again (same token, so it answers "acquired")
 /// whether its connection was reused or fresh (the store's first call, or
 /// the first after the pool's idle timeout or max lifetime). Before the
@@ -1936,7 +1936,7 @@ async fn a_lost_acquire_reply_is_resent_on_fresh_and_reused_connections() {
     );
 }
 
-/// Review 2, R2-6. `connection_stats().open` and the gauge
+/// `connection_stats().open` and the gauge
 /// `idem_postgres_connections` count a connection only once its session
 /// setup (the `set_config` of the server timeouts) succeeded; one whose
 /// setup fails is dropped uncounted. Before the fix each such failure left
@@ -1959,7 +1959,7 @@ async fn a_failed_session_setup_is_not_counted_as_an_open_connection() {
     );
 }
 
-/// Review 2, R2-7. `delete` has no token, so it is never resent: a
+/// `delete` has no token, so it is never resent: a
 /// connection failure during it is `Unavailable` (the delete may or may not
 /// have happened). Before the fix a delete whose reply was lost was resent
 /// on a fresh connection (here a slow one: `after_connect` takes 500 ms);
@@ -2081,7 +2081,7 @@ async fn a_conditional_delete_sent_again_answers_what_the_first_send_did() {
     }
 }
 
-/// Third review: a `complete` whose reply is lost after the server
+/// A `complete` whose reply is lost after the server
 /// committed it is resent; with a short retention the completed row is
 /// already past its expiry when the resend arrives. The resend must still
 /// answer Ok (the row was completed by this very token; nobody took it
@@ -2113,7 +2113,7 @@ pub(crate) async fn one_connection_store(url: &str) -> PgStore {
 }
 
 // ------------------------------------------------------------------
-// Batches (issue 14): acquire_many and complete_many
+// Batches: acquire_many and complete_many
 // ------------------------------------------------------------------
 
 fn keys(tag: &str, n: usize) -> Vec<IdempotencyKey> {
@@ -2486,7 +2486,7 @@ async fn a_batch_item_whose_result_is_too_large_completes_as_not_replayable() {
     assert!(matches!(&again[2], Ok(idemkit::Processed::Replayed(v)) if v.len() == 10));
 }
 
-/// Issue 14: the round trips of the in-transaction mode, counted on the
+/// The round trips of the in-transaction mode, counted on the
 /// wire. A fresh key: BEGIN, the claim, the completion, COMMIT (4, which
 /// the caller waits for), then sqlx's pool pings the connection as it goes
 /// back (a 5th, on a task of its own, before the connection can serve the
@@ -2604,7 +2604,7 @@ async fn store_refusing(poison: &IdempotencyKey, on: &str, statement: usize) -> 
     store
 }
 
-/// Review (issue 14): one statement of a `complete_many` failing with a
+/// One statement of a `complete_many` failing with a
 /// non-retryable error gave its error to the items of the statements
 /// after it, which were never sent; the executor took that error as the
 /// store refusing those results for good and completed their keys as
@@ -2646,7 +2646,7 @@ async fn a_failed_statement_of_complete_many_loses_no_other_items_result() {
     }
 }
 
-/// Review (issue 14): likewise for `acquire_many`: the items after a
+/// Likewise for `acquire_many`: the items after a
 /// statement that failed were never sent, yet got its non-retryable
 /// error, so the executor answered them `Store(Backend)` and the Streams
 /// consumer dead-lettered them. Never sent means nothing written, and
@@ -2679,7 +2679,7 @@ async fn items_after_a_failed_statement_of_acquire_many_are_retryable_and_unwrit
 }
 
 // ------------------------------------------------------------------
-// Connecting: a bad URL fails fast with its cause (issue 15, item 4),
+// Connecting: a bad URL fails fast with its cause,
 // and a migrated table starts quietly (item 5).
 
 fn shared_target() -> (String, u16) {
@@ -2835,7 +2835,7 @@ async fn the_sqlx_migrator_composes_with_the_users_own() {
     }
 }
 
-/// Review of issue 15 (item 4): `connect` says "retryable" when retrying
+/// `connect` says "retryable" when retrying
 /// cannot help. A URL asking for TLS (`sslmode=require`) can never connect
 /// with this build (sqlx without a TLS feature) nor to a server without
 /// TLS, however often it is retried: the same configuration error as an

@@ -761,7 +761,7 @@ async fn fence_exceeds_a_stored_fence_ahead_of_the_clock() {
     }
 }
 
-/// Review finding R1 (DESIGN 4): Redis under `maxmemory` with `noeviction`
+/// DESIGN 4: Redis under `maxmemory` with `noeviction`
 /// (the policy the README asks for) cannot hold a 12 MiB result: the store
 /// refuses it before sending (its limit follows `maxmemory`), so the key
 /// completes as not replayable: the caller gets its value, a duplicate
@@ -804,7 +804,7 @@ async fn a_result_redis_refuses_completes_the_key_as_not_replayable() {
     assert_eq!(effects.load(Ordering::SeqCst), 1, "the handler ran twice");
 }
 
-/// Issue 13 item 5: a `WAIT` that fails after an acquisition releases the
+/// A `WAIT` that fails after an acquisition releases the
 /// reservation, so the retry acquires the key (before: the key stayed in
 /// progress for its lease, and the retry was refused).
 #[tokio::test]
@@ -857,7 +857,7 @@ fn wait_for_replication(primary: &RedisServer, replica: &RedisServer) {
     }
 }
 
-/// Issue 13 item 5: the store's calls are bounded by its own settings, not
+/// The store's calls are bounded by its own settings, not
 /// by a fixed 2 s response timeout on the connection: with
 /// `call_timeout(10 s)` and `WAIT` for 3 s or more, a replica that lags 3 s
 /// is waited for. A replica frozen for the whole `WAIT` gives `Unavailable`
@@ -1162,7 +1162,7 @@ async fn under_wait_extensions_and_replays_are_only_of_what_the_replicas_have() 
     );
 }
 
-/// Issue 13 item 4: on Redis Cluster, the reply to `acquire` is lost (the
+/// On Redis Cluster, the reply to `acquire` is lost (the
 /// proxy in front of the key's node drops it and cuts the connection after
 /// the script ran). The cluster client reconnects and resends the EVALSHA,
 /// which runs a second time with the same token: the answer is "acquired"
@@ -1223,7 +1223,8 @@ async fn a_resent_acquire_on_redis_cluster_is_acquired_not_in_progress() {
     );
 }
 
-/// Review 2, R2-8 (the Redis Cluster side of R2-7). The cluster client now
+/// The Redis Cluster side of PostgreSQL's test of a resent `delete`
+/// (`tests/stores/postgres.rs`). The cluster client now
 /// resends a call up to 6 times after a lost reply, on the argument that
 /// every script is safe to run twice. `delete` is a plain `DEL` with no
 /// token: its resend (at least `min_wait_time`, 1.28 s, later) deletes
@@ -1394,15 +1395,15 @@ async fn resent_conditional_writes_on_redis_cluster_answer_what_the_first_send_d
     }
 }
 
-/// Review 2, R2-9. With `wait_for_replicas`, `acquire` runs the script (the
+/// With `wait_for_replicas`, `acquire` runs the script (the
 /// lease starts on the server's clock), then blocks in `WAIT` for up to its
-/// timeout, which the store now honours in full (issue 13 item 5). A WAIT
+/// timeout, which the store now honours in full. A WAIT
 /// that outlasts the lease (a replica lagging, here 2.5 s, under a WAIT
 /// timeout of 4 s and a lease of 1 s) hands out a lease that is already
 /// over: meanwhile a redelivery took the key over (attempt 2), and its own
 /// WAIT returns at the same moment, so both callers get "acquired" and
 /// both handlers run. PgStore refuses this ("a lease that is already over
-/// is never reported", issue 13 item 1); RedisStore neither re-checks nor
+/// is never reported"); RedisStore neither re-checks nor
 /// bounds WAIT by the lease.
 ///
 /// Now an acquisition's WAIT lasts at most half the lease and a TIME in
@@ -1563,7 +1564,7 @@ async fn expire_without_ttl(
         .unwrap_or_else(|e| panic!("{e}"));
 }
 
-/// Review (issue 14): a completed record past its expiry is absent
+/// A completed record past its expiry is absent
 /// (DESIGN 2: "Completed, past expires_at == absent"), whatever the
 /// payload: the general path of acquire.lua answers "acquired" for it.
 /// The fast path compared fingerprints before it looked at the record's
@@ -1639,7 +1640,7 @@ impl ConnectionLike for WrappedCluster {
     }
 }
 
-/// Review (issue 14): `RedisStore::new` takes any cluster-capable
+/// `RedisStore::new` takes any cluster-capable
 /// connection, but a batch went per hash slot only when the connection's
 /// type was exactly `ClusterConnection` (a `TypeId` check): over any other
 /// type, a batch whose keys span slots was one script call, refused with
@@ -1686,7 +1687,7 @@ async fn a_batch_over_a_wrapped_cluster_connection_goes_per_slot() {
     }
 }
 
-/// Review (issue 14): a record that `get` reports as corrupt (an
+/// A record that `get` reports as corrupt (an
 /// in-progress header followed by bytes: `format::decode` refuses it) is
 /// corrupt to `acquire` and `acquire_many` too: reported, never taken over
 /// and overwritten (DESIGN 3, `Corrupt`).

@@ -754,7 +754,7 @@ async fn deletes_reach_every_instance_and_cached_mismatches_are_confirmed() {
     );
 }
 
-/// Review finding R3: a delivery that acquires and completes the key while
+/// A delivery that acquires and completes the key while
 /// `delete` runs (its write-through lands in moka and Redis with a higher
 /// fence than anything the delete saw before) is deleted from the source:
 /// its cache entries must not keep replaying it.
@@ -802,7 +802,7 @@ async fn a_delete_racing_a_fresh_completion_leaves_no_cache_replaying_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
 
-/// Review finding R6: dropping every clone of a tiered store stops its
+/// Dropping every clone of a tiered store stops its
 /// invalidation subscriber (task and Redis pub/sub connection).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dropped_tiered_stores_release_their_subscriber_connections() {

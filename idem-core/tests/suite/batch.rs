@@ -800,7 +800,7 @@ async fn a_lease_lost_in_a_batch_is_that_items_error_only() {
     );
 }
 
-/// Review of issue 14: with `batch_concurrency`, a handler waiting for its
+/// With `batch_concurrency`, a handler waiting for its
 /// turn while its lease ends must not run (another worker may have taken
 /// the key over meanwhile). Lease 1 s, heartbeat off, one handler at a
 /// time, the first takes 3 s: the second item's lease ends while it waits

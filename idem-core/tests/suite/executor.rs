@@ -969,7 +969,7 @@ async fn zero_lease_is_refused_and_max_durations_work() {
     idem_core::testkit::durations_at_the_extremes(&idem_core::testkit::MemoryHarness).await;
 }
 
-/// Issue 12 item 7: NaN, +inf and -inf are refused by fingerprints, content
+/// NaN, +inf and -inf are refused by fingerprints, content
 /// keys and the executor's payload check, instead of all becoming `null`
 /// (one fingerprint for different payloads, one key for different
 /// messages).
@@ -1024,7 +1024,7 @@ async fn purge_periodically_accepts_zero_and_max_periods() {
     }
 }
 
-/// Review finding R8: a heartbeat interval past the lease (`Duration::MAX`)
+/// A heartbeat interval past the lease (`Duration::MAX`)
 /// is capped at half the lease, so a live handler keeps its key.
 #[tokio::test(start_paused = true)]
 async fn a_heartbeat_interval_past_the_lease_is_capped() {
@@ -1057,7 +1057,7 @@ async fn a_heartbeat_interval_past_the_lease_is_capped() {
     assert_eq!(out.ok(), Some(Processed::Executed(1)));
 }
 
-/// Review finding R8: a zero retention is refused before anything is
+/// A zero retention is refused before anything is
 /// stored (every duplicate would run the handler again).
 #[tokio::test(start_paused = true)]
 async fn a_zero_retention_is_refused() {

@@ -237,7 +237,7 @@ fn describe_metrics_describes_every_metric_with_a_unit() {
     );
 }
 
-/// Review 2: the histogram is "the latency of each store call idem
+/// The histogram is "the latency of each store call idem
 /// makes", but `timed` records only when the call's future finishes. The
 /// heartbeat's extend is cut off when the handler ends (its task is
 /// aborted): a renewal the store applied, whose reply was slow, leaves no

@@ -605,7 +605,7 @@ async fn two_streams_whose_names_are_not_scopes_never_share_keys() {
 /// stayed pending as long as A ran.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_restarted_after_its_run_was_dropped_strands_no_entry() {
-    let stream = format!("review-restart-{:08x}", fastrand::u32(..));
+    let stream = format!("restart-{:08x}", fastrand::u32(..));
     let idem = Idempotency::new(idemkit::MemoryStore::new()).lease(Duration::from_secs(20));
     let claim_idle = Duration::from_millis(500);
     let a = consumer_on(&stream, "a", idem.clone())

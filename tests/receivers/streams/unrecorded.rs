@@ -278,7 +278,7 @@ async fn another_consumer_never_reclaims_an_entry_its_holder_is_finishing() {
 /// again (it did, the lease being over, when only E1 was kept).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_held_back_for_an_unfinished_key_is_kept_from_other_consumers() {
-    let stream = format!("review-heldback-{:08x}", fastrand::u32(..));
+    let stream = format!("heldback-{:08x}", fastrand::u32(..));
     let records = idemkit::MemoryStore::new();
     let (store_a, down) = support::flaky::FlakyStore::new(records.clone());
     let idem_a = Idempotency::new(store_a).lease(Duration::from_secs(1));
@@ -346,7 +346,7 @@ async fn a_duplicate_held_back_for_an_unfinished_key_is_kept_from_other_consumer
 /// it: A finishes, nothing stays pending, the handler ran once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unfinished_entry_deleted_from_the_stream_leaves_nothing_stuck() {
-    let stream = format!("review-xdel-{:08x}", fastrand::u32(..));
+    let stream = format!("xdel-{:08x}", fastrand::u32(..));
     let (store, down) = support::flaky::FlakyStore::new(idemkit::MemoryStore::new());
     let idem = Idempotency::new(store).lease(Duration::from_secs(1));
     let a = consumer_on(&stream, "a", idem.clone())

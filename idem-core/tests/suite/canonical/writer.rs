@@ -1,4 +1,4 @@
-//! An adversarial review of idem's own RFC 8785 writer: probes against
+//! Adversarial probes of idem's own RFC 8785 writer: probes against
 //! the `serde_json_canonicalizer` crate, Python's `rfc8785` (the test
 //! command installs it: `python3 -m pip install rfc8785`), and the
 //! writer's own promises (never a panic, never two values with one form).
@@ -231,10 +231,10 @@ fn shapes_that_agree_with_the_crate() {
 }
 
 // ---------------------------------------------------------------------
-// Bugs the review found: each test below failed on fe0a77f.
+// Bugs these probes found: each test below failed on fe0a77f.
 // ---------------------------------------------------------------------
 
-/// Found by the review (1). A `Serialize` that ignores the error of one map entry (here an
+/// A `Serialize` that ignores the error of one map entry (here an
 /// inner object holding NaN, refused mid-object) and goes on: the inner
 /// object's members stay on the writer's stack, and closing the outer
 /// object (out of order, so rewritten) panics in `copy_from_slice`
@@ -249,7 +249,7 @@ fn a_serialize_that_ignores_an_error_and_goes_on_gets_an_error_never_a_panic() {
     assert!(key.is_ok(), "IdempotencyKey::from_content panicked");
 }
 
-/// Found by the review (2). A map that calls `serialize_key` and then `end` without a
+/// A map that calls `serialize_key` and then `end` without a
 /// value (a buggy hand-written `Serialize`): out of order, the rewrite
 /// panics (`copy_from_slice`: 11 vs 16); in order, the writer returns
 /// invalid JSON `{"a":1,"b":2,"c":}` and hashes it. serde_json_canonicalizer
