@@ -38,8 +38,10 @@ mod executor;
 mod fingerprint;
 mod finishing;
 mod finite;
+pub mod json;
 mod key;
 mod memory;
+mod payload;
 mod record;
 mod store;
 mod telemetry;
@@ -55,6 +57,7 @@ pub use fingerprint::Fingerprint;
 pub use finishing::{Finished, FinishingGuard, FinishingKeys, GivenUpKeys, Pauses, MIN_PAUSE};
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
+pub use payload::{PayloadFingerprint, PickFn};
 pub use record::{
     not_replayable_reason, saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record,
     RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,

@@ -2,9 +2,7 @@
 //! answered with the recorded response (else `422`).
 
 use http::header::CONTENT_TYPE;
-use idem_core::Fingerprint;
-
-use crate::json;
+use idem_core::{json, Fingerprint, PayloadFingerprint};
 
 /// The fingerprint of a request: SHA-256 over its method, its path and
 /// query, its media type, and its body: the canonical JSON of a JSON body
@@ -12,19 +10,34 @@ use crate::json;
 /// not count: JSON is UTF-8), so that field order and whitespace never
 /// make a mismatch, or else the body's bytes with the media type's
 /// parameters (the same bytes under another `charset` are another text). A JSON body
-/// keeps its numbers' exact text (see the `json` module): two requests that
-/// differ only in a digit never share a fingerprint.
-pub(crate) fn fingerprint(parts: &http::request::Parts, body: &[u8]) -> Fingerprint {
+/// keeps its numbers' exact text (see `idem_core::json`): two requests that
+/// differ only in a digit never share a fingerprint. With `what` other
+/// than [`PayloadFingerprint::Whole`], the part of the body it selects
+/// stands for the body (a body it selects nothing of counts as above).
+pub(crate) fn fingerprint(
+    parts: &http::request::Parts,
+    body: &[u8],
+    what: &PayloadFingerprint,
+) -> Fingerprint {
     let target = original_uri(parts)
         .path_and_query()
         .map(|p| p.as_str())
         .unwrap_or("/");
     let essence = media_type(&parts.headers);
     let json = is_json(&essence);
-    let canonical = json.then(|| json::canonical(body)).flatten();
-    let (form, body) = match &canonical {
-        Some(canonical) => (&b"json"[..], canonical.as_slice()),
-        None => (&b"bytes"[..], body),
+    // A function's part: any body; JSON pointers read a JSON body only.
+    let part = match what {
+        PayloadFingerprint::JsonPointers(_) if !json => None,
+        _ => what.selected(body),
+    };
+    let canonical = part
+        .is_none()
+        .then(|| json.then(|| json::canonical(body)).flatten())
+        .flatten();
+    let (form, body) = match (&part, &canonical) {
+        (Some(part), _) => (&b"part"[..], part.as_slice()),
+        (None, Some(canonical)) => (&b"json"[..], canonical.as_slice()),
+        (None, None) => (&b"bytes"[..], body),
     };
     // Bytes mean another text under another charset: for a body other than
     // JSON (which is UTF-8 whatever it says), the parameters count.
@@ -185,7 +198,7 @@ mod tests {
             .body(())
             .unwrap_or_else(|e| panic!("{e}"))
             .into_parts();
-        fingerprint(&parts, body.as_bytes())
+        fingerprint(&parts, body.as_bytes(), &PayloadFingerprint::Whole)
     }
 
     #[test]

@@ -9,6 +9,7 @@ use http::header::{HeaderName, CONTENT_LENGTH};
 use http::{Method, Response, StatusCode};
 use idem_core::{
     Codec, FinishingKeys, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, KeyError,
+    PayloadFingerprint,
 };
 
 use crate::request::{is_forbidden_key_header, ForbiddenHeaderName, IDEMPOTENCY_KEY};
@@ -106,6 +107,8 @@ pub(crate) struct Config<S: ?Sized, C> {
     pub(crate) methods: Vec<Method>,
     pub(crate) max_body_bytes: usize,
     pub(crate) max_response_bytes: usize,
+    /// What of a body its fingerprint covers (default the whole body).
+    pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) detached: bool,
     pub(crate) tenant: Option<Arc<TenantFn>>,
     pub(crate) allow_anonymous: bool,
@@ -130,6 +133,7 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             methods: self.methods.clone(),
             max_body_bytes: self.max_body_bytes,
             max_response_bytes: self.max_response_bytes,
+            fingerprint: self.fingerprint.clone(),
             detached: self.detached,
             tenant: self.tenant.clone(),
             allow_anonymous: self.allow_anonymous,
@@ -160,6 +164,7 @@ impl<S: ?Sized, C> fmt::Debug for IdempotencyLayer<S, C> {
             .field("methods", &self.config.methods)
             .field("max_body_bytes", &self.config.max_body_bytes)
             .field("max_response_bytes", &self.config.max_response_bytes)
+            .field("fingerprint", &self.config.fingerprint)
             .field("detached", &self.config.detached)
             .field("tenant", &self.config.tenant.is_some())
             .field("allow_anonymous", &self.config.allow_anonymous)
@@ -214,6 +219,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
                 max_response_bytes: 1 << 20,
+                fingerprint: PayloadFingerprint::Whole,
                 detached: true,
                 tenant: None,
                 allow_anonymous: false,
@@ -329,6 +335,49 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// ```
     pub fn max_body_bytes(self, max: usize) -> Self {
         self.edit(|c| c.max_body_bytes = max)
+    }
+
+    /// What of a request's body its fingerprint covers (default: the whole
+    /// body, JSON in its canonical form). With
+    /// [`PayloadFingerprint::json_pointers`], only the parts of a JSON body
+    /// the pointers name count, so a retry that differs elsewhere (a
+    /// timestamp the client adds on each try) gets the replay instead of
+    /// 422; a body that is not JSON (or where a pointer names two values)
+    /// counts whole. The method, the path with its query and the media
+    /// type always count. A request recorded before a change of this gets
+    /// 422 on its retry.
+    ///
+    /// ```
+    /// use axum::{body::Body, routing::post, Router};
+    /// use http::Request;
+    /// use idem_core::{Idempotency, MemoryStore, PayloadFingerprint};
+    /// use idem_http::IdempotencyLayer;
+    /// use tower::ServiceExt;
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new()))
+    ///     .allow_anonymous(true)
+    ///     .fingerprint(PayloadFingerprint::json_pointers(["/amount", "/account"])?);
+    /// let app = Router::new().route("/pay", post(|| async { "paid" })).layer(layer);
+    /// let pay = |body: &'static str| {
+    ///     Request::post("/pay")
+    ///         .header("idempotency-key", "k-1")
+    ///         .header("content-type", "application/json")
+    ///         .body(Body::from(body))
+    /// };
+    /// let first = app.clone().oneshot(pay(r#"{"amount":5,"account":"a","sent_at":"10:00:00"}"#)?).await?;
+    /// assert_eq!(first.status(), 200);
+    /// // The retry's timestamp differs: the replay.
+    /// let retry = app.clone().oneshot(pay(r#"{"amount":5,"account":"a","sent_at":"10:00:09"}"#)?).await?;
+    /// assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    /// // Another amount under the same key: 422.
+    /// let other = app.oneshot(pay(r#"{"amount":6,"account":"a","sent_at":"10:00:09"}"#)?).await?;
+    /// assert_eq!(other.status(), 422);
+    /// # Ok(()) }
+    /// ```
+    pub fn fingerprint(self, what: PayloadFingerprint) -> Self {
+        self.edit(|c| c.fingerprint = what)
     }
 
     /// The largest response body recorded (default 1 MiB). The body is

@@ -122,7 +122,6 @@
 
 mod fingerprint;
 mod finishing;
-mod json;
 mod key;
 mod layer;
 mod problem;

@@ -253,7 +253,7 @@ where
             .await
             .map(box_response);
     }
-    let fingerprint = fingerprint(&parts, &body);
+    let fingerprint = fingerprint(&parts, &body, &config.fingerprint);
     // The request's headers, one copy shared by the handler (a response
     // that varies, `Vary`, is recorded against them) and the replay (which
     // must match them).

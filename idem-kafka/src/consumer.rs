@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use idem_core::{
     saturate, Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, KeyError,
+    PayloadFingerprint,
 };
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -43,6 +44,7 @@ pub struct KafkaConsumer<S: ?Sized, C = JsonCodec> {
     pub(crate) partition_concurrency: usize,
     pub(crate) max_deliveries: u32,
     pub(crate) dead_letter: Option<String>,
+    pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) revoke_wait: Duration,
     pub(crate) commit_interval: Duration,
     pub(crate) retry_backoff: (Duration, Duration),
@@ -62,6 +64,7 @@ impl<S: ?Sized, C> fmt::Debug for KafkaConsumer<S, C> {
             .field("partition_concurrency", &self.partition_concurrency)
             .field("max_deliveries", &self.max_deliveries)
             .field("dead_letter", &self.dead_letter)
+            .field("fingerprint", &self.fingerprint)
             .field("revoke_wait", &self.revoke_wait)
             .finish_non_exhaustive()
     }
@@ -187,6 +190,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             partition_concurrency: 16,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: None,
+            fingerprint: PayloadFingerprint::Whole,
             revoke_wait: Duration::from_secs(10),
             commit_interval: Duration::from_millis(100),
             retry_backoff: (Duration::from_millis(50), Duration::from_secs(2)),
@@ -257,6 +261,19 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// [crate docs](crate#delivery-counts) for how they are counted.
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// What of a record's value its fingerprint covers (default: the
+    /// whole value's bytes). With [`PayloadFingerprint::json_pointers`],
+    /// only the parts of a JSON value the pointers name count, so a
+    /// producer's resend that differs elsewhere (a timestamp set on each
+    /// send) is a duplicate, replayed, not a payload mismatch
+    /// dead-lettered; a value that is not JSON counts whole. A tombstone
+    /// (no value) keeps its own fingerprint. A record of a key recorded
+    /// before a change of this is a mismatch.
+    pub fn fingerprint(mut self, what: PayloadFingerprint) -> Self {
+        self.fingerprint = what;
         self
     }
 

@@ -72,6 +72,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             scope: self.scope.clone(),
             max_deliveries: self.max_deliveries,
             dead_letter: self.dead_letter.clone(),
+            fingerprint: self.fingerprint.clone(),
             group: self.group.clone(),
             producer: self.producer.clone(),
             retry_backoff: self.retry_backoff,

@@ -3,7 +3,7 @@
 
 use std::panic::AssertUnwindSafe;
 
-use idem_core::{Fingerprint, IdempotencyKey, KeyError};
+use idem_core::{Fingerprint, IdempotencyKey, KeyError, PayloadFingerprint};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use serde::de::DeserializeOwned;
 
@@ -236,14 +236,17 @@ fn content_bytes(record: &KafkaRecord) -> Vec<u8> {
 /// after a tombstone of its key is a mismatch, not the tombstone's replay.
 const TOMBSTONE: Fingerprint = Fingerprint::from_array([0; 32]);
 
-/// The fingerprint of a record: the SHA-256 of its value's bytes, or
-/// [`TOMBSTONE`] when it has no value.
-pub(crate) fn fingerprint_of(record: &KafkaRecord) -> Option<Fingerprint> {
+/// The fingerprint of a record: of its value's bytes (the whole value, or
+/// the part `what` selects), or [`TOMBSTONE`] when it has no value.
+pub(crate) fn fingerprint_of(
+    record: &KafkaRecord,
+    what: &PayloadFingerprint,
+) -> Option<Fingerprint> {
     Some(
         record
             .payload
             .as_deref()
-            .map_or(TOMBSTONE, Fingerprint::of_bytes),
+            .map_or(TOMBSTONE, |value| what.fingerprint(value)),
     )
 }
 

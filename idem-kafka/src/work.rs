@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idem_core::{
     Codec, Context, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, Processed, StoreError, Unrecorded,
+    IdempotencyStore, PayloadFingerprint, Processed, StoreError, Unrecorded,
 };
 use rdkafka::producer::FutureProducer;
 use serde::de::DeserializeOwned;
@@ -65,6 +65,7 @@ pub(crate) struct Work<S: ?Sized, C, F> {
     pub(crate) scope: Option<String>,
     pub(crate) max_deliveries: u32,
     pub(crate) dead_letter: Option<String>,
+    pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) group: String,
     pub(crate) producer: FutureProducer,
     pub(crate) retry_backoff: (Duration, Duration),
@@ -201,7 +202,7 @@ where
                 let key = key.as_ref().ok()?;
                 Some((
                     key.clone(),
-                    record::fingerprint_of(record),
+                    record::fingerprint_of(record, &self.fingerprint),
                     self.item(record),
                 ))
             })
@@ -238,7 +239,7 @@ where
             Ok(k) => (Some(k), None),
             Err(reason) => (None, Some((0u32, reason))),
         };
-        let fingerprint = record::fingerprint_of(&record);
+        let fingerprint = record::fingerprint_of(&record, &self.fingerprint);
         let mut backoff = self.retry_backoff.0;
         // A run whose completion is still to be written.
         let mut unfinished: Option<(Box<Unrecorded>, FinishingGuard)> = None;

@@ -114,7 +114,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use idem_core::{
     saturate, Codec, Context, Fingerprint, Finished, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, KeyError, Processed, StoreError, Unrecorded,
+    IdempotencyStore, JsonCodec, KeyError, PayloadFingerprint, Processed, StoreError, Unrecorded,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Value};
@@ -271,6 +271,8 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     call_timeout: Duration,
     max_deliveries: u64,
     dead_letter: String,
+    /// What of an entry's fields its fingerprint covers.
+    fingerprint: PayloadFingerprint,
     counters: Arc<Counters>,
     /// Entries whose handler ran but whose completion is not written yet
     /// (the store was away past the lease), by entry ID: finished with
@@ -301,6 +303,7 @@ impl<S: ?Sized, C, R> fmt::Debug for StreamConsumer<S, C, R> {
             .field("claim_idle", &self.claim_idle)
             .field("max_deliveries", &self.max_deliveries)
             .field("dead_letter", &self.dead_letter)
+            .field("fingerprint", &self.fingerprint)
             .finish_non_exhaustive()
     }
 }
@@ -387,6 +390,7 @@ where
             call_timeout: DEFAULT_CALL_TIMEOUT,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: format!("{stream}:dead"),
+            fingerprint: PayloadFingerprint::Whole,
             counters: Arc::default(),
             unfinished: Arc::default(),
             held: Arc::default(),
@@ -491,6 +495,40 @@ where
     pub fn max_deliveries(mut self, n: u64) -> Self {
         self.max_deliveries = n.max(1);
         self
+    }
+
+    /// What of an entry its fingerprint covers (default: every field,
+    /// names and values). With [`PayloadFingerprint::json_pointers`], the
+    /// pointers read the entry as a JSON object of its fields, each value
+    /// a string (or, if it is not UTF-8, an array of its bytes): `"/amount"`
+    /// is the field `amount`, so a producer's resend that differs in
+    /// another field (a timestamp set on each send) is a duplicate,
+    /// replayed and acknowledged, not a payload mismatch dead-lettered.
+    /// [`PayloadFingerprint::with`] gets that object's JSON bytes. An entry
+    /// of a key recorded before a change of this is a mismatch.
+    pub fn fingerprint(mut self, what: PayloadFingerprint) -> Self {
+        self.fingerprint = what;
+        self
+    }
+
+    /// The fingerprint of an entry's fields, as
+    /// [`fingerprint`](Self::fingerprint) says.
+    fn fingerprint_of(&self, fields: &BTreeMap<String, Vec<u8>>) -> Option<Fingerprint> {
+        if self.fingerprint.is_whole() {
+            return Fingerprint::of(fields).ok();
+        }
+        let object: serde_json::Map<String, serde_json::Value> = fields
+            .iter()
+            .map(|(name, value)| {
+                let value = match std::str::from_utf8(value) {
+                    Ok(text) => serde_json::Value::String(text.to_owned()),
+                    Err(_) => serde_json::Value::from(value.clone()),
+                };
+                (name.clone(), value)
+            })
+            .collect();
+        let bytes = serde_json::to_vec(&object).ok()?;
+        Some(self.fingerprint.fingerprint(&bytes))
     }
 
     /// The dead-letter stream (default `{stream}:dead`).
@@ -842,9 +880,9 @@ where
                     Ok(key)
                         if !self.refused.is_empty()
                             && self.refused.holds(
-                            &key,
-                            Fingerprint::of(&delivery.entry.fields).ok().as_ref(),
-                        ) =>
+                                &key,
+                                self.fingerprint_of(&delivery.entry.fields).as_ref(),
+                            ) =>
                     {
                         Some(Outcome::Dead(
                             "the handler of this key ran but the store refused its result for good: never run again"
@@ -852,7 +890,7 @@ where
                         ))
                     }
                     Ok(key) => {
-                        let fingerprint = Fingerprint::of(&delivery.entry.fields).ok();
+                        let fingerprint = self.fingerprint_of(&delivery.entry.fields);
                         let (handler, entry) = (handler.clone(), delivery.entry.clone());
                         items.push((key, fingerprint, move |_: Context| async move {
                             handler(entry).await

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use idem_core::{
     Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    Processed, StoreError, Unrecorded,
+    PayloadFingerprint, Processed, StoreError, Unrecorded,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -105,6 +105,7 @@ pub(crate) struct Work<S: ?Sized, C, F> {
     pub(crate) handler: Arc<F>,
     pub(crate) key: KeySource,
     pub(crate) scope: String,
+    pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) max_deliveries: u32,
     /// In whole seconds.
     pub(crate) retry_visibility: Option<i32>,
@@ -184,7 +185,7 @@ where
                         }
                         Ok(key) => {
                             claimed.keys.insert(key.clone());
-                            run = Some((key, message::fingerprint_of(message)));
+                            run = Some((key, message::fingerprint_of(message, &self.fingerprint)));
                             None
                         }
                     }

@@ -6,7 +6,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use aws_sdk_sqs::Client;
-use idem_core::{saturate, Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec};
+use idem_core::{
+    saturate, Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, PayloadFingerprint,
+};
 
 use crate::queue::MAX_BATCH;
 use crate::shared::Shared;
@@ -65,6 +67,7 @@ pub struct SqsConsumer<S: ?Sized, C = JsonCodec> {
     pub(crate) retry_visibility: Option<Duration>,
     pub(crate) max_deliveries: u32,
     pub(crate) dead_letter: Option<String>,
+    pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) call_timeout: Duration,
     pub(crate) shutdown_wait: Duration,
     pub(crate) shared: Arc<Shared>,
@@ -84,6 +87,7 @@ impl<S: ?Sized, C> fmt::Debug for SqsConsumer<S, C> {
             .field("retry_visibility", &self.retry_visibility)
             .field("max_deliveries", &self.max_deliveries)
             .field("dead_letter", &self.dead_letter)
+            .field("fingerprint", &self.fingerprint)
             .field("call_timeout", &self.call_timeout)
             .field("shutdown_wait", &self.shutdown_wait)
             .finish_non_exhaustive()
@@ -130,6 +134,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             retry_visibility: None,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: None,
+            fingerprint: PayloadFingerprint::Whole,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             shutdown_wait: Duration::from_secs(30),
             shared,
@@ -223,6 +228,18 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// the message first, without a reason.
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = n.max(1);
+        self
+    }
+
+    /// What of a message's body its fingerprint covers (default: the whole
+    /// body's bytes). With [`PayloadFingerprint::json_pointers`], only the
+    /// parts of a JSON body the pointers name count, so a producer's
+    /// resend that differs elsewhere (a timestamp set on each send) is a
+    /// duplicate, replayed and deleted, not a payload mismatch
+    /// dead-lettered; a body that is not JSON counts whole. A message of a
+    /// key recorded before a change of this is a mismatch.
+    pub fn fingerprint(mut self, what: PayloadFingerprint) -> Self {
+        self.fingerprint = what;
         self
     }
 

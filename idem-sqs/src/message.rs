@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 
 use aws_sdk_sqs::types::{Message, MessageAttributeValue, MessageSystemAttributeName};
-use idem_core::{Fingerprint, IdempotencyKey, KeyError};
+use idem_core::{Fingerprint, IdempotencyKey, KeyError, PayloadFingerprint};
 use serde::de::DeserializeOwned;
 
 /// One SQS message, as the handler gets it (an owned copy: the handler
@@ -191,11 +191,11 @@ impl KeySource {
     }
 }
 
-/// The fingerprint of a message: the SHA-256 of its body's bytes. A
-/// second message with the key of a first one and a different body is a
-/// payload mismatch.
-pub(crate) fn fingerprint_of(message: &SqsMessage) -> Fingerprint {
-    Fingerprint::of_bytes(message.body.as_bytes())
+/// The fingerprint of a message: the SHA-256 of its body's bytes (the
+/// whole body, or the part `what` selects). A second message with the key
+/// of a first one and a different body (part) is a payload mismatch.
+pub(crate) fn fingerprint_of(message: &SqsMessage, what: &PayloadFingerprint) -> Fingerprint {
+    what.fingerprint(message.body.as_bytes())
 }
 
 /// The default scope of a queue's keys: `sqs.{queue name}` when that is a

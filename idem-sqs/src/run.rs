@@ -72,6 +72,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             idem: self.idem.clone(),
             handler: Arc::new(handler),
             key: self.key.clone(),
+            fingerprint: self.fingerprint.clone(),
             scope: self.scope.clone(),
             max_deliveries: self.max_deliveries,
             retry_visibility: self

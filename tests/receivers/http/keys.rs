@@ -100,6 +100,67 @@ async fn json_bodies_are_fingerprinted_canonically_with_exact_numbers() {
     assert_eq!(server.app.effects.load(Ordering::SeqCst), 2);
 }
 
+/// With the fingerprint on the body's `/amount` and `/currency`, a retry
+/// whose other fields differ (a timestamp the client sets on each try) is
+/// the same request: replayed, the handler not run again; another amount
+/// under the key is a 422; a body that is not JSON counts whole. On
+/// PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_that_differs_outside_the_fingerprinted_parts_is_replayed() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let parts = idemkit::PayloadFingerprint::json_pointers(["/amount", "/currency"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let layer = layer_on(Idempotency::new(pg_store().await)).fingerprint(parts);
+    let url = serve_counting(layer, &runs).await;
+    let json_ct = "application/json";
+    let first = post_raw(
+        &url,
+        "parts",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":1200,"currency":"EUR","sent_at":"10:00:00"}"#,
+    )
+    .await;
+    assert_eq!(first.status, 201);
+    let retry = post_raw(
+        &url,
+        "parts",
+        Some("t1"),
+        json_ct,
+        r#"{"sent_at":"10:00:07","currency":"EUR","amount":1200,"trace":"x"}"#,
+    )
+    .await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (201, true),
+        "{}",
+        String::from_utf8_lossy(&retry.body)
+    );
+    assert_eq!(retry.body, first.body);
+    let other = post_raw(
+        &url,
+        "parts",
+        Some("t1"),
+        json_ct,
+        r#"{"amount":1201,"currency":"EUR","sent_at":"10:00:09"}"#,
+    )
+    .await;
+    assert_eq!(other.status, 422, "another amount is another request");
+    // A field left out is another request too.
+    let absent = post_raw(&url, "parts", Some("t1"), json_ct, r#"{"amount":1200}"#).await;
+    assert_eq!(absent.status, 422, "a missing currency is another request");
+    // Not JSON: the whole body, to the byte.
+    let text = post_raw(&url, "text", Some("t1"), "text/plain", "pay 1200 EUR").await;
+    assert_eq!(text.status, 201);
+    let text_other = post_raw(&url, "text", Some("t1"), "text/plain", "pay 1200 EUR ").await;
+    assert_eq!(text_other.status, 422);
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the first payment and the text"
+    );
+}
+
 /// A layer inside a nested router (`/accounts/{account}`) sees the
 /// stripped path (`/transfer`); it keys and fingerprints by the path the
 /// client sent, so one account's request is never answered with another

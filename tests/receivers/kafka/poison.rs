@@ -581,3 +581,68 @@ async fn a_record_after_a_tombstone_of_its_key_is_not_replayed_the_tombstones_re
         "the record with a value neither ran nor was dead-lettered as a mismatch: runs {ran:?}, {stats:?}"
     );
 }
+
+/// With the fingerprint on the value's `/amount`, a resend whose other
+/// fields differ (a timestamp set on each send) is a duplicate: replayed
+/// and committed, its handler not run again; the same key with another
+/// amount is a payload mismatch, dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() {
+    let topic = name("parts");
+    let dead = format!("{topic}.dead");
+    let group = name("parts-g");
+    support::kafka::create_topic(&topic, 1);
+    support::kafka::create_topic(&dead, 1);
+    let first = br#"{"amount":100,"sent_at":"10:00:00"}"#;
+    let resend = br#"{"sent_at":"10:00:07","amount":100}"#;
+    let other = br#"{"amount":200,"sent_at":"10:00:09"}"#;
+    let mut end = 0;
+    for value in [&first[..], &resend[..], &other[..]] {
+        end = send(
+            &topic,
+            0,
+            Some(b"acct-1"),
+            &[("message-id", Some(b"pay-1".as_slice()))],
+            Some(value),
+        )
+        .await
+            + 1;
+    }
+    let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+    let parts =
+        idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer(&group, &topic, Idempotency::new(MemoryStore::new()))
+        .key_header("message-id")
+        .fingerprint(parts)
+        .commit_interval(Duration::ZERO);
+    let handler = {
+        let ran = ran.clone();
+        move |record: KafkaRecord| {
+            let ran = ran.clone();
+            async move {
+                let value = record.text()?.to_owned();
+                ran.lock().unwrap_or_else(|p| p.into_inner()).push(value);
+                Ok::<_, RecordError>("charged".to_owned())
+            }
+        }
+    };
+    let stats = run_until_committed(
+        &consumer,
+        handler,
+        (&group, &topic),
+        end,
+        Duration::from_secs(25),
+    )
+    .await;
+    let ran = ran.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert_eq!(ran, [String::from_utf8_lossy(first)], "{stats:?}");
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (1, 1, 1),
+        "{stats:?}"
+    );
+    let letters = dead_letters(&dead, 1).await;
+    assert_eq!(letters[0].0.as_bytes(), other);
+    let reason = letters[0].1.get("idem.reason").cloned().unwrap_or_default();
+    assert!(reason.contains("different payload"), "{reason}");
+}

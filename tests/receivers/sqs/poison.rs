@@ -337,3 +337,63 @@ async fn extreme_messages_get_typed_outcomes() {
         "{stats:?}"
     );
 }
+
+/// With the fingerprint on the body's `/amount` and `/account`, a resend
+/// whose other fields differ (a timestamp set on each send) is a duplicate:
+/// replayed and deleted, its handler not run again; the same key with
+/// another amount is a payload mismatch, dead-lettered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() {
+    let client = client();
+    let url = create_queue(&client, "idem-parts").await;
+    let dlq = create_queue(&client, "idem-parts-dead").await;
+    let runs: Effects = Arc::default();
+    let r = runs.clone();
+    let parts = idemkit::PayloadFingerprint::json_pointers(["/amount", "/account"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
+        .key_attribute("key")
+        .fingerprint(parts)
+        .visibility_timeout(Duration::from_secs(5))
+        .wait_time(Duration::from_secs(1))
+        .dead_letter(&dlq);
+    let running = Running::start(consumer, move |m: SqsMessage| {
+        let runs = r.clone();
+        async move {
+            *runs.lock().unwrap().entry(m.body.clone()).or_default() += 1;
+            Ok(m.body.len())
+        }
+    });
+    let first = r#"{"amount":100,"account":"a-1","sent_at":"10:00:00"}"#;
+    send(&client, &url, first, &[("key", text("pay-1"))]).await;
+    let r = runs.clone();
+    wait_until("the first send ran", Duration::from_secs(30), || {
+        let done = r.lock().unwrap().get(first) == Some(&1);
+        async move { done }
+    })
+    .await;
+    let resend = r#"{"sent_at":"10:00:07","account":"a-1","amount":100}"#;
+    send(&client, &url, resend, &[("key", text("pay-1"))]).await;
+    let other = r#"{"amount":200,"account":"a-1","sent_at":"10:00:09"}"#;
+    let mismatch = send(&client, &url, other, &[("key", text("pay-1"))]).await;
+
+    let dead = take_dead(&client, &dlq, 1).await;
+    wait_until("the queue empty", Duration::from_secs(30), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let stats = running.stop().await;
+    let m = dead_of(&dead, &mismatch);
+    assert_eq!(m.body(), Some(other));
+    let reason = attr(m, "idem.reason").unwrap();
+    assert!(reason.contains("different payload"), "{reason}");
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.get(first), Some(&1), "{runs:?}");
+    assert_eq!(runs.get(resend), None, "the resend was replayed: {runs:?}");
+    assert_eq!(runs.get(other), None, "a mismatch never runs: {runs:?}");
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (1, 1, 1),
+        "{stats:?}"
+    );
+}

@@ -289,3 +289,69 @@ async fn entries_with_non_utf8_field_names_are_dead_lettered_never_merged() {
         );
     }
 }
+
+/// With the fingerprint on the field `amount`, a resend whose other fields
+/// differ (a timestamp set on each send) is a duplicate: replayed and
+/// acknowledged, its handler not run again; the same key with another
+/// amount is a payload mismatch, dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() {
+    let stream = format!("parts-{:08x}", fastrand::u32(..));
+    xadd(
+        &stream,
+        &[
+            ("message_id", "pay-1"),
+            ("amount", "100"),
+            ("sent_at", "10:00:00"),
+        ],
+    )
+    .await;
+    xadd(
+        &stream,
+        &[
+            ("sent_at", "10:00:07"),
+            ("message_id", "pay-1"),
+            ("amount", "100"),
+        ],
+    )
+    .await;
+    let other = xadd(
+        &stream,
+        &[
+            ("message_id", "pay-1"),
+            ("amount", "200"),
+            ("sent_at", "10:00:09"),
+        ],
+    )
+    .await;
+    let parts =
+        idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .fingerprint(parts)
+        .block(Duration::from_millis(50));
+    let runs = Arc::new(AtomicU64::new(0));
+    // The three come in one read: one batch.
+    let stats = run_until(
+        &consumer,
+        super::counting(&runs),
+        Duration::from_secs(10),
+        nothing_pending(&stream),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "{stats:?}");
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (1, 1, 1),
+        "{stats:?}"
+    );
+    let dead = entries_of(&format!("{stream}:dead")).await;
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        dead[0].1.get("idem.entry").map(String::as_str),
+        Some(other.as_str())
+    );
+    let reason = dead[0].1.get("idem.reason").cloned().unwrap_or_default();
+    assert!(reason.contains("different payload"), "{reason}");
+}

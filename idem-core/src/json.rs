@@ -1,4 +1,7 @@
-//! Canonical JSON of a request body, for its fingerprint.
+//! Canonical JSON of a payload with its numbers' exact text, and the parts
+//! of it that JSON pointers name: what receivers fingerprint a JSON body
+//! or message by (the HTTP layer, and every receiver given
+//! [`PayloadFingerprint::json_pointers`](crate::PayloadFingerprint::json_pointers)).
 //!
 //! Two bodies get one canonical form only if every JSON parser reads them
 //! as the same value: whitespace is dropped, object members are sorted by
@@ -14,32 +17,205 @@
 //! A body that is not valid JSON (or nests deeper than [`MAX_DEPTH`]) has
 //! no canonical form: the caller hashes its bytes.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
 /// The deepest nesting canonicalized (serde_json's own limit); deeper
 /// bodies are hashed as bytes, and the parser's recursion stays bounded
 /// whatever the client sends.
-pub(crate) const MAX_DEPTH: usize = 128;
+pub const MAX_DEPTH: usize = 128;
 
-/// The canonical form of `input`, or `None` if it is not a JSON text.
-pub(crate) fn canonical(input: &[u8]) -> Option<Vec<u8>> {
-    let text = std::str::from_utf8(input).ok()?;
-    let mut parser = Parser {
-        s: text.as_bytes(),
-        text,
-        at: 0,
-    };
+/// The most pointers a [`JsonPointers`] takes.
+pub const MAX_POINTERS: usize = 256;
+
+/// The canonical form of `input`, or `None` if it is not a JSON text (or
+/// nests deeper than [`MAX_DEPTH`]).
+///
+/// ```
+/// use idem_core::json::canonical;
+///
+/// assert_eq!(canonical(br#"{ "b": 1.50, "a": [true] }"#).as_deref(), Some(&br#"{"a":[true],"b":1.50}"#[..]));
+/// assert_eq!(canonical(b"{oops"), None);
+/// ```
+pub fn canonical(input: &[u8]) -> Option<Vec<u8>> {
+    let mut parser = Parser::new(input, &[])?;
     let mut out = Vec::with_capacity(input.len());
-    parser.value(&mut out, 0)?;
-    parser.skip_ws();
-    (parser.at == parser.s.len()).then_some(out)
+    parser.document(&mut out)?;
+    Some(out)
+}
+
+/// JSON pointers (RFC 6901) naming the parts of a JSON payload that count
+/// in its fingerprint, so that a retry whose other fields changed (a
+/// timestamp, a trace id) is still the same request: `"/amount"`,
+/// `"/account/id"`, `"/items/0/sku"` (`~1` is a `/` inside a name, `~0` a
+/// `~`); `""` is the whole payload.
+///
+/// ```
+/// use idem_core::json::JsonPointers;
+///
+/// let parts = JsonPointers::new(["/amount", "/account"])?;
+/// let a = parts.select(br#"{"amount": 100, "account": "a-1", "sent_at": "10:00:00"}"#);
+/// let b = parts.select(br#"{"sent_at": "10:00:05", "account": "a-1", "amount": 100}"#);
+/// let c = parts.select(br#"{"amount": 200, "account": "a-1", "sent_at": "10:00:00"}"#);
+/// assert_eq!(a, b);
+/// assert_ne!(a, c);
+/// assert_eq!(parts.select(b"not json"), None);
+/// # Ok::<(), idem_core::json::PointerError>(())
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct JsonPointers {
+    pointers: Arc<[String]>,
+}
+
+/// A list of JSON pointers that [`JsonPointers::new`] refuses. Not
+/// retryable: the configuration is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum PointerError {
+    /// No pointer: every payload would have the same fingerprint, so a
+    /// key reused with another payload would be replayed another's result.
+    #[error("no JSON pointer given: a fingerprint of nothing would match every payload")]
+    Empty,
+    /// More than [`MAX_POINTERS`].
+    #[error("{0} JSON pointers, more than the {MAX_POINTERS} allowed")]
+    TooMany(usize),
+    /// Not a JSON pointer: it must be empty or start with `/`, and every
+    /// `~` must be followed by `0` or `1`.
+    #[error("not a JSON pointer (RFC 6901): {0:?}")]
+    Invalid(String),
+}
+
+impl JsonPointers {
+    /// The pointers, in the order given (the order counts in the
+    /// fingerprint). Refused: no pointer, more than [`MAX_POINTERS`], or a
+    /// text that is not a JSON pointer.
+    pub fn new<I, S>(pointers: I) -> Result<Self, PointerError>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        let pointers: Vec<String> = pointers.into_iter().map(Into::into).collect();
+        if pointers.is_empty() {
+            return Err(PointerError::Empty);
+        }
+        if pointers.len() > MAX_POINTERS {
+            return Err(PointerError::TooMany(pointers.len()));
+        }
+        for p in &pointers {
+            if !valid_pointer(p) {
+                return Err(PointerError::Invalid(p.clone()));
+            }
+        }
+        Ok(JsonPointers {
+            pointers: pointers.into(),
+        })
+    }
+
+    /// The pointers.
+    pub fn as_slice(&self) -> &[String] {
+        &self.pointers
+    }
+
+    /// What of `payload` its fingerprint covers: each pointer with the
+    /// canonical form of the value it names (numbers with their exact
+    /// text), or a mark that it names nothing (absent is not `null`).
+    /// `None` when `payload` is not a JSON text, or when a pointer names
+    /// two values (an object with a repeated member name on its path:
+    /// parsers disagree on which one counts); the caller then
+    /// fingerprints the whole payload.
+    pub fn select(&self, payload: &[u8]) -> Option<Vec<u8>> {
+        let mut parser = Parser::new(payload, &self.pointers)?;
+        parser.document(&mut Vec::with_capacity(payload.len()))?;
+        if parser.twice {
+            return None;
+        }
+        let mut out = b"json-pointers\n".to_vec();
+        for (pointer, found) in self.pointers.iter().zip(parser.found) {
+            framed(pointer.as_bytes(), &mut out);
+            match found {
+                Some(value) => {
+                    out.push(1);
+                    framed(&value, &mut out);
+                }
+                None => out.push(0),
+            }
+        }
+        Some(out)
+    }
+}
+
+/// `bytes` with its length before it, so that two lists never read alike.
+fn framed(bytes: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&(bytes.len() as u64).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// RFC 6901: empty, or `/` then reference tokens where `~` is `~0` or `~1`.
+fn valid_pointer(p: &str) -> bool {
+    if p.is_empty() {
+        return true;
+    }
+    if !p.starts_with('/') {
+        return false;
+    }
+    let b = p.as_bytes();
+    b.iter()
+        .enumerate()
+        .all(|(i, &c)| c != b'~' || matches!(b.get(i + 1), Some(b'0' | b'1')))
+}
+
+/// `name` as a reference token of a JSON pointer: `~` as `~0`, `/` as `~1`.
+fn push_token(name: &str, path: &mut String) {
+    path.push('/');
+    for c in name.chars() {
+        match c {
+            '~' => path.push_str("~0"),
+            '/' => path.push_str("~1"),
+            c => path.push(c),
+        }
+    }
 }
 
 struct Parser<'a> {
     s: &'a [u8],
     text: &'a str,
     at: usize,
+    /// The pointers whose values are kept, with their places in the list
+    /// (none: canonical form only).
+    wanted: HashMap<&'a str, Vec<usize>>,
+    /// The pointer of the value being parsed (kept only when `wanted`).
+    path: String,
+    /// The canonical form of each wanted pointer's value, if met.
+    found: Vec<Option<Vec<u8>>>,
+    /// A wanted pointer named two values.
+    twice: bool,
 }
 
-impl Parser<'_> {
+impl<'a> Parser<'a> {
+    fn new(input: &'a [u8], pointers: &'a [String]) -> Option<Self> {
+        let text = std::str::from_utf8(input).ok()?;
+        let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, pointer) in pointers.iter().enumerate() {
+            wanted.entry(pointer.as_str()).or_default().push(i);
+        }
+        Some(Parser {
+            s: text.as_bytes(),
+            text,
+            at: 0,
+            wanted,
+            path: String::new(),
+            found: vec![None; pointers.len()],
+            twice: false,
+        })
+    }
+
+    /// A whole JSON text, its canonical form written to `out`.
+    fn document(&mut self, out: &mut Vec<u8>) -> Option<()> {
+        self.value(out, 0)?;
+        self.skip_ws();
+        (self.at == self.s.len()).then_some(())
+    }
+
     fn peek(&self) -> Option<u8> {
         self.s.get(self.at).copied()
     }
@@ -63,6 +239,21 @@ impl Parser<'_> {
     }
 
     fn value(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
+        let start = out.len();
+        self.bare_value(out, depth)?;
+        if let Some(places) = self.wanted.get(self.path.as_str()) {
+            for &i in places {
+                if self.found[i].is_some() {
+                    self.twice = true;
+                } else {
+                    self.found[i] = Some(out[start..].to_vec());
+                }
+            }
+        }
+        Some(())
+    }
+
+    fn bare_value(&mut self, out: &mut Vec<u8>, depth: usize) -> Option<()> {
         self.skip_ws();
         match self.peek()? {
             b'{' => self.object(out, depth + 1),
@@ -91,8 +282,16 @@ impl Parser<'_> {
             out.push(b']');
             return Some(());
         }
+        let mut index = 0usize;
         loop {
+            let len = self.path.len();
+            if !self.wanted.is_empty() {
+                self.path.push('/');
+                self.path.push_str(&index.to_string());
+            }
             self.value(out, depth)?;
+            self.path.truncate(len);
+            index += 1;
             self.skip_ws();
             match self.peek()? {
                 b',' => {
@@ -126,7 +325,12 @@ impl Parser<'_> {
                 self.skip_ws();
                 self.eat(b':')?;
                 let mut value = Vec::new();
+                let len = self.path.len();
+                if !self.wanted.is_empty() {
+                    push_token(&key, &mut self.path);
+                }
                 self.value(&mut value, depth)?;
+                self.path.truncate(len);
                 members.push((key, value));
                 self.skip_ws();
                 match self.peek()? {
@@ -387,5 +591,105 @@ mod tests {
                 "{text}"
             );
         }
+    }
+
+    fn sel(pointers: &[&str], payload: &str) -> Option<Vec<u8>> {
+        JsonPointers::new(pointers.iter().copied())
+            .unwrap_or_else(|e| panic!("{e}"))
+            .select(payload.as_bytes())
+    }
+
+    #[test]
+    fn pointers_select_only_their_parts() {
+        let p = ["/amount", "/account/id"];
+        let a = sel(
+            &p,
+            r#"{"amount":100,"account":{"id":"a-1","name":"x"},"at":1}"#,
+        );
+        assert!(a.is_some());
+        // Other members, their order and whitespace do not count.
+        assert_eq!(
+            a,
+            sel(
+                &p,
+                r#"{ "at": 2, "account": {"name":"y", "id":"a-1"}, "amount": 100 }"#
+            )
+        );
+        // A selected part does, to the digit.
+        assert_ne!(a, sel(&p, r#"{"amount":101,"account":{"id":"a-1"}}"#));
+        assert_ne!(
+            sel(
+                &p,
+                r#"{"amount":12345678901234567890123,"account":{"id":"a"}}"#
+            ),
+            sel(
+                &p,
+                r#"{"amount":12345678901234567890124,"account":{"id":"a"}}"#
+            )
+        );
+        assert_ne!(a, sel(&p, r#"{"amount":100.0,"account":{"id":"a-1"}}"#));
+        // Absent is not null, and the pointers' order counts.
+        assert_ne!(sel(&["/x"], r#"{"x":null}"#), sel(&["/x"], r#"{}"#));
+        assert_ne!(
+            sel(&["/a", "/b"], r#"{"a":1,"b":2}"#),
+            sel(&["/b", "/a"], r#"{"a":1,"b":2}"#)
+        );
+        // Values move between pointers: never the same selection.
+        assert_ne!(
+            sel(&["/a", "/b"], r#"{"a":1,"b":2}"#),
+            sel(&["/a", "/b"], r#"{"a":2,"b":1}"#)
+        );
+        // Arrays by index, escaped names, the whole document.
+        assert_eq!(
+            sel(&["/items/1/sku"], r#"{"items":[{"sku":"a"},{"sku":"b"}]}"#),
+            sel(
+                &["/items/1/sku"],
+                r#"{"items":[{"sku":"z"},{"sku":"b","n":1}]}"#
+            )
+        );
+        assert_ne!(
+            sel(&["/a~1b", "/c~0d"], r#"{"a/b":1,"c~d":2}"#),
+            sel(&["/a~1b", "/c~0d"], r#"{"a/b":1,"c~d":3}"#)
+        );
+        assert_eq!(
+            sel(&[""], r#"{"a":1,"b":2}"#),
+            sel(&[""], r#"{"b":2,"a":1}"#)
+        );
+        assert_ne!(sel(&[""], r#"{"a":1}"#), sel(&[""], r#"{"a":1,"b":2}"#));
+    }
+
+    #[test]
+    fn pointers_on_a_payload_that_is_not_json_or_ambiguous_select_nothing() {
+        assert_eq!(sel(&["/a"], "{oops"), None);
+        assert_eq!(sel(&["/a"], ""), None);
+        assert_eq!(sel(&["/a"], "\u{feff}{}"), None);
+        // A repeated member name on the path: parsers disagree.
+        assert_eq!(sel(&["/a"], r#"{"a":1,"a":2}"#), None);
+        assert_eq!(sel(&["/a/b"], r#"{"a":{"b":1},"a":{"b":2}}"#), None);
+        // Elsewhere it does not matter.
+        assert!(sel(&["/a"], r#"{"a":1,"z":1,"z":2}"#).is_some());
+        let deep = "[".repeat(100_000) + &"]".repeat(100_000);
+        assert_eq!(sel(&["/0"], &deep), None);
+    }
+
+    #[test]
+    fn pointer_lists_are_checked() {
+        assert_eq!(
+            JsonPointers::new(Vec::<String>::new()),
+            Err(PointerError::Empty)
+        );
+        for bad in ["a", "a/b", "/a~", "/a~2", "~0"] {
+            assert_eq!(
+                JsonPointers::new([bad]),
+                Err(PointerError::Invalid(bad.to_owned())),
+                "{bad}"
+            );
+        }
+        assert!(JsonPointers::new(["", "/", "/a~0~1", "/0/-"]).is_ok());
+        let many: Vec<String> = (0..=MAX_POINTERS).map(|i| format!("/{i}")).collect();
+        assert_eq!(
+            JsonPointers::new(many),
+            Err(PointerError::TooMany(MAX_POINTERS + 1))
+        );
     }
 }
