@@ -1,7 +1,8 @@
 //! The stores against real servers: the conformance suite on every
 //! backend, what each backend adds (round trips, bad records, outages,
-//! the in-transaction mode), the operator reads, and keys from content
-//! checked against another RFC 8785 implementation.
+//! the in-transaction mode), the operator reads, keys from content
+//! checked against another RFC 8785 implementation, and the Grafana
+//! dashboard's queries against the metrics example's `/metrics`.
 //!
 //! One test binary (the heavy dependencies link once); each module is an
 //! area, gated by the facade features it needs. `cargo test --all-features
@@ -16,6 +17,8 @@ mod memory;
 
 #[cfg(feature = "dynamodb")]
 mod dynamodb;
+#[cfg(all(feature = "http", feature = "postgres", feature = "tiered"))]
+mod metrics_export;
 #[cfg(feature = "postgres")]
 mod migrate_log;
 #[cfg(feature = "tiered")]
