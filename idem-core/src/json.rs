@@ -692,4 +692,144 @@ mod tests {
             Err(PointerError::TooMany(MAX_POINTERS + 1))
         );
     }
+
+    // ---- adversarial review (issue 28 item 6) ----
+
+    /// The docs promise: "a payload where a pointer names two values (an
+    /// object that repeats a member name on the path: parsers disagree on
+    /// which one is meant) counts whole, never a part". A repeated name on
+    /// the path whose *second* occurrence holds no value at the pointer
+    /// is not caught: a last-wins parser (serde_json's `Value`,
+    /// JavaScript's `JSON.parse`) reads `/a/b` as absent, the selection
+    /// says `1`, and the body shares its fingerprint with `{"a":{"b":1}}`.
+    #[test]
+    fn adv_a_repeated_name_on_the_path_counts_whole_even_when_the_second_lacks_the_part() {
+        let plain = r#"{"a":{"b":1}}"#;
+        let repeated = r#"{"a":{"b":1},"a":5}"#;
+        // What a last-wins parser (the handler's) sees: different requests.
+        let read = |t: &str| {
+            serde_json::from_str::<serde_json::Value>(t)
+                .ok()
+                .and_then(|v| v.pointer("/a/b").cloned())
+        };
+        assert_ne!(read(plain), read(repeated));
+        // The selection must not make them one request.
+        assert_ne!(
+            sel(&["/a/b"], plain),
+            sel(&["/a/b"], repeated),
+            "a body that repeats `a` on the path of /a/b shares the selection of one that does not"
+        );
+        // The mirror case: the part only in the second (last) occurrence.
+        assert_ne!(
+            sel(&["/a/b"], r#"{"a":{"c":0},"a":{"b":1}}"#),
+            sel(&["/a/b"], r#"{"a":{"c":0,"b":1}}"#),
+        );
+    }
+
+    /// RFC 6901 reads `/0` as member "0" of an object and element 0 of an
+    /// array: two bodies of different shapes share a selection. A handler
+    /// that reads `items` as a list refuses (or misreads) the second one,
+    /// yet a retry of either is answered with the other's result. Design
+    /// question rather than a bug: listed so it is decided, not assumed.
+    #[test]
+    fn adv_an_array_index_and_a_member_named_like_it_are_one_part() {
+        assert_ne!(
+            sel(&["/items/0/sku"], r#"{"items":[{"sku":"a"}]}"#),
+            sel(&["/items/0/sku"], r#"{"items":{"0":{"sku":"a"}}}"#),
+            "an array and an object keyed \"0\" share a selection"
+        );
+    }
+
+    /// Escaping is injective; unicode escapes in names are decoded; a
+    /// name with `~`/`/` never meets a nested path (all held).
+    #[test]
+    fn adv_escaping_and_names_held() {
+        assert_ne!(
+            sel(&["/a~1b"], r#"{"a/b":1}"#),
+            sel(&["/a~1b"], r#"{"a":{"b":1}}"#)
+        );
+        assert_ne!(sel(&["/a/b"], r#"{"a/b":1}"#), sel(&["/a/b"], r#"{"a":{"b":1}}"#));
+        assert_ne!(sel(&["/~01"], r#"{"~1":1}"#), sel(&["/~01"], r#"{"/":1}"#));
+        assert_ne!(sel(&["/~1"], r#"{"/":1}"#), sel(&["/~1"], r#"{}"#));
+        assert_eq!(sel(&["/a"], r#"{"\u0061":7}"#), sel(&["/a"], r#"{"a":7}"#));
+        assert_ne!(sel(&["/a"], r#"{"\u0061":7}"#), sel(&["/a"], r#"{"a":8}"#));
+        assert_ne!(sel(&["/x"], r#"{"x":null}"#), sel(&["/x"], r#"{"x":"null"}"#));
+        assert_ne!(sel(&["/0"], r#"[null]"#), sel(&["/0"], r#"[]"#));
+        assert_ne!(sel(&["/a", "/b"], r#"{"a":"1\u0000","b":"2"}"#), sel(&["/a", "/b"], r#"{"a":"1","b":"\u00002"}"#));
+        assert_eq!(sel(&["/a"], "{\"a\":\"\u{0}\"}"), None, "raw control char: not JSON");
+        let bad_utf8: &[u8] = b"{\"a\":\"\xff\"}";
+        assert_eq!(JsonPointers::new(["/a"]).ok().and_then(|p| p.select(bad_utf8)), None);
+    }
+
+    /// Time to select 256 pointers from a 1 MiB body of the shape an API
+    /// sees (many small objects).
+    #[test]
+    fn adv_time_a_1_mib_body_with_256_pointers() {
+        let mut body = String::from("{\"items\":[");
+        let mut i = 0;
+        while body.len() < (1 << 20) - 64 {
+            if i > 0 {
+                body.push(',');
+            }
+            body.push_str(&format!("{{\"sku\":\"s-{i}\",\"n\":{i},\"tags\":[\"x\",\"y\"]}}"));
+            i += 1;
+        }
+        body.push_str("],\"amount\":100}");
+        let pointers: Vec<String> = (0..255)
+            .map(|k| format!("/items/{}/sku", k * 97))
+            .chain(["/amount".to_owned()])
+            .collect();
+        let p = JsonPointers::new(pointers).unwrap_or_else(|e| panic!("{e}"));
+        let t = std::time::Instant::now();
+        let got = p.select(body.as_bytes());
+        let took = t.elapsed();
+        eprintln!("1 MiB ({} items), 256 pointers: {took:?}", i);
+        assert!(got.is_some());
+        let t = std::time::Instant::now();
+        let _ = canonical(body.as_bytes());
+        eprintln!("1 MiB canonical only: {:?}", t.elapsed());
+    }
+
+    /// A client-chosen body makes `select` quadratic: every value's path
+    /// (the whole run of member names above it) is hashed to look it up
+    /// among the pointers, so one long member name above a long array
+    /// costs (name length) x (elements). A body half name, half array
+    /// costs (n/2) x (n/4) bytes hashed: 8 GiB for 256 KiB (an SQS
+    /// message), 128 GiB for 1 MiB (the HTTP layer's default body
+    /// limit). The canonical form of the same body is linear.
+    #[test]
+    fn adv_a_long_member_name_above_a_long_array_is_linear() {
+        // 256 KiB: the largest SQS message (ADV_SIZE_KIB=1024: the HTTP
+        // layer's default body limit).
+        let size = std::env::var("ADV_SIZE_KIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(256)
+            << 10;
+        let name = "k".repeat(size / 2);
+        let elements = size / 4;
+        let mut body = String::with_capacity(size + 16);
+        body.push_str("{\"");
+        body.push_str(&name);
+        body.push_str("\":[");
+        for i in 0..elements {
+            if i > 0 {
+                body.push(',');
+            }
+            body.push('0');
+        }
+        body.push_str("],\"amount\":1}");
+        let t = std::time::Instant::now();
+        assert!(canonical(body.as_bytes()).is_some());
+        let linear = t.elapsed();
+        let p = JsonPointers::new(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
+        let t = std::time::Instant::now();
+        assert!(p.select(body.as_bytes()).is_some());
+        let took = t.elapsed();
+        eprintln!("{} KiB body: canonical {linear:?}, select of one pointer {took:?}", body.len() >> 10);
+        assert!(
+            took < linear * 20 + std::time::Duration::from_millis(500),
+            "select took {took:?} where the canonical form took {linear:?}"
+        );
+    }
 }

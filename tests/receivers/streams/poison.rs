@@ -355,3 +355,56 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
     let reason = dead[0].1.get("idem.reason").cloned().unwrap_or_default();
     assert!(reason.contains("different payload"), "{reason}");
 }
+
+// ---- adversarial review of PayloadFingerprint (issue 28 item 6) ----
+
+/// The common shape of a stream entry is one field holding a JSON
+/// document (`XADD s * message_id k payload '{"amount":...}'`). The
+/// pointers read the entry as an object of *strings*, so
+/// `/payload/amount` names nothing in every entry: every entry of a key
+/// has the same (all-absent) fingerprint, and an entry that reuses a key
+/// with another amount is replayed and acknowledged, never run nor
+/// dead-lettered. Expected: the mismatch dead-lettered (or the pointer,
+/// which can name nothing in any entry, refused when the consumer is
+/// built).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adv_a_pointer_into_a_json_field_is_not_a_fingerprint_of_nothing() {
+    let stream = format!("parts-nested-{:08x}", fastrand::u32(..));
+    xadd(
+        &stream,
+        &[
+            ("message_id", "pay-1"),
+            ("payload", r#"{"amount":100,"sent_at":"10:00:00"}"#),
+        ],
+    )
+    .await;
+    let other = xadd(
+        &stream,
+        &[
+            ("message_id", "pay-1"),
+            ("payload", r#"{"amount":999999,"sent_at":"10:00:09"}"#),
+        ],
+    )
+    .await;
+    let parts = idemkit::PayloadFingerprint::json_pointers(["/payload/amount"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .fingerprint(parts)
+        .block(Duration::from_millis(50));
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        super::counting(&runs),
+        Duration::from_secs(10),
+        nothing_pending(&stream),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let dead = entries_of(&format!("{stream}:dead")).await;
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (1, 0, 1),
+        "the entry {other} with amount 999999 under the key of amount 100: {stats:?}, dead: {dead:?}"
+    );
+}
