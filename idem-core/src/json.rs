@@ -748,17 +748,35 @@ mod tests {
             sel(&["/a~1b"], r#"{"a/b":1}"#),
             sel(&["/a~1b"], r#"{"a":{"b":1}}"#)
         );
-        assert_ne!(sel(&["/a/b"], r#"{"a/b":1}"#), sel(&["/a/b"], r#"{"a":{"b":1}}"#));
+        assert_ne!(
+            sel(&["/a/b"], r#"{"a/b":1}"#),
+            sel(&["/a/b"], r#"{"a":{"b":1}}"#)
+        );
         assert_ne!(sel(&["/~01"], r#"{"~1":1}"#), sel(&["/~01"], r#"{"/":1}"#));
         assert_ne!(sel(&["/~1"], r#"{"/":1}"#), sel(&["/~1"], r#"{}"#));
         assert_eq!(sel(&["/a"], r#"{"\u0061":7}"#), sel(&["/a"], r#"{"a":7}"#));
         assert_ne!(sel(&["/a"], r#"{"\u0061":7}"#), sel(&["/a"], r#"{"a":8}"#));
-        assert_ne!(sel(&["/x"], r#"{"x":null}"#), sel(&["/x"], r#"{"x":"null"}"#));
+        assert_ne!(
+            sel(&["/x"], r#"{"x":null}"#),
+            sel(&["/x"], r#"{"x":"null"}"#)
+        );
         assert_ne!(sel(&["/0"], r#"[null]"#), sel(&["/0"], r#"[]"#));
-        assert_ne!(sel(&["/a", "/b"], r#"{"a":"1\u0000","b":"2"}"#), sel(&["/a", "/b"], r#"{"a":"1","b":"\u00002"}"#));
-        assert_eq!(sel(&["/a"], "{\"a\":\"\u{0}\"}"), None, "raw control char: not JSON");
+        assert_ne!(
+            sel(&["/a", "/b"], r#"{"a":"1\u0000","b":"2"}"#),
+            sel(&["/a", "/b"], r#"{"a":"1","b":"\u00002"}"#)
+        );
+        assert_eq!(
+            sel(&["/a"], "{\"a\":\"\u{0}\"}"),
+            None,
+            "raw control char: not JSON"
+        );
         let bad_utf8: &[u8] = b"{\"a\":\"\xff\"}";
-        assert_eq!(JsonPointers::new(["/a"]).ok().and_then(|p| p.select(bad_utf8)), None);
+        assert_eq!(
+            JsonPointers::new(["/a"])
+                .ok()
+                .and_then(|p| p.select(bad_utf8)),
+            None
+        );
     }
 
     /// Time to select 256 pointers from a 1 MiB body of the shape an API
@@ -771,7 +789,9 @@ mod tests {
             if i > 0 {
                 body.push(',');
             }
-            body.push_str(&format!("{{\"sku\":\"s-{i}\",\"n\":{i},\"tags\":[\"x\",\"y\"]}}"));
+            body.push_str(&format!(
+                "{{\"sku\":\"s-{i}\",\"n\":{i},\"tags\":[\"x\",\"y\"]}}"
+            ));
             i += 1;
         }
         body.push_str("],\"amount\":100}");
@@ -826,7 +846,10 @@ mod tests {
         let t = std::time::Instant::now();
         assert!(p.select(body.as_bytes()).is_some());
         let took = t.elapsed();
-        eprintln!("{} KiB body: canonical {linear:?}, select of one pointer {took:?}", body.len() >> 10);
+        eprintln!(
+            "{} KiB body: canonical {linear:?}, select of one pointer {took:?}",
+            body.len() >> 10
+        );
         assert!(
             took < linear * 20 + std::time::Duration::from_millis(500),
             "select took {took:?} where the canonical form took {linear:?}"

@@ -786,7 +786,14 @@ async fn adv_a_body_that_repeats_a_name_on_the_pointer_path_is_not_the_first_req
         spawn_server(Router::new().route("/p", route).layer(layer)).await
     );
     let json_ct = "application/json";
-    let first = post_raw(&url, "dup-names", Some("t1"), json_ct, r#"{"order":{"amount":100}}"#).await;
+    let first = post_raw(
+        &url,
+        "dup-names",
+        Some("t1"),
+        json_ct,
+        r#"{"order":{"amount":100}}"#,
+    )
+    .await;
     assert_eq!(first.status, 201);
     assert_eq!(first.json()["charged"], json!(100));
     let repeated = r#"{"order":{"amount":100},"order":{"amount_cents":5000}}"#;
@@ -826,7 +833,14 @@ async fn adv_a_long_member_name_above_a_long_array_is_fingerprinted_in_linear_ti
     }
     body.push_str("],\"amount\":1}");
     let started = std::time::Instant::now();
-    let reply = post_raw(&whole, "quad-whole", Some("t1"), "application/json", body.clone()).await;
+    let reply = post_raw(
+        &whole,
+        "quad-whole",
+        Some("t1"),
+        "application/json",
+        body.clone(),
+    )
+    .await;
     let whole_took = started.elapsed();
     assert_eq!(reply.status, 201);
     let started = std::time::Instant::now();

@@ -397,3 +397,55 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
         "{stats:?}"
     );
 }
+
+// ---- adversarial review of PayloadFingerprint (issue 28 item 6) ----
+
+/// `.fingerprint(...)`'s docs: "a producer's resend that differs
+/// elsewhere (a timestamp set on each send) is a duplicate, replayed and
+/// deleted". With `key_from_content` (a SHA-256 of the whole body) the
+/// resend has another key, whatever the fingerprint covers: its handler
+/// runs a second time. Expected: the content key taken over what the
+/// fingerprint covers (as Powertools' `event_key_jmespath`), or the
+/// combination refused/documented.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn adv_a_resend_keyed_by_content_is_a_duplicate_when_only_the_fingerprinted_parts_count() {
+    let client = client();
+    let url = create_queue(&client, "idem-parts-content").await;
+    let runs: Effects = Arc::default();
+    let r = runs.clone();
+    let parts = idemkit::PayloadFingerprint::json_pointers(["/amount", "/account"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = SqsConsumer::new(client.clone(), &url, Idempotency::new(MemoryStore::new()))
+        .key_from_content()
+        .fingerprint(parts)
+        .visibility_timeout(Duration::from_secs(5))
+        .wait_time(Duration::from_secs(1));
+    let running = Running::start(consumer, move |m: SqsMessage| {
+        let runs = r.clone();
+        async move {
+            *runs.lock().unwrap().entry(m.body.clone()).or_default() += 1;
+            Ok(m.body.len())
+        }
+    });
+    let first = r#"{"amount":100,"account":"a-1","sent_at":"10:00:00"}"#;
+    send(&client, &url, first, &[]).await;
+    let r = runs.clone();
+    wait_until("the first send ran", Duration::from_secs(30), || {
+        let done = r.lock().unwrap().get(first) == Some(&1);
+        async move { done }
+    })
+    .await;
+    let resend = r#"{"amount":100,"account":"a-1","sent_at":"10:00:07"}"#;
+    send(&client, &url, resend, &[]).await;
+    wait_until("the queue empty", Duration::from_secs(30), || {
+        queue_empty(&client, &url)
+    })
+    .await;
+    let stats = running.stop().await;
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(
+        (stats.executed, stats.replayed),
+        (1, 1),
+        "the resend of the same payment ran again: {runs:?} {stats:?}"
+    );
+}
