@@ -211,7 +211,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         self
     }
 
-    /// Takes each record's key from a hash of its record key and value.
+    /// Takes each record's key from a hash of its record key and value (of
+    /// the parts of the value that count, with a
+    /// [`fingerprint`](Self::fingerprint) of parts: copies that differ
+    /// elsewhere share a key).
     pub fn key_from_content(mut self) -> Self {
         self.key = KeySource::Content;
         self

@@ -183,7 +183,9 @@ pub enum KeySource {
     Header(String),
     /// A SHA-256 of the record key and value: copies sent with identical
     /// content share a key. Headers are left out (they often carry a
-    /// per-send trace ID).
+    /// per-send trace ID). With a [`fingerprint`](crate::KafkaConsumer::fingerprint)
+    /// of parts of the value, the value counts by those parts: copies that
+    /// differ elsewhere share a key.
     Content,
 }
 
@@ -192,6 +194,7 @@ impl KeySource {
         &self,
         scope: &str,
         record: &KafkaRecord,
+        what: &PayloadFingerprint,
     ) -> Result<IdempotencyKey, RecordError> {
         match self {
             KeySource::RecordKey => {
@@ -206,7 +209,7 @@ impl KeySource {
                 Ok(IdempotencyKey::new(scope, value)?)
             }
             KeySource::Content => {
-                let hash = Fingerprint::of_bytes(&content_bytes(record)).to_hex();
+                let hash = Fingerprint::of_bytes(&content_bytes(record, what)).to_hex();
                 Ok(IdempotencyKey::new(scope, hash)?)
             }
         }
@@ -214,10 +217,21 @@ impl KeySource {
 }
 
 /// The record key and value, each with a presence byte and its length:
-/// no two different (key, value) pairs give the same bytes.
-fn content_bytes(record: &KafkaRecord) -> Vec<u8> {
+/// no two different (key, value) pairs give the same bytes. With `what`
+/// other than the whole payload, the value stands as its fingerprint (the
+/// part that counts), after a byte 2.
+fn content_bytes(record: &KafkaRecord, what: &PayloadFingerprint) -> Vec<u8> {
     let mut out = Vec::new();
-    for part in [record.key.as_deref(), record.payload.as_deref()] {
+    let value_part;
+    let value = match record.payload.as_deref() {
+        Some(value) if !what.is_whole() => {
+            out.push(2);
+            value_part = what.fingerprint(value);
+            Some(value_part.as_bytes().as_slice())
+        }
+        value => value,
+    };
+    for part in [record.key.as_deref(), value] {
         match part {
             None => out.push(0),
             Some(bytes) => {
@@ -285,17 +299,21 @@ mod tests {
     fn bad_input_is_a_typed_error() {
         let r = record(None, Some(b"x"));
         assert_eq!(
-            KeySource::RecordKey.key_of("s", &r).err(),
+            KeySource::RecordKey
+                .key_of("s", &r, &PayloadFingerprint::Whole)
+                .err(),
             Some(RecordError::NoKey)
         );
         let r = record(Some(b"\xff\xfe"), Some(b"x"));
         assert_eq!(
-            KeySource::RecordKey.key_of("s", &r).err(),
+            KeySource::RecordKey
+                .key_of("s", &r, &PayloadFingerprint::Whole)
+                .err(),
             Some(RecordError::KeyNotUtf8)
         );
         let r = record(Some(b""), None);
         assert!(matches!(
-            KeySource::RecordKey.key_of("s", &r),
+            KeySource::RecordKey.key_of("s", &r, &PayloadFingerprint::Whole),
             Err(RecordError::Key(_))
         ));
         let mut r = record(Some(b"k"), Some(b"{not json"));
@@ -304,11 +322,15 @@ mod tests {
             ("null".to_owned(), None),
         ];
         assert_eq!(
-            KeySource::Header("id".into()).key_of("s", &r).err(),
+            KeySource::Header("id".into())
+                .key_of("s", &r, &PayloadFingerprint::Whole)
+                .err(),
             Some(RecordError::HeaderNotUtf8("id".into()))
         );
         assert_eq!(
-            KeySource::Header("null".into()).key_of("s", &r).err(),
+            KeySource::Header("null".into())
+                .key_of("s", &r, &PayloadFingerprint::Whole)
+                .err(),
             Some(RecordError::NoHeader("null".into()))
         );
         assert!(matches!(
@@ -320,10 +342,23 @@ mod tests {
 
     #[test]
     fn content_keys_tell_key_and_value_apart() {
-        let a = KeySource::Content.key_of("s", &record(Some(b"ab"), Some(b"c")));
-        let b = KeySource::Content.key_of("s", &record(Some(b"a"), Some(b"bc")));
-        let c = KeySource::Content.key_of("s", &record(None, Some(b"abc")));
-        let a2 = KeySource::Content.key_of("s", &record(Some(b"ab"), Some(b"c")));
+        let a = KeySource::Content.key_of(
+            "s",
+            &record(Some(b"ab"), Some(b"c")),
+            &PayloadFingerprint::Whole,
+        );
+        let b = KeySource::Content.key_of(
+            "s",
+            &record(Some(b"a"), Some(b"bc")),
+            &PayloadFingerprint::Whole,
+        );
+        let c =
+            KeySource::Content.key_of("s", &record(None, Some(b"abc")), &PayloadFingerprint::Whole);
+        let a2 = KeySource::Content.key_of(
+            "s",
+            &record(Some(b"ab"), Some(b"c")),
+            &PayloadFingerprint::Whole,
+        );
         assert!(a.is_ok() && b.is_ok() && c.is_ok());
         assert_ne!(a, b);
         assert_ne!(b, c);

@@ -91,7 +91,7 @@ where
             Some(e) => Err(e.to_string()),
             None => self
                 .key
-                .key_of(&scope, &read.record)
+                .key_of(&scope, &read.record, &self.fingerprint)
                 .map_err(|e| format!("no usable key: {e}")),
         };
         let (mut after, mut turn) = (None, None);

@@ -420,7 +420,9 @@ where
         self
     }
 
-    /// Takes each entry's key from a hash of its fields.
+    /// Takes each entry's key from a hash of its fields (of the parts that
+    /// count, with a [`fingerprint`](Self::fingerprint) of parts: copies
+    /// that differ elsewhere share a key).
     pub fn key_from_content(mut self) -> Self {
         self.key = KeySource::Content;
         self
@@ -499,13 +501,15 @@ where
 
     /// What of an entry its fingerprint covers (default: every field,
     /// names and values). With [`PayloadFingerprint::json_pointers`], the
-    /// pointers read the entry as a JSON object of its fields, each value
-    /// a string (or, if it is not UTF-8, an array of its bytes): `"/amount"`
-    /// is the field `amount`, so a producer's resend that differs in
-    /// another field (a timestamp set on each send) is a duplicate,
-    /// replayed and acknowledged, not a payload mismatch dead-lettered.
-    /// [`PayloadFingerprint::with`] gets that object's JSON bytes. An entry
-    /// of a key recorded before a change of this is a mismatch.
+    /// pointers read the entry as a JSON object of its fields: a value that
+    /// is a JSON object or array is that JSON, any other value a string.
+    /// `"/amount"` is the field `amount`, `"/payload/amount"` the member
+    /// `amount` of the JSON in the field `payload`; so a producer's resend
+    /// that differs elsewhere (a timestamp set on each send) is a
+    /// duplicate, replayed and acknowledged, not a payload mismatch
+    /// dead-lettered. An entry with a value that is not UTF-8 counts
+    /// whole. [`PayloadFingerprint::with`] gets that object's JSON text.
+    /// An entry of a key recorded before a change of this is a mismatch.
     pub fn fingerprint(mut self, what: PayloadFingerprint) -> Self {
         self.fingerprint = what;
         self
@@ -517,18 +521,7 @@ where
         if self.fingerprint.is_whole() {
             return Fingerprint::of(fields).ok();
         }
-        let object: serde_json::Map<String, serde_json::Value> = fields
-            .iter()
-            .map(|(name, value)| {
-                let value = match std::str::from_utf8(value) {
-                    Ok(text) => serde_json::Value::String(text.to_owned()),
-                    Err(_) => serde_json::Value::from(value.clone()),
-                };
-                (name.clone(), value)
-            })
-            .collect();
-        let bytes = serde_json::to_vec(&object).ok()?;
-        Some(self.fingerprint.fingerprint(&bytes))
+        Some(self.fingerprint.fingerprint(&fields_as_json(fields)))
     }
 
     /// The dead-letter stream (default `{stream}:dead`).
@@ -821,6 +814,12 @@ where
                     .field(name)
                     .ok_or_else(|| format!("no field {name:?}"))?;
                 IdempotencyKey::from_utf8(self.scope.clone(), value).map_err(|e| e.to_string())
+            }
+            // With a fingerprint of parts, the key is the hash of those
+            // parts: copies that differ elsewhere share a key.
+            KeySource::Content if !self.fingerprint.is_whole() => {
+                let hash = self.fingerprint.fingerprint(&fields_as_json(&entry.fields));
+                IdempotencyKey::new(self.scope.clone(), hash.to_hex()).map_err(|e| e.to_string())
             }
             KeySource::Content => IdempotencyKey::from_content(self.scope.clone(), &entry.fields)
                 .map_err(|e| e.to_string()),
@@ -1219,6 +1218,45 @@ struct Read {
 struct Unusable {
     reason: String,
     raw: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// An entry's fields as the text of a JSON object, for the pointers of
+/// [`StreamConsumer::fingerprint`]: a value that is a JSON object or
+/// array as it is (the pointers canonicalize it, numbers exact), any other
+/// UTF-8 value as a JSON string (a string is never an object or an array,
+/// so no two values read alike). A value that is not UTF-8 has no JSON
+/// form: the entry's own bytes, framed, which no pointer reads (the
+/// entry counts whole).
+fn fields_as_json(fields: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(fields.values().map(|v| v.len() + 16).sum::<usize>() + 2);
+    out.push(b'{');
+    for (i, (name, value)) in fields.iter().enumerate() {
+        let Ok(text) = std::str::from_utf8(value) else {
+            let mut raw = vec![0u8];
+            for (name, value) in fields {
+                for part in [name.as_bytes(), value.as_slice()] {
+                    raw.extend_from_slice(&(part.len() as u64).to_be_bytes());
+                    raw.extend_from_slice(part);
+                }
+            }
+            return raw;
+        };
+        if i > 0 {
+            out.push(b',');
+        }
+        // Writing a &str to a Vec cannot fail.
+        let _ = serde_json::to_writer(&mut out, name);
+        out.push(b':');
+        let embedded = matches!(text.trim_start().as_bytes().first(), Some(b'{' | b'['))
+            && idem_core::json::canonical(value).is_some();
+        if embedded {
+            out.extend_from_slice(value);
+        } else {
+            let _ = serde_json::to_writer(&mut out, text);
+        }
+    }
+    out.push(b'}');
+    out
 }
 
 /// The default scope of a stream's keys: `stream.{stream}` when that is a

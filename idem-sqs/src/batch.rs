@@ -116,6 +116,20 @@ where
     S: IdempotencyStore + ?Sized,
     C: Codec,
 {
+    /// The message's key; a key from the content, with a fingerprint of
+    /// parts of the body, is the hash of those parts (copies that differ
+    /// elsewhere share a key, as they share a fingerprint).
+    fn key_of(&self, message: &SqsMessage) -> Result<IdempotencyKey, MessageError> {
+        if matches!(self.key, KeySource::Content) && !self.fingerprint.is_whole() {
+            let hash = self
+                .fingerprint
+                .fingerprint(message.body.as_bytes())
+                .to_hex();
+            return Ok(IdempotencyKey::new(self.scope.as_str(), hash)?);
+        }
+        self.key.key_of(&self.scope, message)
+    }
+
     /// Processes one receive's messages through the executor's batch path,
     /// then dead-letters, deletes and leaves them as their outcomes say.
     pub(crate) async fn process<Fut, T, E>(
@@ -176,7 +190,7 @@ where
                 let outcome = if unfinished_ids.contains(&message.message_id) {
                     Some(Outcome::Left)
                 } else {
-                    match self.key.key_of(&self.scope, message) {
+                    match self.key_of(message) {
                         Err(e) => Some(Outcome::Dead(format!("no usable key: {e}"))),
                         Ok(key) if unfinished_keys.contains(&key) => Some(Outcome::Left),
                         Ok(key) if busy.contains(&key) && !claimed.keys.contains(&key) => {

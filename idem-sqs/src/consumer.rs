@@ -154,7 +154,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
         self
     }
 
-    /// Takes each message's key from a SHA-256 of its body.
+    /// Takes each message's key from a SHA-256 of its body (of the parts
+    /// of it that count, with a [`fingerprint`](Self::fingerprint) of
+    /// parts: copies that differ elsewhere share a key).
     pub fn key_from_content(mut self) -> Self {
         self.key = KeySource::Content;
         self

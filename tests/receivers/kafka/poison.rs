@@ -646,3 +646,62 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
     let reason = letters[0].1.get("idem.reason").cloned().unwrap_or_default();
     assert!(reason.contains("different payload"), "{reason}");
 }
+
+/// With keys from the content and a fingerprint of parts of the value, the
+/// key is the hash of the record key and those parts: a resend whose
+/// other fields differ shares the first send's key and is replayed, its
+/// handler not run again; another amount is another key and runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resend_keyed_by_content_is_a_duplicate_when_only_parts_count() {
+    let topic = name("parts-content");
+    let group = name("parts-content-g");
+    support::kafka::create_topic(&topic, 1);
+    let values: [&[u8]; 3] = [
+        br#"{"amount":100,"sent_at":"10:00:00"}"#,
+        br#"{"sent_at":"10:00:07","amount":100}"#,
+        br#"{"amount":200,"sent_at":"10:00:09"}"#,
+    ];
+    let mut end = 0;
+    for value in values {
+        end = send(&topic, 0, Some(b"acct-1"), &[], Some(value)).await + 1;
+    }
+    let ran: Arc<Mutex<Vec<String>>> = Arc::default();
+    let parts =
+        idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer(&group, &topic, Idempotency::new(MemoryStore::new()))
+        .key_from_content()
+        .fingerprint(parts)
+        .commit_interval(Duration::ZERO);
+    let handler = {
+        let ran = ran.clone();
+        move |record: KafkaRecord| {
+            let ran = ran.clone();
+            async move {
+                let value = record.text()?.to_owned();
+                ran.lock().unwrap_or_else(|p| p.into_inner()).push(value);
+                Ok::<_, RecordError>("charged".to_owned())
+            }
+        }
+    };
+    let stats = run_until_committed(
+        &consumer,
+        handler,
+        (&group, &topic),
+        end,
+        Duration::from_secs(25),
+    )
+    .await;
+    // Two keys: their records run side by side, in any order.
+    let mut ran = ran.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    ran.sort();
+    let expected: Vec<String> = [values[0], values[2]]
+        .iter()
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    assert_eq!(ran, expected, "{stats:?}");
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (2, 1, 0),
+        "{stats:?}"
+    );
+}

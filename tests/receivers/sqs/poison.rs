@@ -398,17 +398,12 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
     );
 }
 
-// ---- adversarial review of PayloadFingerprint (issue 28 item 6) ----
-
-/// `.fingerprint(...)`'s docs: "a producer's resend that differs
-/// elsewhere (a timestamp set on each send) is a duplicate, replayed and
-/// deleted". With `key_from_content` (a SHA-256 of the whole body) the
-/// resend has another key, whatever the fingerprint covers: its handler
-/// runs a second time. Expected: the content key taken over what the
-/// fingerprint covers (as Powertools' `event_key_jmespath`), or the
-/// combination refused/documented.
+/// With `key_from_content` and a fingerprint of parts of the body, the
+/// key is the hash of those parts: a resend that differs elsewhere (a
+/// timestamp set on each send) shares the first send's key and is
+/// replayed, its handler not run again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn adv_a_resend_keyed_by_content_is_a_duplicate_when_only_the_fingerprinted_parts_count() {
+async fn a_resend_keyed_by_content_is_a_duplicate_when_only_parts_count() {
     let client = client();
     let url = create_queue(&client, "idem-parts-content").await;
     let runs: Effects = Arc::default();

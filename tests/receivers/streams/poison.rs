@@ -356,19 +356,12 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
     assert!(reason.contains("different payload"), "{reason}");
 }
 
-// ---- adversarial review of PayloadFingerprint (issue 28 item 6) ----
-
 /// The common shape of a stream entry is one field holding a JSON
-/// document (`XADD s * message_id k payload '{"amount":...}'`). The
-/// pointers read the entry as an object of *strings*, so
-/// `/payload/amount` names nothing in every entry: every entry of a key
-/// has the same (all-absent) fingerprint, and an entry that reuses a key
-/// with another amount is replayed and acknowledged, never run nor
-/// dead-lettered. Expected: the mismatch dead-lettered (or the pointer,
-/// which can name nothing in any entry, refused when the consumer is
-/// built).
+/// document (`XADD s * message_id k payload '{"amount":...}'`): the
+/// pointer `/payload/amount` reads into it, so an entry that reuses a key
+/// with another amount is a mismatch, dead-lettered, never a replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adv_a_pointer_into_a_json_field_is_not_a_fingerprint_of_nothing() {
+async fn a_pointer_reads_into_a_json_document_held_in_a_field() {
     let stream = format!("parts-nested-{:08x}", fastrand::u32(..));
     xadd(
         &stream,
