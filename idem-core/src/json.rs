@@ -903,4 +903,113 @@ mod tests {
             "select took {took:?} where the canonical form took {linear:?}"
         );
     }
+
+    // ---- adversarial review 2 (branch adv2) ----
+
+    /// Semantic probes that held (kept as regression tests): prefixes,
+    /// the root with others, duplicates, a deeper repeated name.
+    #[test]
+    fn adv2_prefixes_root_duplicates_and_deeper_repeats() {
+        // `/a` and `/a/b`: a change inside /a/b changes both parts.
+        let p = ["/a", "/a/b"];
+        assert_ne!(sel(&p, r#"{"a":{"b":1}}"#), sel(&p, r#"{"a":{"b":2}}"#));
+        assert_eq!(
+            sel(&p, r#"{"a":{"b":1,"c":2},"z":0}"#),
+            sel(&p, r#"{"z":9,"a":{"c":2,"b":1}}"#)
+        );
+        // The root with others, duplicates in the list.
+        let p = ["", "/a", "", "/a"];
+        assert!(sel(&p, r#"{"a":1}"#).is_some());
+        assert_ne!(sel(&p, r#"{"a":1}"#), sel(&p, r#"{"a":1,"b":0}"#));
+        // A repeated name deeper on the way.
+        assert_eq!(sel(&["/a/b/c"], r#"{"a":{"b":{"c":1},"b":{"c":1}}}"#), None);
+        assert_eq!(sel(&["/a/b/c"], r#"{"a":{"b":{"c":1},"b":5}}"#), None);
+        assert_eq!(sel(&["/a", "/a/b"], r#"{"a":{"b":1,"b":1}}"#), None);
+        // A repeated name *inside* a selected value (not on the way): the
+        // selection keeps both in order (a 422 at worst, never a replay).
+        assert_ne!(
+            sel(&["/a"], r#"{"a":{"x":1,"x":2}}"#),
+            sel(&["/a"], r#"{"a":{"x":2}}"#)
+        );
+        // Kinds: array vs object at every level, root included.
+        assert_ne!(sel(&["/0"], r#"[7]"#), sel(&["/0"], r#"{"0":7}"#));
+        assert_ne!(
+            sel(&["/0/0"], r#"[{"0":7}]"#),
+            sel(&["/0/0"], r#"{"0":[7]}"#)
+        );
+        // Names with an empty token.
+        assert_ne!(
+            sel(&["//b"], r#"{"":{"b":1}}"#),
+            sel(&["//b"], r#"{"b":1}"#)
+        );
+    }
+
+    /// A pointer is configuration, but its prefixes are rebuilt by every
+    /// `select` (Parser::new): a pointer of n tokens builds n strings of up
+    /// to its whole length, per message: quadratic in the pointer, paid on
+    /// each payload, even on `{}`. Only MAX_DEPTH + 1 tokens can ever name
+    /// anything, yet `new` takes a pointer of any length. Bounded loosely
+    /// against the linear work of `new` on the same pointer.
+    #[test]
+    fn adv2_a_long_pointer_is_not_quadratic_per_message() {
+        let pointer = "/a".repeat(20_000);
+        let t = std::time::Instant::now();
+        let p = JsonPointers::new([pointer.clone()]).unwrap_or_else(|e| panic!("{e}"));
+        let body = format!("{{\"b\":\"{}\"}}", "x".repeat(pointer.len()));
+        assert!(canonical(body.as_bytes()).is_some());
+        let linear = t.elapsed();
+        let t = std::time::Instant::now();
+        assert!(p.select(b"{}").is_some());
+        let took = t.elapsed();
+        eprintln!(
+            "pointer of 20k tokens: new + canonical of a same-size body {linear:?}, one select of `{{}}` {took:?}"
+        );
+        assert!(
+            took < linear * 20 + std::time::Duration::from_millis(50),
+            "one select of `{{}}` took {took:?} where new + canonical took {linear:?}"
+        );
+    }
+
+    /// A 1 MiB body with 256 pointers that are all prefixes of each other
+    /// (here "" and /a, /a/a, ... 127 deep, each twice): each selected
+    /// part is a full copy of its value, so the selection is ~256 copies of
+    /// the body (and PayloadFingerprint::selected copies it once more). A
+    /// client's 1 MiB costs ~0.5 GiB of memory per request. Bounded against
+    /// the canonical form of the same body.
+    #[test]
+    fn adv2_nested_pointers_do_not_copy_the_body_once_per_pointer() {
+        let depth = 127;
+        let mut body = String::new();
+        for _ in 0..depth {
+            body.push_str("{\"a\":");
+        }
+        body.push('"');
+        body.push_str(&"x".repeat(1 << 20));
+        body.push('"');
+        body.push_str(&"}".repeat(depth));
+        let mut pointers = vec![String::new()];
+        for d in 1..=depth {
+            pointers.push("/a".repeat(d));
+        }
+        while pointers.len() < MAX_POINTERS {
+            let again = pointers[pointers.len() % (depth + 1)].clone();
+            pointers.push(again);
+        }
+        let p = JsonPointers::new(pointers).unwrap_or_else(|e| panic!("{e}"));
+        let t = std::time::Instant::now();
+        let c = canonical(body.as_bytes()).map(|c| c.len());
+        let linear = t.elapsed();
+        let t = std::time::Instant::now();
+        let got = p.select(body.as_bytes()).map(|s| s.len());
+        let took = t.elapsed();
+        eprintln!(
+            "{} KiB body: canonical {linear:?} ({c:?} bytes), select of 256 nested pointers {took:?} ({got:?} bytes)",
+            body.len() >> 10
+        );
+        assert!(
+            got.unwrap_or(0) < 16 * body.len(),
+            "the selection of a {} byte body is {got:?} bytes",
+            body.len()
+        );
+    }
 }

@@ -1544,4 +1544,109 @@ mod tests {
         let long = "x".repeat(100);
         assert!(IdempotencyKey::new(default_scope(&long), "x").is_ok());
     }
+
+    // ---- adversarial review 2 (branch adv2) ----
+
+    fn adv2_entry(fields: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
+        fields
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_vec()))
+            .collect()
+    }
+
+    /// Held: a field's JSON object, the JSON text of a string, the plain
+    /// string, `[1]` vs `"[1]"`, whitespace-led JSON, invalid JSON that
+    /// starts with `{`, a non-UTF-8 value: never one selection for two
+    /// texts a handler reads apart.
+    #[test]
+    fn adv2_field_forms_that_hold() {
+        let fp = |pointers: &[&str], fields: &[(&str, &[u8])]| {
+            let p = PayloadFingerprint::json_pointers(pointers.iter().copied())
+                .unwrap_or_else(|e| panic!("{e}"));
+            p.fingerprint(&fields_as_json(&adv2_entry(fields)))
+        };
+        let v = ["/v"];
+        assert_ne!(fp(&v, &[("v", b"[1]")]), fp(&v, &[("v", b"\"[1]\"")]));
+        assert_ne!(fp(&v, &[("v", b"abc")]), fp(&v, &[("v", b"\"abc\"")]));
+        assert_ne!(
+            fp(&v, &[("v", b"{\"a\":1}")]),
+            fp(&v, &[("v", b"{\"a\":1")])
+        );
+        assert_ne!(fp(&v, &[("v", b"100")]), fp(&v, &[("v", b"100.0")]));
+        assert_ne!(fp(&v, &[("v", b"[1]")]), fp(&v, &[("v", b"[1] x")]));
+        // Whitespace-led JSON: the same JSON (by design, as over HTTP).
+        assert_eq!(fp(&v, &[("v", b" \n[1]")]), fp(&v, &[("v", b"[1]")]));
+        // A value that is not UTF-8: the entry counts whole.
+        assert_ne!(
+            fp(&v, &[("v", b"1"), ("w", b"\xff")]),
+            fp(&v, &[("v", b"1"), ("w", b"\xfe")])
+        );
+        // 128 deep inside a field: the entry document is 129 deep, whole.
+        let deep = |n: &str| format!("{}{}{}", "[".repeat(127), n, "]".repeat(127));
+        assert_ne!(
+            fp(&["/v/0"], &[("v", deep("1").as_bytes())]),
+            fp(&["/v/0"], &[("v", deep("2").as_bytes())])
+        );
+    }
+
+    /// A field holding a JSON document that this crate's parser refuses
+    /// but a handler reads (RFC 8259 section 8.1: a parser MAY ignore a
+    /// byte order mark; or nesting past MAX_DEPTH somewhere else in the
+    /// document) is taken as a *string*: `/payload/amount` names nothing
+    /// in it. Two such entries with different amounts (and accounts) then
+    /// share a selection, so a reused key replays the other payment's
+    /// result, and with `key_from_content` they share a key: the second
+    /// payment never runs. The same bodies over HTTP/SQS/Kafka count
+    /// whole (the pointers cannot read them) and stay apart.
+    #[test]
+    fn adv2_a_field_the_parser_refuses_is_not_absent_parts() {
+        let parts = PayloadFingerprint::json_pointers(["/payload/amount", "/payload/account"])
+            .unwrap_or_else(|e| panic!("{e}"));
+        let bom = |amount: u32, account: &str| {
+            format!("\u{feff}{{\"amount\":{amount},\"account\":\"{account}\"}}")
+        };
+        let deep = |amount: u32, account: &str| {
+            format!(
+                "{{\"amount\":{amount},\"account\":\"{account}\",\"trace\":{}0{}}}",
+                "[".repeat(128),
+                "]".repeat(128)
+            )
+        };
+        // What a handler reads: two different payments (a handler that
+        // skips a BOM as RFC 8259 allows; the nested form needs a parser
+        // without serde_json's default depth limit, as most other
+        // languages' parsers are, so it is only shown, not read here).
+        let read = |t: &str| {
+            serde_json::from_str::<serde_json::Value>(t.trim_start_matches('\u{feff}'))
+                .ok()
+                .map(|v| (v["amount"].clone(), v["account"].clone()))
+        };
+        for (form, a, b) in [
+            ("BOM-led", bom(100, "a-1"), bom(999_999, "b-2")),
+            (
+                "nested past 128 elsewhere",
+                deep(100, "a-1"),
+                deep(999_999, "b-2"),
+            ),
+        ] {
+            let (ra, rb) = (read(&a), read(&b));
+            if form == "BOM-led" {
+                assert!(ra.is_some() && ra != rb, "{form}: {ra:?} {rb:?}");
+            }
+            // As a whole body (SQS, Kafka, HTTP): apart.
+            let whole = PayloadFingerprint::json_pointers(["/amount", "/account"])
+                .unwrap_or_else(|e| panic!("{e}"));
+            assert_ne!(
+                whole.fingerprint(a.as_bytes()),
+                whole.fingerprint(b.as_bytes())
+            );
+            // As a Streams field: the fingerprint, and so a content key.
+            let fa = parts.fingerprint(&fields_as_json(&adv2_entry(&[("payload", a.as_bytes())])));
+            let fb = parts.fingerprint(&fields_as_json(&adv2_entry(&[("payload", b.as_bytes())])));
+            assert_ne!(
+                fa, fb,
+                "{form}: payments {ra:?} and {rb:?} held in a field share a fingerprint (and a content key)"
+            );
+        }
+    }
 }

@@ -562,3 +562,155 @@ async fn every_metric_the_dashboard_queries_is_exported_by_the_example() {
         problems.join("\n  ")
     );
 }
+
+// ---- adversarial review 2 (branch adv2) ----
+
+/// A handler ran, its completion was not recorded (Unrecorded), another
+/// worker took the key over after the lease ended, and `finish` then got
+/// `LeaseLost`: nothing waits to be finished any more, and the effects
+/// may have run twice. The dashboard's "Waiting to be finished"
+/// (unrecorded - finished) reads 1 for as long as the process lives, and
+/// "Effects at risk" (lease lost, not replayable, result unavailable)
+/// reads 0: `finish` counts nothing when it is fenced off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible() {
+    if !support::alone::in_own_process(
+        "metrics_export::adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible",
+    ) {
+        return;
+    }
+    let metrics = app::install_recorder().unwrap_or_else(|e| panic!("install: {e}"));
+    let store = PgStore::new(pg::pool(pg::shared_url(), 4).await);
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    let scope = format!("metrics.adv2.{:08x}", fastrand::u32(..));
+    let key = IdempotencyKey::new(scope.as_str(), "k").unwrap_or_else(|e| panic!("{e}"));
+    let tap = Arc::new(Tap::new(store.clone()));
+    let flaky = Idempotency::from_arc(tap.clone())
+        .lease(Duration::from_millis(300))
+        .heartbeat(false);
+    tap.fail_completes(usize::MAX);
+    let out = flaky
+        .process(&key, 1u8, |_| async { Ok::<u8, Declined>(3) })
+        .await;
+    let Err(IdemError::Unrecorded(unrecorded)) = out else {
+        panic!("not unrecorded: {out:?}");
+    };
+    tap.fail_completes(0);
+    // The lease is over: another worker takes the key over and runs it.
+    let taker = Idempotency::new(store.clone()).on_in_progress(InProgressPolicy::Wait {
+        max_wait: Duration::from_secs(10),
+        poll: Duration::from_millis(20),
+    });
+    let took = taker
+        .process(&key, 1u8, |_| async { Ok::<u8, Declined>(4) })
+        .await;
+    assert!(matches!(took, Ok(Processed::Executed(4))), "{took:?}");
+    let finished = flaky.finish(&unrecorded).await;
+    assert!(
+        matches!(finished, Err(idemkit::StoreError::LeaseLost)),
+        "{finished:?}"
+    );
+    let exposition = Exposition::parse(&metrics.render());
+    let of = |counter: &str| {
+        exposition
+            .value(&format!("{counter}{{scope=\"{scope}\"}}"))
+            .unwrap_or(0.0)
+    };
+    // Panel "Waiting to be finished": unrecorded - (finished or 0).
+    let waiting = of("idem_unrecorded_total") - of("idem_finished_total");
+    // Panel "Effects at risk in the time range".
+    let at_risk = of("idem_lease_lost_total")
+        + of("idem_not_replayable_total")
+        + of("idem_result_unavailable_total");
+    println!("waiting to be finished: {waiting}, effects at risk: {at_risk}");
+    assert!(
+        waiting == 0.0 && at_risk >= 1.0,
+        "after a finish fenced off (the key taken over, the handler run twice): \
+         'Waiting to be finished' reads {waiting} (nothing waits), \
+         'Effects at risk' reads {at_risk}"
+    );
+}
+
+/// The example's `idem_records` after a count that failed (the store
+/// unavailable, or the whole-table count past the store's
+/// statement_timeout, which is half the call timeout whatever
+/// `--records-every` says): the gauge keeps its last value, here a stuck
+/// key that has since completed, and nothing in GET /metrics tells the
+/// count failed (no age, no error counter). The "Stuck records" panel
+/// reads 1 for as long as counts fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adv2_a_failed_count_does_not_leave_the_records_gauge_stale() {
+    if !support::alone::in_own_process(
+        "metrics_export::adv2_a_failed_count_does_not_leave_the_records_gauge_stale",
+    ) {
+        return;
+    }
+    use idemkit::{Acquisition, IdempotencyStore};
+    let metrics = app::install_recorder().unwrap_or_else(|e| panic!("install: {e}"));
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let table = format!("adv2_records_{:08x}", fastrand::u32(..));
+    let store = PgStore::builder(pool.clone())
+        .table(&table)
+        .call_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store
+        .migrate()
+        .await
+        .unwrap_or_else(|e| panic!("migrate: {e}"));
+    let scope = format!("metrics.adv2.{:08x}", fastrand::u32(..));
+    let key = IdempotencyKey::new(scope.as_str(), "k").unwrap_or_else(|e| panic!("{e}"));
+    let lease = match store
+        .acquire(&key, None, Duration::from_millis(100))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    {
+        Acquisition::Acquired(lease) => lease,
+        other => panic!("{other:?}"),
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stuck = format!("{}{{scope=\"{scope}\",state=\"stuck\"}}", app::RECORDS);
+    let mut gauges = app::RecordGauges::default();
+    gauges
+        .update(&store)
+        .await
+        .unwrap_or_else(|e| panic!("counts: {e}"));
+    assert_eq!(
+        Exposition::parse(&metrics.render()).value(&stuck),
+        Some(1.0)
+    );
+    // The holder finishes: nothing is stuck any more.
+    store
+        .complete(&lease, b"1", Duration::from_secs(3600))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    // Counting fails (here: the table locked by a migration, say).
+    let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        store.qualified_table()
+    )))
+    .execute(&mut *tx)
+    .await
+    .unwrap_or_else(|e| panic!("lock: {e}"));
+    let failed = gauges.update(&store).await;
+    let text = metrics.render();
+    let _ = tx.rollback().await;
+    println!("the count: {failed:?}");
+    assert!(failed.is_err(), "the count did not fail: {failed:?}");
+    let read = Exposition::parse(&text).value(&stuck);
+    let records_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("idem_records"))
+        .collect();
+    assert_ne!(
+        read,
+        Some(1.0),
+        "after a failed count, a key completed since still reads stuck, and nothing says the \
+         count failed:\n{}",
+        records_lines.join("\n")
+    );
+}

@@ -401,3 +401,67 @@ async fn a_pointer_reads_into_a_json_document_held_in_a_field() {
         "the entry {other} with amount 999999 under the key of amount 100: {stats:?}, dead: {dead:?}"
     );
 }
+
+/// Adversarial review 2: a field holding a JSON document that idem's
+/// parser refuses but a handler reads (here a UTF-8 byte order mark before
+/// it, which RFC 8259 lets a parser ignore) is read as a string, so
+/// `/payload/amount` and `/payload/account` name nothing in it. Two
+/// different payments in that form, with `key_from_content` and the
+/// fingerprint on those parts, share a key and a fingerprint: the second
+/// is acknowledged as a replay of the first and never runs. (The same
+/// bodies as an SQS body or a Kafka value count whole and both run.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adv2_two_payments_in_a_field_the_parser_refuses_both_run() {
+    let stream = format!("parts-bom-{:08x}", fastrand::u32(..));
+    xadd(
+        &stream,
+        &[("payload", "\u{feff}{\"amount\":100,\"account\":\"a-1\"}")],
+    )
+    .await;
+    xadd(
+        &stream,
+        &[("payload", "\u{feff}{\"amount\":999999,\"account\":\"b-2\"}")],
+    )
+    .await;
+    let parts = idemkit::PayloadFingerprint::json_pointers(["/payload/amount", "/payload/account"])
+        .unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .key_from_content()
+        .fingerprint(parts)
+        .block(Duration::from_millis(50));
+    let charged = Arc::new(Mutex::new(Vec::<String>::new()));
+    let handler = {
+        let charged = charged.clone();
+        move |entry: StreamEntry| {
+            let charged = charged.clone();
+            async move {
+                let text = entry.text("payload").unwrap_or_default();
+                let v: serde_json::Value =
+                    serde_json::from_str(text.trim_start_matches('\u{feff}'))
+                        .map_err(std::io::Error::other)?;
+                let what = format!("{} to {}", v["amount"], v["account"]);
+                charged
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(what.clone());
+                Ok::<_, std::io::Error>(what)
+            }
+        }
+    };
+    let stats = run_until(
+        &consumer,
+        handler,
+        Duration::from_secs(10),
+        nothing_pending(&stream),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let charged = charged.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    assert_eq!(
+        charged.len(),
+        2,
+        "two different payments, {} ran: {charged:?}; {stats:?}",
+        charged.len()
+    );
+}
