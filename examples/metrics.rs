@@ -17,9 +17,11 @@
 //! seconds (default 10) from `PgStore::counts`: the rows by scope and state,
 //! `in_progress`, `stuck` (in progress, lease over: a worker died holding
 //! the key, or its completion waits to be finished), `completed`, `expired`
-//! (not purged yet), `corrupt`. It reads the whole table, so give it a
-//! longer period on a large table. Each instance of an app reports the
-//! same counts: the dashboard takes the largest.
+//! (not purged yet), `corrupt`. It reads the whole table within the
+//! store's call timeout (a table too large for that wants a store of its
+//! own with a longer `call_timeout` for the count); a count that fails
+//! sets the gauges to NaN. Each instance of an app reports the same
+//! counts: the dashboard takes the largest.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -53,7 +55,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let store = PgStore::new(idemkit::postgres::connect(&args.postgres_url).await?);
     store.migrate().await?;
 
-    let every = Duration::from_secs(args.records_every.max(1));
+    // 1 s to a day: tokio's interval adds the period to an instant.
+    let every = Duration::from_secs(args.records_every.clamp(1, 86_400));
     let counted = store.clone();
     let upkeep = metrics.clone();
     tokio::spawn(async move {

@@ -70,10 +70,22 @@ pub(crate) struct RecordGauges {
 
 impl RecordGauges {
     /// Counts the store's rows by scope and state and sets the gauges; the
-    /// counts are returned. One statement that reads the whole table (no
+    /// counts are returned. A count that fails sets the gauges of every
+    /// scope it knows to NaN (no value: a panel shows a gap, never a count
+    /// that is no longer true) and returns the error. One statement that reads the whole table (no
     /// index serves it): every few seconds, not on a request's path.
     pub(crate) async fn update(&mut self, store: &PgStore) -> Result<Vec<ScopeCounts>, StoreError> {
-        let counts = store.counts().await?;
+        let counts = match store.counts().await {
+            Ok(counts) => counts,
+            Err(e) => {
+                for scope in &self.scopes {
+                    for state in STATES {
+                        set_records(scope, state, f64::NAN);
+                    }
+                }
+                return Err(e);
+            }
+        };
         let mut scopes = BTreeSet::new();
         for c in &counts {
             for (state, n) in STATES.into_iter().zip(counts_by_state(c)) {

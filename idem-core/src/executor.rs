@@ -753,8 +753,15 @@ where
             .store
             .complete(&unrecorded.lease, &unrecorded.response, self.retention);
         let result = timed(self.store.backend_name(), StoreOperation::Complete, call).await;
-        if result.is_ok() {
-            count("idem_finished_total", unrecorded.lease.key.scope());
+        match &result {
+            Ok(()) => count("idem_finished_total", unrecorded.lease.key.scope()),
+            // Nothing waits to be finished any more, and the key ran again
+            // elsewhere: counted apart (and as a lease lost).
+            Err(StoreError::LeaseLost) => {
+                count("idem_finish_lost_total", unrecorded.lease.key.scope());
+                count("idem_lease_lost_total", unrecorded.lease.key.scope());
+            }
+            Err(_) => {}
         }
         result
     }

@@ -38,7 +38,8 @@ pub const MAX_POINTERS: usize = 256;
 /// assert_eq!(canonical(b"{oops"), None);
 /// ```
 pub fn canonical(input: &[u8]) -> Option<Vec<u8>> {
-    let mut parser = Parser::new(input, &[])?;
+    let (wanted, prefixes) = (HashMap::new(), HashSet::new());
+    let mut parser = Parser::new(input, &wanted, &prefixes, 0)?;
     let mut out = Vec::with_capacity(input.len());
     parser.document(&mut out)?;
     Some(out)
@@ -65,6 +66,12 @@ pub fn canonical(input: &[u8]) -> Option<Vec<u8>> {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct JsonPointers {
     pointers: Arc<[String]>,
+    /// Each pointer with its places in the list.
+    wanted: Arc<HashMap<String, Vec<usize>>>,
+    /// Every pointer and each of its prefixes that ends between two
+    /// reference tokens (`""`, `/a`, `/a/b` for `/a/b`): the paths a
+    /// selection follows.
+    prefixes: Arc<HashSet<String>>,
 }
 
 /// A list of JSON pointers that [`JsonPointers::new`] refuses. Not
@@ -83,6 +90,10 @@ pub enum PointerError {
     /// `~` must be followed by `0` or `1`.
     #[error("not a JSON pointer (RFC 6901): {0:?}")]
     Invalid(String),
+    /// A pointer of more reference tokens than a payload can nest
+    /// ([`MAX_DEPTH`]): it could never name anything.
+    #[error("a JSON pointer of {0} tokens, deeper than any payload read ({MAX_DEPTH})")]
+    TooDeep(usize),
 }
 
 impl JsonPointers {
@@ -105,9 +116,25 @@ impl JsonPointers {
             if !valid_pointer(p) {
                 return Err(PointerError::Invalid(p.clone()));
             }
+            let tokens = p.matches('/').count();
+            if tokens > MAX_DEPTH {
+                return Err(PointerError::TooDeep(tokens));
+            }
+        }
+        let mut wanted: HashMap<String, Vec<usize>> = HashMap::new();
+        let mut prefixes = HashSet::new();
+        for (i, pointer) in pointers.iter().enumerate() {
+            wanted.entry(pointer.clone()).or_default().push(i);
+            prefixes.insert(String::new());
+            for (at, _) in pointer.match_indices('/').skip(1) {
+                prefixes.insert(pointer[..at].to_owned());
+            }
+            prefixes.insert(pointer.clone());
         }
         Ok(JsonPointers {
             pointers: pointers.into(),
+            wanted: Arc::new(wanted),
+            prefixes: Arc::new(prefixes),
         })
     }
 
@@ -117,14 +144,16 @@ impl JsonPointers {
     }
 
     /// What of `payload` its fingerprint covers: each pointer with the
-    /// canonical form of the value it names (numbers with their exact
-    /// text), or a mark that it names nothing (absent is not `null`).
+    /// SHA-256 of the canonical form of the value it names (numbers with
+    /// their exact text) and of the kinds of the containers on its way, or
+    /// a mark that it names nothing (absent is not `null`). Its size is
+    /// bounded by the pointers, not the payload.
     /// `None` when `payload` is not a JSON text, or when a pointer names
     /// two values (an object with a repeated member name on its path:
     /// parsers disagree on which one counts); the caller then
     /// fingerprints the whole payload.
     pub fn select(&self, payload: &[u8]) -> Option<Vec<u8>> {
-        let mut parser = Parser::new(payload, &self.pointers)?;
+        let mut parser = Parser::new(payload, &self.wanted, &self.prefixes, self.pointers.len())?;
         parser.document(&mut Vec::with_capacity(payload.len()))?;
         if parser.twice {
             return None;
@@ -133,9 +162,9 @@ impl JsonPointers {
         for (pointer, found) in self.pointers.iter().zip(parser.found) {
             framed(pointer.as_bytes(), &mut out);
             match found {
-                Some(value) => {
+                Some(digest) => {
                     out.push(1);
-                    framed(&value, &mut out);
+                    out.extend_from_slice(&digest);
                 }
                 None => out.push(0),
             }
@@ -188,10 +217,10 @@ struct Parser<'a> {
     at: usize,
     /// The pointers whose values are kept, with their places in the list
     /// (none: canonical form only).
-    wanted: HashMap<&'a str, Vec<usize>>,
+    wanted: &'a HashMap<String, Vec<usize>>,
     /// Every pointer of `wanted` and each of its prefixes that ends
     /// between two reference tokens (`""`, `/a`, `/a/b` for `/a/b`).
-    prefixes: HashSet<String>,
+    prefixes: &'a HashSet<String>,
     /// The pointer of the value being parsed, while it is one of
     /// `prefixes` (below that, nothing is wanted: not kept).
     path: String,
@@ -199,27 +228,22 @@ struct Parser<'a> {
     tracked: bool,
     /// The kind of each container on `path`: `o` an object, `a` an array.
     kinds: String,
-    /// The containers' kinds and the canonical form of each wanted
-    /// pointer's value, if met.
-    found: Vec<Option<Vec<u8>>>,
+    /// The SHA-256 of the containers' kinds and the canonical form of each
+    /// wanted pointer's value, if met.
+    found: Vec<Option<[u8; 32]>>,
     /// A wanted value, or an object on the way to one, was met twice (a
     /// repeated member name): parsers disagree on which one counts.
     twice: bool,
 }
 
 impl<'a> Parser<'a> {
-    fn new(input: &'a [u8], pointers: &'a [String]) -> Option<Self> {
+    fn new(
+        input: &'a [u8],
+        wanted: &'a HashMap<String, Vec<usize>>,
+        prefixes: &'a HashSet<String>,
+        pointers: usize,
+    ) -> Option<Self> {
         let text = std::str::from_utf8(input).ok()?;
-        let mut wanted: HashMap<&str, Vec<usize>> = HashMap::new();
-        let mut prefixes = HashSet::new();
-        for (i, pointer) in pointers.iter().enumerate() {
-            wanted.entry(pointer.as_str()).or_default().push(i);
-            prefixes.insert(String::new());
-            for (at, _) in pointer.match_indices('/').skip(1) {
-                prefixes.insert(pointer[..at].to_owned());
-            }
-            prefixes.insert(pointer.clone());
-        }
         Some(Parser {
             s: text.as_bytes(),
             text,
@@ -229,7 +253,7 @@ impl<'a> Parser<'a> {
             prefixes,
             path: String::new(),
             kinds: String::new(),
-            found: vec![None; pointers.len()],
+            found: vec![None; pointers],
             twice: false,
         })
     }
@@ -276,11 +300,14 @@ impl<'a> Parser<'a> {
                 } else {
                     // The kinds of the containers on the way count: an
                     // array's element and a member named like its index
-                    // are two parts.
-                    let mut part = self.kinds.clone().into_bytes();
-                    part.push(b'\n');
-                    part.extend_from_slice(&out[start..]);
-                    self.found[i] = Some(part);
+                    // are two parts. A digest, not a copy: nested
+                    // pointers would copy the payload once each.
+                    use sha2::Digest;
+                    let mut hash = sha2::Sha256::new();
+                    hash.update(self.kinds.as_bytes());
+                    hash.update(b"\n");
+                    hash.update(&out[start..]);
+                    self.found[i] = Some(hash.finalize().into());
                 }
             }
         }
@@ -904,12 +931,10 @@ mod tests {
         );
     }
 
-    // ---- adversarial review 2 (branch adv2) ----
-
     /// Semantic probes that held (kept as regression tests): prefixes,
     /// the root with others, duplicates, a deeper repeated name.
     #[test]
-    fn adv2_prefixes_root_duplicates_and_deeper_repeats() {
+    fn prefixes_the_root_duplicates_and_deeper_repeats() {
         // `/a` and `/a/b`: a change inside /a/b changes both parts.
         let p = ["/a", "/a/b"];
         assert_ne!(sel(&p, r#"{"a":{"b":1}}"#), sel(&p, r#"{"a":{"b":2}}"#));
@@ -945,39 +970,30 @@ mod tests {
     }
 
     /// A pointer is configuration, but its prefixes are rebuilt by every
-    /// `select` (Parser::new): a pointer of n tokens builds n strings of up
-    /// to its whole length, per message: quadratic in the pointer, paid on
-    /// each payload, even on `{}`. Only MAX_DEPTH + 1 tokens can ever name
-    /// anything, yet `new` takes a pointer of any length. Bounded loosely
-    /// against the linear work of `new` on the same pointer.
+    /// A pointer deeper than any payload can nest is refused when the
+    /// pointers are made (it could never name anything); the prefixes a
+    /// selection follows are made once then, not per payload.
     #[test]
-    fn adv2_a_long_pointer_is_not_quadratic_per_message() {
-        let pointer = "/a".repeat(20_000);
-        let t = std::time::Instant::now();
-        let p = JsonPointers::new([pointer.clone()]).unwrap_or_else(|e| panic!("{e}"));
-        let body = format!("{{\"b\":\"{}\"}}", "x".repeat(pointer.len()));
-        assert!(canonical(body.as_bytes()).is_some());
-        let linear = t.elapsed();
-        let t = std::time::Instant::now();
-        assert!(p.select(b"{}").is_some());
-        let took = t.elapsed();
-        eprintln!(
-            "pointer of 20k tokens: new + canonical of a same-size body {linear:?}, one select of `{{}}` {took:?}"
+    fn a_pointer_deeper_than_any_payload_is_refused() {
+        let too_deep = "/a".repeat(MAX_DEPTH + 1);
+        assert_eq!(
+            JsonPointers::new([too_deep]),
+            Err(PointerError::TooDeep(MAX_DEPTH + 1))
         );
-        assert!(
-            took < linear * 20 + std::time::Duration::from_millis(50),
-            "one select of `{{}}` took {took:?} where new + canonical took {linear:?}"
+        assert_eq!(
+            JsonPointers::new(["/a".repeat(20_000)]),
+            Err(PointerError::TooDeep(20_000))
         );
+        let deepest = JsonPointers::new(["/a".repeat(MAX_DEPTH)]).unwrap_or_else(|e| panic!("{e}"));
+        assert!(deepest.select(b"{}").is_some());
     }
 
     /// A 1 MiB body with 256 pointers that are all prefixes of each other
-    /// (here "" and /a, /a/a, ... 127 deep, each twice): each selected
-    /// part is a full copy of its value, so the selection is ~256 copies of
-    /// the body (and PayloadFingerprint::selected copies it once more). A
-    /// client's 1 MiB costs ~0.5 GiB of memory per request. Bounded against
-    /// the canonical form of the same body.
+    /// ("" and /a, /a/a, ... 127 deep, each twice): the selection holds a
+    /// digest per pointer, not a copy of each value (256 copies of a
+    /// client's 1 MiB would be a quarter of a GiB per request).
     #[test]
-    fn adv2_nested_pointers_do_not_copy_the_body_once_per_pointer() {
+    fn nested_pointers_do_not_copy_the_body_once_per_pointer() {
         let depth = 127;
         let mut body = String::new();
         for _ in 0..depth {

@@ -21,7 +21,7 @@ use crate::error::StoreError;
 pub const STORE_DURATION_SECONDS: &str = "idem_store_duration_seconds";
 
 /// The counters of the executor, labelled `scope`, with their help texts.
-const EXECUTOR_COUNTERS: [(&str, &str); 10] = [
+const EXECUTOR_COUNTERS: [(&str, &str); 11] = [
     (
         "idem_acquired_total",
         "Keys acquired: the handler ran (first delivery, or a takeover after a lease ended).",
@@ -61,6 +61,10 @@ const EXECUTOR_COUNTERS: [(&str, &str); 10] = [
     (
         "idem_finished_total",
         "Completions written later by Idempotency::finish after an unrecorded result.",
+    ),
+    (
+        "idem_finish_lost_total",
+        "Unrecorded results whose finish got LeaseLost: another worker took the key over after the lease (its handler may have run again).",
     ),
 ];
 

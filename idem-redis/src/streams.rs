@@ -1222,24 +1222,29 @@ struct Unusable {
 
 /// An entry's fields as the text of a JSON object, for the pointers of
 /// [`StreamConsumer::fingerprint`]: a value that is a JSON object or
-/// array as it is (the pointers canonicalize it, numbers exact), any other
-/// UTF-8 value as a JSON string (a string is never an object or an array,
-/// so no two values read alike). A value that is not UTF-8 has no JSON
-/// form: the entry's own bytes, framed, which no pointer reads (the
-/// entry counts whole).
+/// array (after whitespace or a byte order mark) as that JSON (the
+/// pointers canonicalize it, numbers exact), any other UTF-8 value as a
+/// JSON string (a string is never an object or an array, so no two values
+/// read alike). An entry the pointers cannot read counts whole: a value
+/// that is not UTF-8, or that starts as an object or array but is not JSON
+/// (or nests too deep) gives the entry's own bytes, framed, which no
+/// pointer reads.
 fn fields_as_json(fields: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
+    let whole = || {
+        let mut raw = vec![0u8];
+        for (name, value) in fields {
+            for part in [name.as_bytes(), value.as_slice()] {
+                raw.extend_from_slice(&(part.len() as u64).to_be_bytes());
+                raw.extend_from_slice(part);
+            }
+        }
+        raw
+    };
     let mut out = Vec::with_capacity(fields.values().map(|v| v.len() + 16).sum::<usize>() + 2);
     out.push(b'{');
     for (i, (name, value)) in fields.iter().enumerate() {
         let Ok(text) = std::str::from_utf8(value) else {
-            let mut raw = vec![0u8];
-            for (name, value) in fields {
-                for part in [name.as_bytes(), value.as_slice()] {
-                    raw.extend_from_slice(&(part.len() as u64).to_be_bytes());
-                    raw.extend_from_slice(part);
-                }
-            }
-            return raw;
+            return whole();
         };
         if i > 0 {
             out.push(b',');
@@ -1247,10 +1252,12 @@ fn fields_as_json(fields: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
         // Writing a &str to a Vec cannot fail.
         let _ = serde_json::to_writer(&mut out, name);
         out.push(b':');
-        let embedded = matches!(text.trim_start().as_bytes().first(), Some(b'{' | b'['))
-            && idem_core::json::canonical(value).is_some();
-        if embedded {
-            out.extend_from_slice(value);
+        let json = text.trim_start_matches(|c: char| c == '\u{feff}' || c.is_whitespace());
+        if matches!(json.as_bytes().first(), Some(b'{' | b'[')) {
+            if idem_core::json::canonical(json.as_bytes()).is_none() {
+                return whole();
+            }
+            out.extend_from_slice(json.as_bytes());
         } else {
             let _ = serde_json::to_writer(&mut out, text);
         }
@@ -1545,9 +1552,7 @@ mod tests {
         assert!(IdempotencyKey::new(default_scope(&long), "x").is_ok());
     }
 
-    // ---- adversarial review 2 (branch adv2) ----
-
-    fn adv2_entry(fields: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
+    fn fields_of(fields: &[(&str, &[u8])]) -> BTreeMap<String, Vec<u8>> {
         fields
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_vec()))
@@ -1559,11 +1564,11 @@ mod tests {
     /// starts with `{`, a non-UTF-8 value: never one selection for two
     /// texts a handler reads apart.
     #[test]
-    fn adv2_field_forms_that_hold() {
+    fn field_values_never_read_alike() {
         let fp = |pointers: &[&str], fields: &[(&str, &[u8])]| {
             let p = PayloadFingerprint::json_pointers(pointers.iter().copied())
                 .unwrap_or_else(|e| panic!("{e}"));
-            p.fingerprint(&fields_as_json(&adv2_entry(fields)))
+            p.fingerprint(&fields_as_json(&fields_of(fields)))
         };
         let v = ["/v"];
         assert_ne!(fp(&v, &[("v", b"[1]")]), fp(&v, &[("v", b"\"[1]\"")]));
@@ -1589,17 +1594,14 @@ mod tests {
         );
     }
 
-    /// A field holding a JSON document that this crate's parser refuses
-    /// but a handler reads (RFC 8259 section 8.1: a parser MAY ignore a
-    /// byte order mark; or nesting past MAX_DEPTH somewhere else in the
-    /// document) is taken as a *string*: `/payload/amount` names nothing
-    /// in it. Two such entries with different amounts (and accounts) then
-    /// share a selection, so a reused key replays the other payment's
-    /// result, and with `key_from_content` they share a key: the second
-    /// payment never runs. The same bodies over HTTP/SQS/Kafka count
-    /// whole (the pointers cannot read them) and stay apart.
+    /// A field holding a JSON document led by a byte order mark (RFC 8259
+    /// section 8.1: a parser may ignore it) is read past the mark; one
+    /// that nests past MAX_DEPTH somewhere makes the entry count whole.
+    /// Never a string whose parts name nothing: two such entries with
+    /// different payments would share a selection (and, with
+    /// `key_from_content`, a key: the second payment would never run).
     #[test]
-    fn adv2_a_field_the_parser_refuses_is_not_absent_parts() {
+    fn a_field_the_parser_refuses_makes_the_entry_count_whole() {
         let parts = PayloadFingerprint::json_pointers(["/payload/amount", "/payload/account"])
             .unwrap_or_else(|e| panic!("{e}"));
         let bom = |amount: u32, account: &str| {
@@ -1641,8 +1643,8 @@ mod tests {
                 whole.fingerprint(b.as_bytes())
             );
             // As a Streams field: the fingerprint, and so a content key.
-            let fa = parts.fingerprint(&fields_as_json(&adv2_entry(&[("payload", a.as_bytes())])));
-            let fb = parts.fingerprint(&fields_as_json(&adv2_entry(&[("payload", b.as_bytes())])));
+            let fa = parts.fingerprint(&fields_as_json(&fields_of(&[("payload", a.as_bytes())])));
+            let fb = parts.fingerprint(&fields_as_json(&fields_of(&[("payload", b.as_bytes())])));
             assert_ne!(
                 fa, fb,
                 "{form}: payments {ra:?} and {rb:?} held in a field share a fingerprint (and a content key)"

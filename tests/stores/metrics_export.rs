@@ -3,7 +3,8 @@
 //! here) serves a real PostgreSQL store; traffic through its HTTP layer and
 //! through executors over the same store makes every outcome happen at
 //! least once (fresh, duplicate, key reuse, in progress, release, lease
-//! lost, not replayable and its duplicate, unrecorded then finished, a
+//! lost, not replayable and its duplicate, unrecorded then finished (and
+//! one whose finish is fenced off), a
 //! tier hit), its `idem_records` gauge counts a stuck key (and zero for a
 //! scope whose rows are gone), and its
 //! `GET /metrics` answers the exposition text. Every metric a dashboard
@@ -460,6 +461,32 @@ async fn every_metric_the_dashboard_queries_is_exported_by_the_example() {
     // nan, held (by the taker) and unrecorded.
     assert!(gauged(&completed, 3.0).await);
 
+    // A finish fenced off: its key taken over after the lease (in a scope
+    // of its own, so the counts above stay as they are).
+    let fenced_key = IdempotencyKey::new(format!("{scope}-f").as_str(), "fenced")
+        .unwrap_or_else(|e| panic!("{e}"));
+    tap.fail_completes(usize::MAX);
+    let out = flaky
+        .process(&fenced_key, 1u8, |_| async { Ok::<u8, Declined>(5) })
+        .await;
+    let Err(IdemError::Unrecorded(fenced)) = out else {
+        panic!("not unrecorded: {out:?}");
+    };
+    tap.fail_completes(0);
+    let taker = Idempotency::new(store.clone()).on_in_progress(InProgressPolicy::Wait {
+        max_wait: Duration::from_secs(10),
+        poll: Duration::from_millis(20),
+    });
+    let took = taker
+        .process(&fenced_key, 1u8, |_| async { Ok::<u8, Declined>(6) })
+        .await;
+    assert!(matches!(took, Ok(Processed::Executed(6))), "{took:?}");
+    let finished = flaky.finish(&fenced).await;
+    assert!(
+        matches!(finished, Err(idemkit::StoreError::LeaseLost)),
+        "{finished:?}"
+    );
+
     // A tiered store over the same PostgreSQL: the duplicate is answered
     // by the moka tier.
     let tiered = Idempotency::new(
@@ -563,19 +590,15 @@ async fn every_metric_the_dashboard_queries_is_exported_by_the_example() {
     );
 }
 
-// ---- adversarial review 2 (branch adv2) ----
-
 /// A handler ran, its completion was not recorded (Unrecorded), another
 /// worker took the key over after the lease ended, and `finish` then got
-/// `LeaseLost`: nothing waits to be finished any more, and the effects
-/// may have run twice. The dashboard's "Waiting to be finished"
-/// (unrecorded - finished) reads 1 for as long as the process lives, and
-/// "Effects at risk" (lease lost, not replayable, result unavailable)
-/// reads 0: `finish` counts nothing when it is fenced off.
+/// `LeaseLost`: the dashboard's "Waiting to be finished" reads 0 (nothing
+/// waits any more) and "Effects at risk" counts it (the effects may have
+/// run twice).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible() {
+async fn a_finish_fenced_off_is_neither_waiting_nor_invisible() {
     if !support::alone::in_own_process(
-        "metrics_export::adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible",
+        "metrics_export::a_finish_fenced_off_is_neither_waiting_nor_invisible",
     ) {
         return;
     }
@@ -585,7 +608,7 @@ async fn adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible() {
         .migrate()
         .await
         .unwrap_or_else(|e| panic!("migrate: {e}"));
-    let scope = format!("metrics.adv2.{:08x}", fastrand::u32(..));
+    let scope = format!("metrics.fenced.{:08x}", fastrand::u32(..));
     let key = IdempotencyKey::new(scope.as_str(), "k").unwrap_or_else(|e| panic!("{e}"));
     let tap = Arc::new(Tap::new(store.clone()));
     let flaky = Idempotency::from_arc(tap.clone())
@@ -619,8 +642,9 @@ async fn adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible() {
             .value(&format!("{counter}{{scope=\"{scope}\"}}"))
             .unwrap_or(0.0)
     };
-    // Panel "Waiting to be finished": unrecorded - (finished or 0).
-    let waiting = of("idem_unrecorded_total") - of("idem_finished_total");
+    // Panel "Waiting to be finished": unrecorded - finished - finish lost.
+    let waiting =
+        of("idem_unrecorded_total") - of("idem_finished_total") - of("idem_finish_lost_total");
     // Panel "Effects at risk in the time range".
     let at_risk = of("idem_lease_lost_total")
         + of("idem_not_replayable_total")
@@ -636,22 +660,19 @@ async fn adv2_a_finish_fenced_off_is_neither_waiting_nor_invisible() {
 
 /// The example's `idem_records` after a count that failed (the store
 /// unavailable, or the whole-table count past the store's
-/// statement_timeout, which is half the call timeout whatever
-/// `--records-every` says): the gauge keeps its last value, here a stuck
-/// key that has since completed, and nothing in GET /metrics tells the
-/// count failed (no age, no error counter). The "Stuck records" panel
-/// reads 1 for as long as counts fail.
+/// statement_timeout): the gauges read NaN (no value), not the last
+/// count (here a stuck key that has since completed).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adv2_a_failed_count_does_not_leave_the_records_gauge_stale() {
+async fn a_failed_count_does_not_leave_the_records_gauge_stale() {
     if !support::alone::in_own_process(
-        "metrics_export::adv2_a_failed_count_does_not_leave_the_records_gauge_stale",
+        "metrics_export::a_failed_count_does_not_leave_the_records_gauge_stale",
     ) {
         return;
     }
     use idemkit::{Acquisition, IdempotencyStore};
     let metrics = app::install_recorder().unwrap_or_else(|e| panic!("install: {e}"));
     let pool = pg::pool(pg::shared_url(), 4).await;
-    let table = format!("adv2_records_{:08x}", fastrand::u32(..));
+    let table = format!("records_lock_{:08x}", fastrand::u32(..));
     let store = PgStore::builder(pool.clone())
         .table(&table)
         .call_timeout(Duration::from_secs(1))
@@ -661,7 +682,7 @@ async fn adv2_a_failed_count_does_not_leave_the_records_gauge_stale() {
         .migrate()
         .await
         .unwrap_or_else(|e| panic!("migrate: {e}"));
-    let scope = format!("metrics.adv2.{:08x}", fastrand::u32(..));
+    let scope = format!("metrics.stale.{:08x}", fastrand::u32(..));
     let key = IdempotencyKey::new(scope.as_str(), "k").unwrap_or_else(|e| panic!("{e}"));
     let lease = match store
         .acquire(&key, None, Duration::from_millis(100))

@@ -402,16 +402,12 @@ async fn a_pointer_reads_into_a_json_document_held_in_a_field() {
     );
 }
 
-/// Adversarial review 2: a field holding a JSON document that idem's
-/// parser refuses but a handler reads (here a UTF-8 byte order mark before
-/// it, which RFC 8259 lets a parser ignore) is read as a string, so
-/// `/payload/amount` and `/payload/account` name nothing in it. Two
+/// A field holding a JSON document led by a UTF-8 byte order mark (RFC
+/// 8259 lets a parser ignore it): the pointers read past the mark, so two
 /// different payments in that form, with `key_from_content` and the
-/// fingerprint on those parts, share a key and a fingerprint: the second
-/// is acknowledged as a replay of the first and never runs. (The same
-/// bodies as an SQS body or a Kafka value count whole and both run.)
+/// fingerprint on their parts, get two keys and both run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn adv2_two_payments_in_a_field_the_parser_refuses_both_run() {
+async fn two_payments_in_a_field_led_by_a_byte_order_mark_both_run() {
     let stream = format!("parts-bom-{:08x}", fastrand::u32(..));
     xadd(
         &stream,
