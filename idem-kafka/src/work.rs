@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    Codec, Context, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
+    Codec, Context, Fingerprint, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
     IdempotencyStore, PayloadFingerprint, Processed, StoreError, Unrecorded,
 };
 use rdkafka::producer::FutureProducer;
@@ -132,7 +132,8 @@ where
         if let Some((_, after)) = after {
             let _ = after.await;
         }
-        self.drive(&track, record, key, None).await;
+        let fingerprint = record::fingerprint_of(&record, &self.fingerprint);
+        self.drive(&track, record, key, fingerprint, None).await;
     }
 
     /// A record's run for its own key (the first one's outcome given when
@@ -194,17 +195,16 @@ where
                     let _ = after.await;
                 }
             }
-            records.push((job.record, job.key));
+            // Computed once: a `PayloadFingerprint::with` function runs
+            // once per record.
+            let fingerprint = record::fingerprint_of(&job.record, &self.fingerprint);
+            records.push((job.record, job.key, fingerprint));
         }
         let items: Vec<_> = records
             .iter()
-            .filter_map(|(record, key)| {
+            .filter_map(|(record, key, fingerprint)| {
                 let key = key.as_ref().ok()?;
-                Some((
-                    key.clone(),
-                    record::fingerprint_of(record, &self.fingerprint),
-                    self.item(record),
-                ))
+                Some((key.clone(), *fingerprint, self.item(record)))
             })
             .collect();
         let mut results = self
@@ -212,22 +212,24 @@ where
             .process_batch_with_detached(items)
             .await
             .into_iter();
-        let drives = records.into_iter().map(|(record, key)| {
+        let drives = records.into_iter().map(|(record, key, fingerprint)| {
             let first = key.is_ok().then(|| results.next()).flatten();
-            self.drive(&track, record, key, first)
+            self.drive(&track, record, key, fingerprint, first)
         });
         futures_util::future::join_all(drives).await;
         drop(turns);
     }
 
     /// Drives a record until it is settled (recorded, replayed,
-    /// dead-lettered) or given up; `first` is its first run's outcome if it
+    /// dead-lettered) or given up; `fingerprint` is its payload's
+    /// (`record::fingerprint_of`); `first` is its first run's outcome if it
     /// already ran.
     async fn drive<Fut, T, E>(
         self: &Arc<Self>,
         track: &Track,
         record: KafkaRecord,
         key: Result<IdempotencyKey, String>,
+        fingerprint: Option<Fingerprint>,
         mut first: Option<Result<Processed<T>, IdemError<Run<E>>>>,
     ) where
         F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
@@ -239,7 +241,6 @@ where
             Ok(k) => (Some(k), None),
             Err(reason) => (None, Some((0u32, reason))),
         };
-        let fingerprint = record::fingerprint_of(&record, &self.fingerprint);
         let mut backoff = self.retry_backoff.0;
         // A run whose completion is still to be written.
         let mut unfinished: Option<(Box<Unrecorded>, FinishingGuard)> = None;

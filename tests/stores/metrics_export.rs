@@ -465,27 +465,7 @@ async fn every_metric_the_dashboard_queries_is_exported_by_the_example() {
     // of its own, so the counts above stay as they are).
     let fenced_key = IdempotencyKey::new(format!("{scope}-f").as_str(), "fenced")
         .unwrap_or_else(|e| panic!("{e}"));
-    tap.fail_completes(usize::MAX);
-    let out = flaky
-        .process(&fenced_key, 1u8, |_| async { Ok::<u8, Declined>(5) })
-        .await;
-    let Err(IdemError::Unrecorded(fenced)) = out else {
-        panic!("not unrecorded: {out:?}");
-    };
-    tap.fail_completes(0);
-    let taker = Idempotency::new(store.clone()).on_in_progress(InProgressPolicy::Wait {
-        max_wait: Duration::from_secs(10),
-        poll: Duration::from_millis(20),
-    });
-    let took = taker
-        .process(&fenced_key, 1u8, |_| async { Ok::<u8, Declined>(6) })
-        .await;
-    assert!(matches!(took, Ok(Processed::Executed(6))), "{took:?}");
-    let finished = flaky.finish(&fenced).await;
-    assert!(
-        matches!(finished, Err(idemkit::StoreError::LeaseLost)),
-        "{finished:?}"
-    );
+    fence_off_a_finish(&store, &fenced_key).await;
 
     // A tiered store over the same PostgreSQL: the duplicate is answered
     // by the moka tier.
@@ -610,32 +590,7 @@ async fn a_finish_fenced_off_is_neither_waiting_nor_invisible() {
         .unwrap_or_else(|e| panic!("migrate: {e}"));
     let scope = format!("metrics.fenced.{:08x}", fastrand::u32(..));
     let key = IdempotencyKey::new(scope.as_str(), "k").unwrap_or_else(|e| panic!("{e}"));
-    let tap = Arc::new(Tap::new(store.clone()));
-    let flaky = Idempotency::from_arc(tap.clone())
-        .lease(Duration::from_millis(300))
-        .heartbeat(false);
-    tap.fail_completes(usize::MAX);
-    let out = flaky
-        .process(&key, 1u8, |_| async { Ok::<u8, Declined>(3) })
-        .await;
-    let Err(IdemError::Unrecorded(unrecorded)) = out else {
-        panic!("not unrecorded: {out:?}");
-    };
-    tap.fail_completes(0);
-    // The lease is over: another worker takes the key over and runs it.
-    let taker = Idempotency::new(store.clone()).on_in_progress(InProgressPolicy::Wait {
-        max_wait: Duration::from_secs(10),
-        poll: Duration::from_millis(20),
-    });
-    let took = taker
-        .process(&key, 1u8, |_| async { Ok::<u8, Declined>(4) })
-        .await;
-    assert!(matches!(took, Ok(Processed::Executed(4))), "{took:?}");
-    let finished = flaky.finish(&unrecorded).await;
-    assert!(
-        matches!(finished, Err(idemkit::StoreError::LeaseLost)),
-        "{finished:?}"
-    );
+    fence_off_a_finish(&store, &key).await;
     let exposition = Exposition::parse(&metrics.render());
     let of = |counter: &str| {
         exposition
@@ -727,11 +682,52 @@ async fn a_failed_count_does_not_leave_the_records_gauge_stale() {
         .lines()
         .filter(|l| l.contains("idem_records"))
         .collect();
+    assert!(
+        read.is_some_and(f64::is_nan),
+        "after a failed count the gauge reads {read:?}, not NaN (no value):\n{}",
+        records_lines.join("\n")
+    );
+    let records_lines: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("idem_records"))
+        .collect();
     assert_ne!(
         read,
         Some(1.0),
         "after a failed count, a key completed since still reads stuck, and nothing says the \
          count failed:\n{}",
         records_lines.join("\n")
+    );
+}
+
+/// A handler runs on `key` but its completion is refused until the lease
+/// ends (Unrecorded); another worker then takes the key over and runs it,
+/// and the first worker's `finish` gets `LeaseLost`.
+async fn fence_off_a_finish(store: &PgStore, key: &IdempotencyKey) {
+    let tap = Arc::new(Tap::new(store.clone()));
+    let flaky = Idempotency::from_arc(tap.clone())
+        .lease(Duration::from_millis(300))
+        .heartbeat(false);
+    tap.fail_completes(usize::MAX);
+    let out = flaky
+        .process(key, 1u8, |_| async { Ok::<u8, Declined>(3) })
+        .await;
+    let Err(IdemError::Unrecorded(unrecorded)) = out else {
+        panic!("not unrecorded: {out:?}");
+    };
+    tap.fail_completes(0);
+    // The lease is over: another worker takes the key over and runs it.
+    let taker = Idempotency::new(store.clone()).on_in_progress(InProgressPolicy::Wait {
+        max_wait: Duration::from_secs(10),
+        poll: Duration::from_millis(20),
+    });
+    let took = taker
+        .process(key, 1u8, |_| async { Ok::<u8, Declined>(4) })
+        .await;
+    assert!(matches!(took, Ok(Processed::Executed(4))), "{took:?}");
+    let finished = flaky.finish(&unrecorded).await;
+    assert!(
+        matches!(finished, Err(idemkit::StoreError::LeaseLost)),
+        "{finished:?}"
     );
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use idemkit::kafka::rdkafka::producer::FutureRecord;
 use idemkit::kafka::rdkafka::util::Timeout;
-use idemkit::kafka::{KafkaRecord, RecordError};
+use idemkit::kafka::{ConsumerStats, KafkaConsumer, KafkaRecord, RecordError};
 use idemkit::{Idempotency, MemoryStore};
 
 use super::{
@@ -608,33 +608,8 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
         .await
             + 1;
     }
-    let ran: Arc<Mutex<Vec<String>>> = Arc::default();
-    let parts =
-        idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
-    let consumer = consumer(&group, &topic, Idempotency::new(MemoryStore::new()))
-        .key_header("message-id")
-        .fingerprint(parts)
-        .commit_interval(Duration::ZERO);
-    let handler = {
-        let ran = ran.clone();
-        move |record: KafkaRecord| {
-            let ran = ran.clone();
-            async move {
-                let value = record.text()?.to_owned();
-                ran.lock().unwrap_or_else(|p| p.into_inner()).push(value);
-                Ok::<_, RecordError>("charged".to_owned())
-            }
-        }
-    };
-    let stats = run_until_committed(
-        &consumer,
-        handler,
-        (&group, &topic),
-        end,
-        Duration::from_secs(25),
-    )
-    .await;
-    let ran = ran.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let (ran, stats) =
+        run_fingerprinting_amount(&group, &topic, end, |c| c.key_header("message-id")).await;
     assert_eq!(ran, [String::from_utf8_lossy(first)], "{stats:?}");
     assert_eq!(
         (stats.executed, stats.replayed, stats.dead_lettered),
@@ -665,11 +640,34 @@ async fn a_resend_keyed_by_content_is_a_duplicate_when_only_parts_count() {
     for value in values {
         end = send(&topic, 0, Some(b"acct-1"), &[], Some(value)).await + 1;
     }
+    // Two keys: their records run side by side; `ran` comes sorted.
+    let (ran, stats) =
+        run_fingerprinting_amount(&group, &topic, end, |c| c.key_from_content()).await;
+    let expected: Vec<String> = [values[0], values[2]]
+        .iter()
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    assert_eq!(ran, expected, "{stats:?}");
+    assert_eq!(
+        (stats.executed, stats.replayed, stats.dead_lettered),
+        (2, 1, 0),
+        "{stats:?}"
+    );
+}
+
+/// Runs a consumer of partition 0 of `topic` (keys as `keyed` sets them,
+/// the fingerprint on the value's `/amount`) until `end` is committed:
+/// the values whose handler ran, sorted, and the stats.
+async fn run_fingerprinting_amount(
+    group: &str,
+    topic: &str,
+    end: i64,
+    keyed: impl FnOnce(KafkaConsumer<MemoryStore>) -> KafkaConsumer<MemoryStore>,
+) -> (Vec<String>, ConsumerStats) {
     let ran: Arc<Mutex<Vec<String>>> = Arc::default();
     let parts =
         idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
-    let consumer = consumer(&group, &topic, Idempotency::new(MemoryStore::new()))
-        .key_from_content()
+    let consumer = keyed(consumer(group, topic, Idempotency::new(MemoryStore::new())))
         .fingerprint(parts)
         .commit_interval(Duration::ZERO);
     let handler = {
@@ -686,22 +684,12 @@ async fn a_resend_keyed_by_content_is_a_duplicate_when_only_parts_count() {
     let stats = run_until_committed(
         &consumer,
         handler,
-        (&group, &topic),
+        (group, topic),
         end,
         Duration::from_secs(25),
     )
     .await;
-    // Two keys: their records run side by side, in any order.
     let mut ran = ran.lock().unwrap_or_else(|p| p.into_inner()).clone();
     ran.sort();
-    let expected: Vec<String> = [values[0], values[2]]
-        .iter()
-        .map(|v| String::from_utf8_lossy(v).into_owned())
-        .collect();
-    assert_eq!(ran, expected, "{stats:?}");
-    assert_eq!(
-        (stats.executed, stats.replayed, stats.dead_lettered),
-        (2, 1, 0),
-        "{stats:?}"
-    );
+    (ran, stats)
 }

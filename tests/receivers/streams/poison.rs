@@ -324,23 +324,9 @@ async fn a_resend_that_differs_outside_the_fingerprinted_parts_is_a_duplicate() 
         ],
     )
     .await;
-    let parts =
-        idemkit::PayloadFingerprint::json_pointers(["/amount"]).unwrap_or_else(|e| panic!("{e}"));
-    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
-        .await
-        .fingerprint(parts)
-        .block(Duration::from_millis(50));
-    let runs = Arc::new(AtomicU64::new(0));
     // The three come in one read: one batch.
-    let stats = run_until(
-        &consumer,
-        super::counting(&runs),
-        Duration::from_secs(10),
-        nothing_pending(&stream),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "{stats:?}");
+    let (runs, stats) = run_fingerprinting(&stream, "/amount").await;
+    assert_eq!(runs, 1, "{stats:?}");
     assert_eq!(
         (stats.executed, stats.replayed, stats.dead_lettered),
         (1, 1, 1),
@@ -379,21 +365,7 @@ async fn a_pointer_reads_into_a_json_document_held_in_a_field() {
         ],
     )
     .await;
-    let parts = idemkit::PayloadFingerprint::json_pointers(["/payload/amount"])
-        .unwrap_or_else(|e| panic!("{e}"));
-    let consumer = consumer_on(&stream, "c", Idempotency::new(redis_store().await))
-        .await
-        .fingerprint(parts)
-        .block(Duration::from_millis(50));
-    let runs = Arc::new(AtomicU64::new(0));
-    let stats = run_until(
-        &consumer,
-        super::counting(&runs),
-        Duration::from_secs(10),
-        nothing_pending(&stream),
-    )
-    .await
-    .unwrap_or_else(|e| panic!("{e}"));
+    let (_, stats) = run_fingerprinting(&stream, "/payload/amount").await;
     let dead = entries_of(&format!("{stream}:dead")).await;
     assert_eq!(
         (stats.executed, stats.replayed, stats.dead_lettered),
@@ -460,4 +432,29 @@ async fn two_payments_in_a_field_led_by_a_byte_order_mark_both_run() {
         "two different payments, {} ran: {charged:?}; {stats:?}",
         charged.len()
     );
+}
+
+/// Runs a consumer of `stream` (keyed by `message_id`) with the
+/// fingerprint on `pointer` and a counting handler until nothing is
+/// pending: the handler's runs and the stats.
+async fn run_fingerprinting(
+    stream: &str,
+    pointer: &str,
+) -> (u64, idemkit::redis::streams::ConsumerStats) {
+    let parts =
+        idemkit::PayloadFingerprint::json_pointers([pointer]).unwrap_or_else(|e| panic!("{e}"));
+    let consumer = consumer_on(stream, "c", Idempotency::new(redis_store().await))
+        .await
+        .fingerprint(parts)
+        .block(Duration::from_millis(50));
+    let runs = Arc::new(AtomicU64::new(0));
+    let stats = run_until(
+        &consumer,
+        super::counting(&runs),
+        Duration::from_secs(10),
+        nothing_pending(stream),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    (runs.load(Ordering::SeqCst), stats)
 }
