@@ -5,7 +5,12 @@
 //! again, alone, in a child process of this binary and checks that it
 //! passed; in the child it lets the body run.
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// The longest a test may run in its own process.
+const ALONE_LIMIT: Duration = Duration::from_secs(300);
 
 /// The variable that tells the child which test it runs.
 const CHILD: &str = "IDEM_TEST_ALONE";
@@ -19,19 +24,49 @@ pub fn in_own_process(name: &str) -> bool {
         return true;
     }
     let exe = std::env::current_exe().unwrap_or_else(|e| panic!("this test binary: {e}"));
-    let out = Command::new(exe)
+    let child = Command::new(exe)
         .args([name, "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD, name)
-        .output()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap_or_else(|e| panic!("cannot run {name} in a process of its own: {e}"));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    let mut child = Killed(child);
+    let read = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut text = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut text);
+            }
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = read(child.0.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = read(child.0.stderr.take().map(|p| Box::new(p) as _));
+    // Bounded: a child that hangs is killed and fails the test.
+    let deadline = Instant::now() + ALONE_LIMIT;
+    let status = loop {
+        match child.0.try_wait() {
+            Ok(Some(status)) => break Some(status),
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Ok(None) => break None,
+            Err(e) => panic!("{name} in its own process: {e}"),
+        }
+    };
+    if status.is_none() {
+        child.kill();
+    }
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
     print!("{stdout}");
     eprint!("{stderr}");
+    let Some(status) = status else {
+        panic!("{name} did not end within {ALONE_LIMIT:?} in its own process:\n{stdout}\n{stderr}")
+    };
     assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "{name} failed in its own process ({}):\n{stdout}\n{stderr}",
-        out.status
+        status.success() && stdout.contains("1 passed"),
+        "{name} failed in its own process ({status}):\n{stdout}\n{stderr}"
     );
     false
 }

@@ -59,10 +59,15 @@ where
                 .unwrap_or_else(|e| panic!("{e}"));
             faulted.store(true, Ordering::SeqCst);
             if let Some(recover) = recover {
-                saw_outage.notified().await;
+                // Bounded: with no call seeing the outage the server still
+                // comes back, and the test fails saying so, never hangs.
+                let saw = tokio::time::timeout(Duration::from_secs(60), saw_outage.notified())
+                    .await
+                    .is_ok();
                 tokio::task::spawn_blocking(recover)
                     .await
                     .unwrap_or_else(|e| panic!("{e}"));
+                assert!(saw, "no call saw the outage within 60 s of the fault");
             }
         })
     };

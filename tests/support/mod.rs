@@ -57,7 +57,11 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
 /// Runs `script` in `sh` detached: it outlives nothing but is told this
 /// process's pid as `$1`, so it can wait for it to exit and clean up.
 pub fn spawn_watchdog(script: &str) {
+    use std::os::unix::process::CommandExt;
     let spawned = Command::new("sh")
+        // A group of its own: scripts/run-tests kills the test's group when
+        // it overruns its time, and the watchdog must live on to clean up.
+        .process_group(0)
         .arg("-c")
         .arg(script)
         .arg("watchdog")

@@ -68,7 +68,9 @@ impl ReplicatedCluster {
                 ],
             ));
         }
-        let out = Command::new("redis-cli")
+        // Bounded: `--cluster create` waits for the nodes to join forever.
+        let out = Command::new("timeout")
+            .args(["60", "redis-cli"])
             .arg("--cluster")
             .arg("create")
             .args(servers.iter().map(|s| format!("127.0.0.1:{}", s.port)))

@@ -223,7 +223,9 @@ pub fn start_cluster_servers() -> Vec<RedisServer> {
         nodes.push(server);
         ports.push(port);
     }
-    let out = Command::new("redis-cli")
+    // Bounded: `--cluster create` waits for the nodes to join forever.
+    let out = Command::new("timeout")
+        .args(["60", "redis-cli"])
         .arg("--cluster")
         .arg("create")
         .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))

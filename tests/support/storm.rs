@@ -266,16 +266,26 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// Waits until `ready` holds.
-    pub async fn until(&self, ready: impl Fn(&Progress) -> bool) {
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            if ready(self) {
-                return;
+    /// Waits until `ready` holds; panics, naming `what`, if it does not
+    /// within `limit` (a storm that stalls must fail, never hang).
+    pub async fn until(&self, what: &str, limit: Duration, ready: impl Fn(&Progress) -> bool) {
+        let waiting = async {
+            loop {
+                let changed = self.changed.notified();
+                tokio::pin!(changed);
+                changed.as_mut().enable();
+                if ready(self) {
+                    return;
+                }
+                changed.await;
             }
-            changed.await;
+        };
+        if tokio::time::timeout(limit, waiting).await.is_err() {
+            panic!(
+                "{what}: not within {limit:?} (executed {}, unavailable {})",
+                self.executed.load(Ordering::SeqCst),
+                self.unavailable.load(Ordering::SeqCst)
+            );
         }
     }
 
@@ -285,6 +295,10 @@ impl Progress {
         self.changed.notify_waiters();
     }
 }
+
+/// The longest a storm's deliveries may take, faults and redeliveries
+/// included (the longest storms end in about a minute on 2 cores).
+pub const STORM_LIMIT: Duration = Duration::from_secs(240);
 
 /// The deliveries of a storm: each of `messages` messages 1 to 8 times, in
 /// random order.
@@ -301,7 +315,9 @@ pub fn plan(messages: u64) -> Vec<u64> {
 /// each delivery got and when it began. A delivery neither executed nor
 /// replayed goes back to the end of the queue after a short pause (a
 /// broker's redelivery delay, so a fault is not spun on). Returns the
-/// number of deliveries made, redeliveries included.
+/// number of deliveries made, redeliveries included; panics if the plan is
+/// not delivered within [`STORM_LIMIT`] (a store that never comes back must
+/// fail the test, not spin it forever).
 pub async fn deliver_all(
     receiver: &Receiver,
     scope: &str,
@@ -345,9 +361,18 @@ pub async fn deliver_all(
             })
         })
         .collect();
-    for t in tasks {
-        t.await
-            .unwrap_or_else(|e| panic!("a storm worker panicked: {e}"));
+    let all = async {
+        for t in tasks {
+            t.await
+                .unwrap_or_else(|e| panic!("a storm worker panicked: {e}"));
+        }
+    };
+    if tokio::time::timeout(STORM_LIMIT, all).await.is_err() {
+        let left = queue.lock().unwrap_or_else(|p| p.into_inner()).len();
+        panic!(
+            "the storm did not end within {STORM_LIMIT:?}: {} deliveries made, {left} waiting",
+            deliveries.load(Ordering::SeqCst)
+        );
     }
     deliveries.load(Ordering::SeqCst)
 }

@@ -26,7 +26,9 @@ use idemkit::{
     Acquisition, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, InProgressPolicy,
     MemoryStore, Processed, Record, StoreError,
 };
-use support::storm::{deliver_all, key, plan, run_id, Delivery, Ledger, Progress, Receiver};
+use support::storm::{
+    deliver_all, key, plan, run_id, Delivery, Ledger, Progress, Receiver, STORM_LIMIT,
+};
 
 // ------------------------------------------------------------ backends
 
@@ -221,13 +223,26 @@ async fn storm(
         workers,
         &ledger,
         seen,
-    )
-    .await;
-    if let Some(fault) = fault {
-        fault
-            .await
-            .unwrap_or_else(|e| panic!("the fault task failed: {e}"));
-    }
+    );
+    // The fault beside the deliveries: a fault that fails (a server that
+    // would not stop or start again) fails the test at once, instead of
+    // leaving the deliveries to wait on a server nobody brings back.
+    let deliveries = match fault {
+        None => deliveries.await,
+        Some(mut fault) => {
+            tokio::pin!(deliveries);
+            tokio::select! {
+                n = &mut deliveries => {
+                    fault.await.unwrap_or_else(|e| panic!("the fault task failed: {e}"));
+                    n
+                }
+                done = &mut fault => {
+                    done.unwrap_or_else(|e| panic!("the fault task failed: {e}"));
+                    deliveries.await
+                }
+            }
+        }
+    };
     let effects = receiver.effects(&ledger, messages).await;
     let double_effects = effects.iter().filter(|&&n| n > 1).count();
     let missing = effects.iter().filter(|&&n| n == 0).count();

@@ -46,13 +46,19 @@ fn fault_until<S: Send + Sync + 'static>(
     Box::new(move |progress: Arc<Progress>| {
         Box::pin(async move {
             progress
-                .until(|p| p.executed.load(Ordering::SeqCst) >= FAULT_MESSAGES / 3)
+                .until("a third of the messages executed", STORM_LIMIT, |p| {
+                    p.executed.load(Ordering::SeqCst) >= FAULT_MESSAGES / 3
+                })
                 .await;
             let seen = progress.unavailable.load(Ordering::SeqCst);
             tokio::task::spawn_blocking(move || start(&a))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
-            progress.until(|p| over(seen, p)).await;
+            progress
+                .until("a delivery saw the fault", Duration::from_secs(60), |p| {
+                    over(seen, p)
+                })
+                .await;
             tokio::task::spawn_blocking(move || end(&b))
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));

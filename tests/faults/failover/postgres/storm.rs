@@ -41,7 +41,7 @@ use idemkit::postgres::{Failover, PgStore};
 use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
 use idemkit::{Idempotency, IdempotencyStore, InProgressPolicy, Record, RecordState};
 use support::pg_replica::{PgReplicaPair, Replication};
-use support::storm::{deliver_all, plan, run_id, Delivery, Ledger, Receiver};
+use support::storm::{deliver_all, plan, run_id, Delivery, Ledger, Receiver, STORM_LIMIT};
 
 use super::{key, ONE_AT_A_TIME, SCOPE};
 
@@ -144,7 +144,9 @@ async fn storm(
         tokio::spawn(async move {
             progress
                 .counts
-                .until(|p| p.executed.load(Ordering::SeqCst) >= messages / 3)
+                .until("a third of the messages executed", STORM_LIMIT, |p| {
+                    p.executed.load(Ordering::SeqCst) >= messages / 3
+                })
                 .await;
             let seen = progress.counts.unavailable.load(Ordering::SeqCst);
             let p = pair.clone();
@@ -156,9 +158,11 @@ async fn storm(
             // here, once a delivery saw it (`Unavailable`), 10 s at most.
             let _ = tokio::time::timeout(
                 Duration::from_secs(10),
-                progress
-                    .counts
-                    .until(|p| p.unavailable.load(Ordering::SeqCst) > seen),
+                progress.counts.until(
+                    "a delivery saw the primary gone",
+                    Duration::from_secs(60),
+                    |p| p.unavailable.load(Ordering::SeqCst) > seen,
+                ),
             )
             .await;
             let p = pair.clone();
