@@ -113,6 +113,19 @@ pub struct Context {
     pub token: LeaseToken,
 }
 
+impl Context {
+    /// The context of `lease`: its attempt, fence and token (for a receiver
+    /// that acquires keys itself, such as an in-transaction form, to hand
+    /// its handler what [`Idempotency::process_with`] would).
+    pub fn of(lease: &Lease) -> Context {
+        Context {
+            attempt: lease.attempt,
+            fence: lease.fence,
+            token: lease.token,
+        }
+    }
+}
+
 /// Runs handlers at most once per key over an [`IdempotencyStore`], and
 /// replays the recorded result to every duplicate.
 ///
@@ -328,6 +341,13 @@ where
     /// ([`retention`](Self::retention)).
     pub fn retention_period(&self) -> Duration {
         self.retention
+    }
+
+    /// The codec of recorded results, shared (for a receiver that records
+    /// results itself, such as an in-transaction form, in the same
+    /// encoding as this executor's replays).
+    pub fn codec_shared(&self) -> Arc<C> {
+        self.codec.clone()
     }
 
     /// The store. Calls made on it directly are not timed in
@@ -553,12 +573,7 @@ where
             tokio::task::yield_now().await;
         }
 
-        let context = Context {
-            attempt: lease.attempt,
-            fence: lease.fence,
-            token: lease.token,
-        };
-        let value = match runner(handler, context).await {
+        let value = match runner(handler, Context::of(&lease)).await {
             HandlerOutcome::Ok(value) => value,
             HandlerOutcome::Err(e) => {
                 self.release(&lease).await;

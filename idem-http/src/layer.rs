@@ -3,6 +3,8 @@
 
 use std::fmt;
 use std::sync::Arc;
+#[cfg(feature = "postgres")]
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{HeaderName, CONTENT_LENGTH};
@@ -122,6 +124,9 @@ pub(crate) struct Config<S: ?Sized, C> {
     /// ([`finish_later`](crate::finishing::finish_later)); shared by the
     /// layer's clones.
     pub(crate) finishing: Arc<FinishingKeys>,
+    /// The in-transaction form's settings, when it is on.
+    #[cfg(feature = "postgres")]
+    pub(crate) tx: Option<Arc<crate::in_tx::TxMode<C>>>,
 }
 
 impl<S: ?Sized, C> Clone for Config<S, C> {
@@ -144,6 +149,8 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             on_replay: self.on_replay.clone(),
             finishing: self.finishing.clone(),
             render: self.render.clone(),
+            #[cfg(feature = "postgres")]
+            tx: self.tx.clone(),
         }
     }
 }
@@ -230,6 +237,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 on_replay: None,
                 render: None,
                 finishing,
+                #[cfg(feature = "postgres")]
+                tx: None,
             }),
         }
     }
@@ -775,6 +784,102 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     {
         let render = move |problem: &Problem| box_response(render(problem));
         self.edit(|c| c.render = Some(Arc::new(render)))
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl<C: Codec> IdempotencyLayer<idem_postgres::PgStore, C> {
+    /// The in-transaction form (feature `postgres`): each request's key is
+    /// claimed in a PostgreSQL transaction of the store's pool, which the
+    /// handler gets in its extensions ([`RequestTx`](crate::RequestTx);
+    /// axum: `Extension<RequestTx>`) beside the
+    /// [`Context`](idem_core::Context); its response is recorded in the
+    /// same transaction, which commits before the response leaves. A crash
+    /// anywhere before the commit rolls back the handler's writes with the
+    /// claim, so the retry runs cleanly: exactly once for the writes made
+    /// in that transaction, with no lease.
+    ///
+    /// | what happens | what the caller and the retry get |
+    /// |---|---|
+    /// | the handler's response is recorded | commit, then the response; duplicates get the replay |
+    /// | a status the layer releases (401, 408, 425, 429, 502-504) | rolled back, the response passed on; a retry runs again |
+    /// | the handler panics, or the client goes away before the commit | rolled back (500, or nothing); a retry runs again |
+    /// | the commit fails | 503, the response withheld; a retry runs cleanly, or replays if the commit took place after all |
+    /// | a duplicate while the first is open | waits (in this process without a connection), then the replay; after [`transaction_wait`](Self::transaction_wait), 409 with `Retry-After` |
+    ///
+    /// Not detached: the handler runs in the request's task, so that a
+    /// client that goes away rolls its request back. The response is read
+    /// whole (up to `max_response_bytes`) before the commit; a longer or
+    /// streamed one commits as "not replayable" and then reaches its
+    /// caller. Do the writes that must happen once on the request's
+    /// transaction, never on another connection of the pool (their commit
+    /// would not wait for the record's), and never run `COMMIT` or
+    /// `ROLLBACK` on it yourself.
+    ///
+    /// ```no_run
+    /// use axum::{routing::post, Extension, Router};
+    /// use idem_core::Idempotency;
+    /// use idem_http::{IdempotencyLayer, RequestTx};
+    /// use idem_postgres::PgStore;
+    ///
+    /// async fn pay(Extension(tx): Extension<RequestTx>) -> Result<&'static str, axum::http::StatusCode> {
+    ///     let mut tx = tx.lock().await.map_err(|_| axum::http::StatusCode::INTERNAL_SERVER_ERROR)?;
+    ///     idem_postgres::sqlx::query("INSERT INTO payments (amount) VALUES (1999)")
+    ///         .execute(&mut *tx)
+    ///         .await
+    ///         .map_err(|_| axum::http::StatusCode::SERVICE_UNAVAILABLE)?;
+    ///     Ok("charged")
+    /// }
+    ///
+    /// # async fn run(store: PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let layer = IdempotencyLayer::new(Idempotency::new(store))
+    ///     .allow_anonymous(true)
+    ///     .in_transaction();
+    /// let app: Router = Router::new().route("/payments", post(pay)).layer(layer);
+    /// # let _ = app; Ok(()) }
+    /// ```
+    pub fn in_transaction(self) -> Self {
+        let store = (**self.config.idem.store()).clone();
+        let in_tx = store
+            .in_transaction()
+            .retention(self.config.idem.retention_period())
+            .codec_shared(self.config.idem.codec_shared());
+        let wait = self
+            .config
+            .tx
+            .as_ref()
+            .map_or(crate::in_tx::DEFAULT_TRANSACTION_WAIT, |m| m.wait);
+        self.edit(|c| {
+            c.tx = Some(Arc::new(crate::in_tx::TxMode {
+                in_tx,
+                store,
+                wait,
+                gate: Arc::default(),
+            }))
+        })
+    }
+
+    /// How long a duplicate waits for the open transaction that holds its
+    /// key, in the in-transaction form (default 10 s; at least 1 ms,
+    /// `Duration::MAX` saturated to `i32::MAX` ms): then it gets `409` with
+    /// `Retry-After`. Call it after
+    /// [`in_transaction`](Self::in_transaction); without it, it does
+    /// nothing.
+    pub fn transaction_wait(self, wait: Duration) -> Self {
+        let wait = wait.clamp(
+            Duration::from_millis(1),
+            Duration::from_millis(i32::MAX as u64),
+        );
+        self.edit(|c| {
+            if let Some(mode) = &c.tx {
+                c.tx = Some(Arc::new(crate::in_tx::TxMode {
+                    in_tx: mode.in_tx.clone(),
+                    store: mode.store.clone(),
+                    wait,
+                    gate: mode.gate.clone(),
+                }));
+            }
+        })
     }
 }
 

@@ -122,6 +122,8 @@
 
 mod fingerprint;
 mod finishing;
+#[cfg(feature = "postgres")]
+mod in_tx;
 mod key;
 mod layer;
 mod problem;
@@ -144,6 +146,8 @@ pub use tower;
 // The crate docs link to it.
 #[cfg(doc)]
 use idem_core::Idempotency;
+#[cfg(feature = "postgres")]
+pub use in_tx::{RequestTx, TxEnded, TxGuard, DEFAULT_TRANSACTION_WAIT};
 pub use key::{request_key, RequestKeyError};
 pub use layer::IdempotencyLayer;
 pub use problem::{Problem, ProblemKind};

@@ -259,6 +259,23 @@ where
     // must match them).
     let request_headers = Arc::new(parts.headers.clone());
 
+    // The in-transaction form: claim, handler, record and commit in one
+    // transaction (crate::in_tx).
+    #[cfg(feature = "postgres")]
+    if let Some(mode) = config.tx.as_ref() {
+        return crate::in_tx::handle(
+            &config,
+            mode,
+            inner,
+            parts,
+            body,
+            key,
+            fingerprint,
+            request_headers,
+        )
+        .await;
+    }
+
     let request = Request::from_parts(parts, ReqBody::from(body));
     // The response for this caller, put here by the handler (detached, it
     // runs in another task) and taken once processing ends.
@@ -542,7 +559,7 @@ where
 /// (a request extension): a nested layer that computes one of them passes
 /// the request through.
 #[derive(Clone, Debug, Default)]
-struct HeldByLayers(Vec<IdempotencyKey>);
+pub(crate) struct HeldByLayers(pub(crate) Vec<IdempotencyKey>);
 
 /// Marks a response an idem layer made itself (a problem: 400, 409,
 /// 422...), so that a layer further out never records it.

@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::{
-    Acquisition, Codec, CodecError, Fingerprint, IdemError, IdempotencyKey, JsonCodec, Lease,
-    LeaseToken, StoreError,
+    not_replayable_reason, Acquisition, Codec, CodecError, Context, Fingerprint, IdemError,
+    IdempotencyKey, JsonCodec, Lease, LeaseToken, StoreError, NOT_REPLAYABLE,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -83,6 +83,16 @@ pub struct InTransaction<C = JsonCodec> {
     codec: Arc<C>,
 }
 
+impl<C> Clone for InTransaction<C> {
+    fn clone(&self) -> Self {
+        InTransaction {
+            store: self.store.clone(),
+            retention: self.retention,
+            codec: self.codec.clone(),
+        }
+    }
+}
+
 /// The outcome of [`InTransaction::claim`].
 #[derive(Debug)]
 pub enum Claim<T, C = JsonCodec> {
@@ -128,6 +138,16 @@ impl<C: Codec> InTransaction<C> {
             store: self.store,
             retention: self.retention,
             codec: Arc::new(codec),
+        }
+    }
+
+    /// Replaces the response codec with a shared one (an executor's,
+    /// [`Idempotency::codec_shared`](idem_core::Idempotency::codec_shared)).
+    pub fn codec_shared<C2: Codec>(self, codec: Arc<C2>) -> InTransaction<C2> {
+        InTransaction {
+            store: self.store,
+            retention: self.retention,
+            codec,
         }
     }
 
@@ -182,11 +202,15 @@ impl<C: Codec> InTransaction<C> {
                 retention: self.retention,
                 codec: self.codec.clone(),
             })),
-            Acquisition::Completed(record) => self
-                .codec
-                .decode(&record.response)
-                .map(Claim::Replayed)
-                .map_err(IdemError::Codec),
+            // A key whose result could not be recorded ran: never again.
+            Acquisition::Completed(record) => match not_replayable_reason(&record.response) {
+                Some(reason) => Err(IdemError::ResultUnavailable { reason }),
+                None => self
+                    .codec
+                    .decode(&record.response)
+                    .map(Claim::Replayed)
+                    .map_err(IdemError::Codec),
+            },
             Acquisition::InProgress {
                 retry_after,
                 attempt,
@@ -241,6 +265,35 @@ impl<C: Codec> TxLease<C> {
             StoreError::LeaseLost => IdemError::LeaseLost,
             other => IdemError::Store(other),
         })
+    }
+
+    /// Records in `tx` that the key ran but its result cannot be replayed,
+    /// for `reason` (a response too large or streamed): every later claim
+    /// of the key gets [`IdemError::ResultUnavailable`], never a second
+    /// run. Commit afterwards, as after [`complete`](Self::complete).
+    pub async fn complete_not_replayable(
+        self,
+        tx: &mut Transaction<'_, Postgres>,
+        reason: &str,
+    ) -> Result<(), IdemError<Infallible>> {
+        let mut marker = NOT_REPLAYABLE.to_vec();
+        let mut end = reason.len().min(1024);
+        while !reason.is_char_boundary(end) {
+            end -= 1;
+        }
+        marker.extend_from_slice(&reason.as_bytes()[..end]);
+        self.store
+            .complete_on(tx, &self.lease, &marker, self.retention)
+            .await
+            .map_err(|f| match self.store.fail(f) {
+                StoreError::LeaseLost => IdemError::LeaseLost,
+                other => IdemError::Store(other),
+            })
+    }
+
+    /// What a handler of this claim is told: its attempt, fence and token.
+    pub fn context(&self) -> Context {
+        Context::of(&self.lease)
     }
 
     /// Gives the key up inside `tx` (for when you want to commit other work

@@ -134,16 +134,24 @@ mod keeper;
 /// let entry = StreamEntry {
 ///     id: "1700000000000-0".to_owned(),
 ///     fields: BTreeMap::from([("amount".to_owned(), b"1999".to_vec())]),
+///     ..StreamEntry::default()
 /// };
 /// assert_eq!(entry.text("amount"), Some("1999"));
 /// assert_eq!(entry.field("missing"), None);
 /// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StreamEntry {
     /// The entry ID (`1700000000000-0`).
     pub id: String,
     /// Its fields, by name.
     pub fields: BTreeMap<String, Vec<u8>>,
+    /// The acquisition's attempt number: 1, or more when an earlier run of
+    /// this key was cut off (its process died) and its lease taken over.
+    pub attempt: u32,
+    /// The acquisition's fence: strictly greater than every earlier
+    /// acquisition's of this key. Give it to a downstream system that
+    /// refuses lower fences.
+    pub fence: u64,
 }
 
 impl StreamEntry {
@@ -890,8 +898,10 @@ where
                     }
                     Ok(key) => {
                         let fingerprint = self.fingerprint_of(&delivery.entry.fields);
-                        let (handler, entry) = (handler.clone(), delivery.entry.clone());
-                        items.push((key, fingerprint, move |_: Context| async move {
+                        let (handler, mut entry) = (handler.clone(), delivery.entry.clone());
+                        items.push((key, fingerprint, move |context: Context| async move {
+                            entry.attempt = context.attempt;
+                            entry.fence = context.fence;
                             handler(entry).await
                         }));
                         item_of.push(i);
@@ -1394,7 +1404,11 @@ fn entry_of(v: Value) -> Result<Read, StoreError> {
         raw,
     });
     Ok(Read {
-        entry: StreamEntry { id, fields },
+        entry: StreamEntry {
+            id,
+            fields,
+            ..StreamEntry::default()
+        },
         unusable,
     })
 }

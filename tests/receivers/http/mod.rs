@@ -9,6 +9,10 @@
 //!   and what the fingerprint covers;
 //! - `in_progress`: duplicates while the first request runs, clients that
 //!   give up, detached and not;
+//! - `in_transaction`: the in-transaction form: a server killed between
+//!   its INSERT and the commit, duplicates during the open transaction, a
+//!   panic, a released status, a failed commit, 64 duplicates on a pool
+//!   of 8;
 //! - `outages`: the store unreachable or failing while a response is
 //!   recorded, and what the client is told;
 //! - `tenants`: tenants sharing keys, anonymous callers;
@@ -37,6 +41,7 @@ use serde_json::{json, Value};
 
 mod hooks;
 mod in_progress;
+mod in_transaction;
 #[cfg(feature = "tiered")]
 mod isolation;
 mod keys;

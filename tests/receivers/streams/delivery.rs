@@ -15,11 +15,11 @@ use futures::future::BoxFuture;
 use idemkit::redis::redis;
 use idemkit::redis::streams::{StreamConsumer, StreamEntry};
 use idemkit::redis::RedisStore;
-use idemkit::{Idempotency, IdempotencyStore};
+use idemkit::{Acquisition, Idempotency, IdempotencyKey, IdempotencyStore};
 
 use super::{
     conn, consumer_on, counting, entries_of, nothing_pending, pending, pending_of,
-    ran_and_nothing_pending, redis_store, run_until, xadd,
+    ran_and_nothing_pending, redis_store, run_until, xadd, Check,
 };
 
 /// Counts an effect of `entry`'s message (its `message_id` field).
@@ -678,4 +678,76 @@ async fn a_consumer_restarted_after_its_run_was_dropped_strands_no_entry() {
         (1, 0),
         "8 s after the restart E is still pending (with A: {with_a}, with B: {with_b}); A {stats_a:?}, B {stats_b:?}"
     );
+}
+
+/// The handler gets its acquisition's attempt and fence, as a Kafka or SQS
+/// handler does: 1 and the record's fence on a fresh key; on a key whose
+/// earlier worker died holding it (its lease ended), attempt 2 and a fence
+/// above the dead worker's, so a downstream system refuses that worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_handler_gets_the_attempt_and_fence_of_its_acquisition() {
+    let stream = format!("context-{:08x}", fastrand::u32(..));
+    let store = Arc::new(redis_store().await);
+    let scope = format!("stream.{stream}");
+    let dead_key = IdempotencyKey::new(scope.clone(), "m-dead").unwrap_or_else(|e| panic!("{e}"));
+    let lease = Duration::from_millis(300);
+    let dead = match store.acquire(&dead_key, None, lease).await {
+        Ok(Acquisition::Acquired(l)) => l,
+        other => panic!("the dead worker's acquire: {other:?}"),
+    };
+    tokio::time::sleep(lease + Duration::from_millis(50)).await; // its lease ends
+    xadd(&stream, &[("message_id", "m-fresh")]).await;
+    xadd(&stream, &[("message_id", "m-dead")]).await;
+    let consumer = consumer_on(&stream, "c", Idempotency::from_arc(store.clone())).await;
+    let seen = Arc::new(std::sync::Mutex::new(HashMap::new()));
+    let handler = {
+        let seen = seen.clone();
+        move |entry: StreamEntry| {
+            let seen = seen.clone();
+            async move {
+                let id = entry.text("message_id").unwrap_or_default().to_owned();
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(id, (entry.attempt, entry.fence));
+                Ok::<_, std::io::Error>("ok".to_owned())
+            }
+        }
+    };
+    let done = {
+        let seen = seen.clone();
+        move || -> Check {
+            let n = seen.lock().unwrap_or_else(|p| p.into_inner()).len();
+            Box::pin(async move { n == 2 })
+        }
+    };
+    run_until(&consumer, handler, Duration::from_secs(30), done)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let seen = seen.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    let fresh_key = IdempotencyKey::new(scope, "m-fresh").unwrap_or_else(|e| panic!("{e}"));
+    let recorded = |key: IdempotencyKey| {
+        let store = store.clone();
+        async move {
+            match store.get(&key).await {
+                Ok(Some(record)) => record.fence,
+                other => panic!("{key}: {other:?}"),
+            }
+        }
+    };
+    let fresh = seen["m-fresh"];
+    assert_eq!(fresh.0, 1, "a fresh key's first attempt");
+    assert_eq!(
+        fresh.1,
+        recorded(fresh_key).await,
+        "the fence recorded for the key"
+    );
+    let taken_over = seen["m-dead"];
+    assert_eq!(taken_over.0, 2, "a takeover of the dead worker's key");
+    assert!(
+        taken_over.1 > dead.fence,
+        "fence {} above the dead worker's {}",
+        taken_over.1,
+        dead.fence
+    );
+    assert_eq!(taken_over.1, recorded(dead_key).await);
 }
