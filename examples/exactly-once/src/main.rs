@@ -8,7 +8,13 @@
 //! cargo run -p exactly-once -- --messages 2000 --duplicates 4 --concurrency 64
 //! cargo run -p exactly-once --features postgres -- --backend postgres --postgres-url postgres://...
 //! cargo run -p exactly-once --features redis -- --backend redis --redis-url redis://127.0.0.1:6379/
+//! cargo run -p exactly-once --features postgres -- --backend postgres --in-transaction --postgres-url postgres://...
 //! ```
+//!
+//! With `--in-transaction` (PostgreSQL), each delivery claims its key, inserts
+//! its charge into a table and records its receipt in one transaction; one
+//! consumer dies (its connection cut) between the INSERT and the commit.
+//! The check is then the table: one row per payment.
 //!
 //! It prints a table of what happened and exits with status 1 if any
 //! account was charged other than once, or any replay differed from the
@@ -64,6 +70,11 @@ struct Args {
     /// Redis URL for --backend redis.
     #[arg(long, env = "IDEM_REDIS_URL")]
     redis_url: Option<String>,
+    /// With --backend postgres: claim, charge (an INSERT) and record in one
+    /// transaction per delivery (the in-transaction mode); one consumer
+    /// dies between its INSERT and the commit.
+    #[arg(long)]
+    in_transaction: bool,
 }
 
 /// A payment message as the producer sent it.
@@ -220,6 +231,15 @@ async fn main_job() -> Result<(), Box<dyn std::error::Error>> {
         .with_max_level(tracing_subscriber::filter::LevelFilter::ERROR)
         .init();
     let args = Args::parse();
+    if args.in_transaction {
+        if !matches!(args.backend, Backend::Postgres) {
+            return Err("--in-transaction needs --backend postgres".into());
+        }
+        if !in_transaction(&args).await? {
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
     let store: Arc<dyn IdempotencyStore> = match args.backend {
         Backend::Memory => Arc::new(MemoryStore::new()),
         Backend::Postgres => postgres_store(&args).await?,
@@ -528,6 +548,211 @@ async fn tiered_store(
 #[cfg(not(all(feature = "tiered", feature = "postgres", feature = "redis")))]
 async fn tiered_store(_: &Args) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
     Err("this build has no tiered backend: run with --features tiered,postgres,redis".into())
+}
+
+/// The in-transaction mode: every delivery of every payment, 16 consumers
+/// at once, each in a transaction of its own that claims the key, inserts
+/// the charge and records the receipt; the first delivery of message 0
+/// dies between its INSERT and the commit (its connection is cut, as a
+/// process that dies cuts it). The table must hold each payment once, and
+/// every replay the receipt of the row that was committed.
+#[cfg(feature = "postgres")]
+async fn in_transaction(args: &Args) -> Result<bool, Box<dyn std::error::Error>> {
+    use idemkit::postgres::sqlx::{self, Connection};
+    use idemkit::postgres::Claim;
+
+    let store = pg_store(args).await?;
+    let url = args.postgres_url.as_deref().ok_or("needs --postgres-url")?;
+    let concurrency = args.concurrency.clamp(1, 64);
+    // A connection per consumer: a duplicate waits for the open
+    // transaction of its key on its own connection.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(concurrency as u32 + 1)
+        .connect(url)
+        .await?;
+    let messages = args.messages.max(1);
+    let run_id = format!("{:08x}", fastrand::u32(..));
+    let table = format!("exactly_once_charges_{run_id}");
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE TABLE {table} (id bigserial PRIMARY KEY, message_id text NOT NULL, \
+         account text NOT NULL, amount_cents bigint NOT NULL, fence bigint NOT NULL)"
+    )))
+    .execute(&pool)
+    .await?;
+    let payments: Arc<Vec<Payment>> = Arc::new(
+        (0..messages)
+            .map(|i| Payment {
+                message_id: format!("{run_id}-{i}"),
+                account: format!("acct-{i:05}"),
+                amount_cents: 100 + (i as u64 * 37) % 9_900,
+            })
+            .collect(),
+    );
+    let mut rng = fastrand::Rng::with_seed(args.seed);
+    let mut deliveries = Vec::new();
+    for message in 0..messages {
+        let extra = rng.usize(0..=args.duplicates);
+        deliveries.extend((0..=extra).map(|_| Delivery {
+            message,
+            fault: None,
+        }));
+    }
+    rng.shuffle(&mut deliveries);
+    let first = deliveries
+        .iter()
+        .position(|d| d.message == 0)
+        .ok_or("no delivery")?;
+    let mut crashing = deliveries.remove(first);
+    crashing.fault = Some(Fault::Crash);
+    deliveries.insert(0, crashing);
+    let planned = deliveries.len();
+    let broker = Broker::new(deliveries);
+    let in_tx = store.in_transaction().retention(Duration::from_secs(3600));
+    let tally = Arc::new(Tally::default());
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let (broker, pool, in_tx, tally) =
+            (broker.clone(), pool.clone(), in_tx.clone(), tally.clone());
+        let (payments, table) = (payments.clone(), table.clone());
+        workers.push(tokio::spawn(async move {
+            while let Some(delivery) = broker.next().await {
+                tally.deliveries.fetch_add(1, Ordering::SeqCst);
+                let payment = &payments[delivery.message];
+                let key = IdempotencyKey::new("payments.charge", payment.message_id.clone())
+                    .unwrap_or_else(|e| panic!("message ids are valid keys: {e}"));
+                let done: Result<(), Box<dyn std::error::Error + Send + Sync>> = async {
+                    let mut conn = pool.acquire().await?;
+                    let mut tx = conn.begin().await?;
+                    match in_tx.claim::<_, Receipt>(&mut tx, &key, payment).await? {
+                        Claim::Replayed(receipt) => {
+                            tally.replays.fetch_add(1, Ordering::SeqCst);
+                            lock(&tally.replayed).push((delivery.message, receipt));
+                            drop(tx); // nothing written: rolled back
+                            broker.ack();
+                        }
+                        Claim::Acquired(lease) => {
+                            let charge_id: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+                                "INSERT INTO {table} (message_id, account, amount_cents, fence) \
+                                 VALUES ($1, $2, $3, $4) RETURNING id"
+                            )))
+                            .bind(&payment.message_id)
+                            .bind(&payment.account)
+                            .bind(payment.amount_cents as i64)
+                            .bind(lease.fence() as i64)
+                            .fetch_one(&mut *tx)
+                            .await?;
+                            if delivery.fault == Some(Fault::Crash) {
+                                // The consumer dies here: its connection is
+                                // cut without a rollback or a goodbye; the
+                                // server rolls the INSERT back with the claim.
+                                std::mem::forget(tx);
+                                conn.detach().close_hard().await?;
+                                tally.crashes.fetch_add(1, Ordering::SeqCst);
+                                broker.nack(delivery.clone());
+                                return Ok(());
+                            }
+                            let receipt = Receipt {
+                                charge_id: charge_id as u64,
+                                account: payment.account.clone(),
+                                amount_cents: payment.amount_cents,
+                                applied: true,
+                            };
+                            lease.complete(&mut tx, &receipt).await?;
+                            tx.commit().await?;
+                            tally.executions.fetch_add(1, Ordering::SeqCst);
+                            lock(&tally.executed).insert(delivery.message, receipt);
+                            broker.ack();
+                        }
+                    }
+                    Ok(())
+                }
+                .await;
+                if let Err(e) = done {
+                    eprintln!("delivery of message {} failed: {e}", delivery.message);
+                    tally.errors.fetch_add(1, Ordering::SeqCst);
+                    broker.nack(delivery);
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await?;
+    }
+    let elapsed = started.elapsed();
+    let doubles: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM (SELECT message_id FROM {table} GROUP BY message_id HAVING count(*) > 1) d"
+    )))
+    .fetch_one(&pool)
+    .await?;
+    let charged: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(DISTINCT message_id) FROM {table}"
+    )))
+    .fetch_one(&pool)
+    .await?;
+    let rows: i64 =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {table}")))
+            .fetch_one(&pool)
+            .await?;
+    let wrong_replays = {
+        let executed = lock(&tally.executed);
+        lock(&tally.replayed)
+            .iter()
+            .filter(|(m, r)| executed.get(m) != Some(r))
+            .count()
+    };
+    let n = |a: &AtomicUsize| a.load(Ordering::SeqCst);
+    println!("idem exactly-once check, in a transaction");
+    println!(
+        "  {:<42}postgres (claim, INSERT, record: one transaction)",
+        "backend"
+    );
+    println!("  {:<42}{}", "messages", messages);
+    println!(
+        "  {:<42}{} ({} planned, plus redeliveries)",
+        "deliveries (varies)",
+        n(&tally.deliveries),
+        planned
+    );
+    println!("  {:<42}{}", "concurrent consumers", concurrency);
+    println!("  {:<42}{}", "executions (committed)", n(&tally.executions));
+    println!("  {:<42}{}", "replays (varies)", n(&tally.replays));
+    println!(
+        "  {:<42}{}",
+        "consumers dead between INSERT and commit",
+        n(&tally.crashes)
+    );
+    println!("  {:<42}{}", "rows in the charges table", rows);
+    println!("  {:<42}{}", "payments with more than one row", doubles);
+    println!("  {:<42}{}", "other errors", n(&tally.errors));
+    println!("  {:<42}{:.2} s", "elapsed (varies)", elapsed.as_secs_f64());
+    let ok = doubles == 0
+        && charged == messages as i64
+        && rows == messages as i64
+        && wrong_replays == 0
+        && n(&tally.executions) == messages
+        && n(&tally.crashes) == 1
+        && n(&tally.errors) == 0;
+    if ok {
+        println!(
+            "check: PASS: the table holds each of the {messages} payments once, the consumer that died between its INSERT and the commit left nothing, and every replay returned the committed receipt"
+        );
+    } else {
+        println!(
+            "check: FAIL: {rows} rows for {messages} payments ({charged} distinct, {doubles} doubled), {wrong_replays} replays differ, {} executions, {} crashes",
+            n(&tally.executions),
+            n(&tally.crashes)
+        );
+    }
+    sqlx::query(sqlx::AssertSqlSafe(format!("DROP TABLE {table}")))
+        .execute(&pool)
+        .await?;
+    Ok(ok)
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn in_transaction(_: &Args) -> Result<bool, Box<dyn std::error::Error>> {
+    Err("this build has no PostgreSQL backend: run with --features postgres".into())
 }
 
 /// Starts the handler in a task and kills the task once the handler has
