@@ -17,7 +17,7 @@ use http::{Request, Response};
 use http_body_util::BodyExt;
 use idem_core::{Codec, Fingerprint, IdemError, IdempotencyKey, StoreError};
 use idem_postgres::sqlx::{PgConnection, Postgres, Transaction};
-use idem_postgres::{Claim, InTransaction, PgStore, TxLease};
+use idem_postgres::{Claim, Completion, InTransaction, PgStore, TxLease};
 use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::layer::Config;
@@ -135,14 +135,18 @@ impl RequestTx {
 /// pool of 8 would hold every connection waiting).
 #[derive(Default)]
 pub(crate) struct KeyGate {
-    keys: Mutex<HashMap<IdempotencyKey, Arc<tokio::sync::Mutex<()>>>>,
+    /// Each key's lock and how many requests hold or wait for it.
+    keys: Mutex<HashMap<IdempotencyKey, (KeyLock, usize)>>,
 }
 
-/// A key held in [`KeyGate`]; let go when dropped.
+/// The lock of one key at the gate.
+type KeyLock = Arc<tokio::sync::Mutex<()>>;
+
+/// A request at [`KeyGate`] for a key (holding it once `guard` is set);
+/// counted out when dropped, however the wait ended.
 struct Gated {
     gate: Arc<KeyGate>,
     key: IdempotencyKey,
-    lock: Arc<tokio::sync::Mutex<()>>,
     guard: Option<tokio::sync::OwnedMutexGuard<()>>,
 }
 
@@ -150,23 +154,27 @@ impl KeyGate {
     /// Waits until no other request of this process holds `key`, for at
     /// most `wait`.
     async fn enter(self: &Arc<Self>, key: &IdempotencyKey, wait: Duration) -> Option<Gated> {
-        let lock = self
-            .keys
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(key.clone())
-            .or_default()
-            .clone();
+        let lock = {
+            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
+            let (lock, users) = keys.entry(key.clone()).or_default();
+            *users += 1;
+            lock.clone()
+        };
+        // Counted in from here: dropped on a timeout or a cancellation, it
+        // counts itself out.
         let mut gated = Gated {
             gate: self.clone(),
             key: key.clone(),
-            lock: lock.clone(),
             guard: None,
         };
-        // Dropped on a timeout: its Drop takes the key out of the map if
-        // nobody else waits on it.
         gated.guard = Some(tokio::time::timeout(wait, lock.lock_owned()).await.ok()?);
         Some(gated)
+    }
+
+    /// The keys held or waited for (for tests: none once requests end).
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.keys.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
 }
 
@@ -174,9 +182,11 @@ impl Drop for Gated {
     fn drop(&mut self) {
         self.guard.take();
         let mut keys = self.gate.keys.lock().unwrap_or_else(|p| p.into_inner());
-        // The map's handle and this one: nobody else waits.
-        if Arc::strong_count(&self.lock) == 2 {
-            keys.remove(&self.key);
+        if let Some((_, users)) = keys.get_mut(&self.key) {
+            *users -= 1;
+            if *users == 0 {
+                keys.remove(&self.key);
+            }
         }
     }
 }
@@ -296,15 +306,7 @@ where
     let request = Request::from_parts(parts, ReqBody::from(body));
     // A panic of the handler is caught here (its transaction rolls back
     // with it), a clean 500 rather than a connection cut.
-    let mut call = Box::pin(inner.call(request));
-    let called = std::future::poll_fn(|cx| {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| call.as_mut().poll(cx))) {
-            Ok(std::task::Poll::Ready(done)) => std::task::Poll::Ready(Ok(done)),
-            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
-            Err(panic) => std::task::Poll::Ready(Err(panic)),
-        }
-    })
-    .await;
+    let called = caught(inner.call(request)).await;
     let response = match called {
         Ok(Ok(response)) => response,
         // The transaction is dropped with `shared`: rolled back.
@@ -319,7 +321,15 @@ where
             ));
         }
     };
-    let ran = settle(config, response, &request_headers).await;
+    // The body is read here: a body that panics is the handler's panic.
+    let Ok(ran) = caught(settle(config, response, &request_headers)).await else {
+        tracing::error!(key = %key, "idempotency layer: the response body panicked; its transaction is rolled back");
+        return Ok(render(
+            config,
+            Problem::new(ProblemKind::Internal)
+                .with_detail("The request failed. Nothing it did was kept: it can be sent again."),
+        ));
+    };
     let Some(mut tx) = shared.take(mode.wait).await else {
         tracing::error!(key = %key, "idempotency layer: the handler still holds its transaction after it returned; rolled back");
         return Ok(render(config, Problem::new(ProblemKind::Internal)));
@@ -338,9 +348,31 @@ where
         Outcome::Recorded(recorded) => lease.complete(&mut tx, &recorded).await,
         Outcome::NotRecordable(why) => lease.complete_not_replayable(&mut tx, &why).await,
     };
-    if let Err(e) = recorded {
+    match recorded {
+        Ok(Completion::Recorded) => {}
+        Ok(Completion::NotReplayable { reason }) => {
+            tracing::debug!(key = %key, %reason, "idempotency layer: the response is not replayable");
+        }
+        // A statement of the handler failed and it answered anyway (a
+        // unique violation it maps to 409, say): the transaction was
+        // aborted, so nothing of it can be kept. Its answer is passed on,
+        // unrecorded, as for a released status: a retry runs again.
+        Err(e) if sqlstate(&e).as_deref() == Some("25P02") => {
+            tracing::debug!(key = %key, "idempotency layer: the handler answered from an aborted transaction; nothing kept, its response passed on");
+            drop(tx);
+            return Ok(response);
+        }
+        // The claim is gone: the handler ended the transaction itself
+        // (ROLLBACK), and what it wrote after that was committed on its
+        // own. It ran: the key is completed "not replayable" in a new
+        // transaction, so that a retry never runs it again.
+        Err(IdemError::LeaseLost) => {
+            drop(tx);
+            tracing::error!(key = %key, "idempotency layer: the handler ended the request's transaction itself; what it wrote after that is not covered; the key is marked not replayable");
+            return Ok(mark_ran(config, mode, &key, fingerprint, response).await);
+        }
         // Nothing is kept: the handler's writes go with the claim.
-        return Ok(failed(config, &key, e));
+        Err(e) => return Ok(failed(config, &key, e)),
     }
     match tx.commit().await {
         Ok(()) => Ok(response),
@@ -366,6 +398,83 @@ where
             Ok(render(config, problem))
         }
     }
+}
+
+/// Polls `future`, catching a panic of its poll (as the plain form's
+/// `process_with` catches the handler's).
+async fn caught<F: Future>(future: F) -> Result<F::Output, Box<dyn std::any::Any + Send>> {
+    let mut future = Box::pin(future);
+    std::future::poll_fn(|cx| {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx))) {
+            Ok(std::task::Poll::Ready(done)) => std::task::Poll::Ready(Ok(done)),
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Err(panic) => std::task::Poll::Ready(Err(panic)),
+        }
+    })
+    .await
+}
+
+/// After a handler ended the request's transaction itself: claims the key
+/// again in a new transaction and completes it "not replayable", then
+/// passes the handler's response on (503 if that fails: the retry may
+/// then run again, as the log says).
+async fn mark_ran<S: ?Sized, C: Codec>(
+    config: &Config<S, C>,
+    mode: &TxMode<C>,
+    key: &IdempotencyKey,
+    fingerprint: Fingerprint,
+    response: Response<LayerBody>,
+) -> Response<LayerBody> {
+    let why = "the handler ended the request's transaction itself";
+    let marked: Result<(), String> = async {
+        let mut tx = mode.store.pool().begin().await.map_err(|e| e.to_string())?;
+        match mode
+            .in_tx
+            .claim_with::<Outcome>(&mut tx, key, Some(fingerprint))
+            .await
+        {
+            Ok(Claim::Acquired(lease)) => {
+                lease
+                    .complete_not_replayable(&mut tx, why)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                tx.commit().await.map_err(|e| e.to_string())
+            }
+            // It committed its claim before it ended (COMMIT) and the
+            // completion went in with it, or another request has it now.
+            Ok(Claim::Replayed(_)) | Err(IdemError::ResultUnavailable { .. }) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+    .await;
+    match marked {
+        Ok(()) => response,
+        Err(e) => {
+            tracing::error!(key = %key, error = %e, "idempotency layer: the key could not be marked not replayable; a retry may run the handler again");
+            render(
+                config,
+                Problem::new(ProblemKind::StoreUnavailable)
+                    .with_retry_after(Duration::from_secs(1)),
+            )
+        }
+    }
+}
+
+/// The SQLSTATE of the database error under `e`, if any.
+fn sqlstate(e: &IdemError<Infallible>) -> Option<String> {
+    let IdemError::Store(StoreError::Unavailable(source) | StoreError::Backend(source)) = e else {
+        return None;
+    };
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+    while let Some(error) = cause {
+        if let Some(idem_postgres::sqlx::Error::Database(db)) =
+            error.downcast_ref::<idem_postgres::sqlx::Error>()
+        {
+            return db.code().map(|c| c.into_owned());
+        }
+        cause = error.source();
+    }
+    None
 }
 
 /// Whether `e` is a lock wait that ran out (SQLSTATE 55P03, the claim's
@@ -489,5 +598,50 @@ fn failed<S: ?Sized, C>(
             tracing::error!(key = %key, error = %e, "idempotency layer (in a transaction) failed");
             render(config, Problem::new(ProblemKind::Internal))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str) -> IdempotencyKey {
+        IdempotencyKey::new("http", id).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Waiters that time out or are cancelled while another request holds
+    /// the key count themselves out: the gate keeps no key once every
+    /// request ended.
+    #[tokio::test]
+    async fn the_gate_forgets_a_key_once_its_waiters_timed_out_or_went_away() {
+        let gate = Arc::new(KeyGate::default());
+        let held = gate.enter(&key("k"), Duration::from_secs(1)).await;
+        assert!(held.is_some());
+        let timed_out = gate.enter(&key("k"), Duration::from_millis(10)).await;
+        assert!(timed_out.is_none(), "the key is held");
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(10),
+            gate.enter(&key("k"), Duration::from_secs(60)),
+        )
+        .await;
+        assert!(cancelled.is_err(), "still waiting when cancelled");
+        assert_eq!(gate.len(), 1);
+        let waiting = {
+            let gate = gate.clone();
+            tokio::spawn(async move {
+                gate.enter(&key("k"), Duration::from_secs(60))
+                    .await
+                    .is_some()
+            })
+        };
+        while gate.keys.lock().unwrap_or_else(|p| p.into_inner())[&key("k")].1 < 2 {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        assert!(
+            waiting.await.unwrap_or_else(|e| panic!("{e}")),
+            "the waiter got the key"
+        );
+        assert_eq!(gate.len(), 0, "no key left");
     }
 }

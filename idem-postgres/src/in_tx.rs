@@ -102,6 +102,19 @@ pub enum Claim<T, C = JsonCodec> {
     Replayed(T),
 }
 
+/// What [`TxLease::complete`] wrote in the transaction.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Completion {
+    /// The response, replayed to every later claim once committed.
+    Recorded,
+    /// The "not replayable" marker, with its reason: the response could
+    /// not be recorded; later claims get `ResultUnavailable`.
+    NotReplayable {
+        /// Why the response was not recorded.
+        reason: String,
+    },
+}
+
 /// The key held inside a transaction; [`complete`](Self::complete) it on the
 /// same transaction before committing.
 #[must_use = "complete the lease on the same transaction before committing"]
@@ -247,24 +260,36 @@ impl<C: Codec> TxLease<C> {
 
     /// Records `response` in `tx`. Commit afterwards to make the business
     /// writes and the record durable together.
+    ///
+    /// A response that cannot be recorded (it does not encode, such as a
+    /// NaN in JSON, or it is over the store's `max_response_bytes`) does
+    /// not fail the claim: the key is completed as "not replayable"
+    /// ([`Completion::NotReplayable`]), so that once you commit, your
+    /// writes stand and every later claim gets
+    /// [`IdemError::ResultUnavailable`], never a second run.
     pub async fn complete<T: Serialize>(
         self,
         tx: &mut Transaction<'_, Postgres>,
         response: &T,
-    ) -> Result<(), IdemError<Infallible>> {
-        let bytes = self.codec.encode(response).map_err(IdemError::Codec)?;
-        let done = match self.store.check_response_size(&bytes) {
-            Ok(()) => self
-                .store
-                .complete_on(tx, &self.lease, &bytes, self.retention)
-                .await
-                .map_err(|f| self.store.fail(f)),
-            Err(e) => Err(e),
+    ) -> Result<Completion, IdemError<Infallible>> {
+        let bytes = match self.codec.encode(response) {
+            Ok(bytes) => bytes,
+            Err(e) => {
+                let reason = format!("the result does not encode: {e}");
+                return self.complete_not_replayable(tx, &reason).await;
+            }
         };
-        done.map_err(|e| match e {
-            StoreError::LeaseLost => IdemError::LeaseLost,
-            other => IdemError::Store(other),
-        })
+        if let Err(e) = self.store.check_response_size(&bytes) {
+            return self.complete_not_replayable(tx, &e.to_string()).await;
+        }
+        self.store
+            .complete_on(tx, &self.lease, &bytes, self.retention)
+            .await
+            .map_err(|f| match self.store.fail(f) {
+                StoreError::LeaseLost => IdemError::LeaseLost,
+                other => IdemError::Store(other),
+            })?;
+        Ok(Completion::Recorded)
     }
 
     /// Records in `tx` that the key ran but its result cannot be replayed,
@@ -275,7 +300,7 @@ impl<C: Codec> TxLease<C> {
         self,
         tx: &mut Transaction<'_, Postgres>,
         reason: &str,
-    ) -> Result<(), IdemError<Infallible>> {
+    ) -> Result<Completion, IdemError<Infallible>> {
         let mut marker = NOT_REPLAYABLE.to_vec();
         let mut end = reason.len().min(1024);
         while !reason.is_char_boundary(end) {
@@ -288,7 +313,10 @@ impl<C: Codec> TxLease<C> {
             .map_err(|f| match self.store.fail(f) {
                 StoreError::LeaseLost => IdemError::LeaseLost,
                 other => IdemError::Store(other),
-            })
+            })?;
+        Ok(Completion::NotReplayable {
+            reason: String::from_utf8_lossy(&marker[NOT_REPLAYABLE.len()..]).into_owned(),
+        })
     }
 
     /// What a handler of this claim is told: its attempt, fence and token.

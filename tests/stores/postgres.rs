@@ -860,6 +860,58 @@ async fn in_transaction_claims_carry_increasing_fences() {
 /// error: the record completes and replays; its expiry is about
 /// MAX_DURATION away. And the plain store's MAX lease + the in-progress
 /// grace fits PostgreSQL's timestamptz.
+/// A response the in-transaction claim cannot record (over the store's
+/// `max_response_bytes`, or a NaN the JSON codec refuses) completes the
+/// key "not replayable" in the same transaction: the writes commit, and
+/// every later claim gets `ResultUnavailable`, never a second run.
+#[tokio::test]
+async fn in_transaction_a_response_that_cannot_be_recorded_completes_not_replayable() {
+    let pool = pg::pool(pg::shared_url(), 4).await;
+    let store = PgStore::builder(pool.clone())
+        .max_response_bytes(64)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    for (name, response) in [
+        (
+            "tx-too-large",
+            serde_json::json!({ "pad": "x".repeat(256) }),
+        ),
+        ("tx-nan", serde_json::json!({ "amount": 1.0 })),
+    ] {
+        let k = key(name);
+        let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        let Ok(Claim::Acquired(lease)) = store
+            .in_transaction()
+            .claim_with::<serde_json::Value>(&mut tx, &k, None)
+            .await
+        else {
+            panic!("claim")
+        };
+        let completion = if name == "tx-nan" {
+            lease.complete(&mut tx, &f64::NAN).await
+        } else {
+            lease.complete(&mut tx, &response).await
+        };
+        match completion {
+            Ok(idemkit::postgres::Completion::NotReplayable { reason }) => {
+                assert!(!reason.is_empty())
+            }
+            other => panic!("{name}: expected NotReplayable, got {other:?}"),
+        }
+        tx.commit().await.unwrap_or_else(|e| panic!("{e}"));
+        let mut again = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        let claimed = store
+            .in_transaction()
+            .claim_with::<serde_json::Value>(&mut again, &k, None)
+            .await;
+        assert!(
+            matches!(claimed, Err(IdemError::ResultUnavailable { .. })),
+            "{name}: {claimed:?}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn in_transaction_retention_of_duration_max() {
     let store = PgHarness.store().await;

@@ -130,7 +130,7 @@ async fn fails_at_commit(
 }
 
 /// The ledger tables: one row per run that committed.
-async fn create_ledger(pool: &sqlx::PgPool) -> String {
+pub(super) async fn create_ledger(pool: &sqlx::PgPool) -> String {
     let ledger = format!("http_tx_{:08x}", fastrand::u32(..));
     for statement in [
         format!("CREATE TABLE {ledger} (n bigserial PRIMARY KEY, id text NOT NULL, fence bigint NOT NULL)"),
@@ -145,7 +145,7 @@ async fn create_ledger(pool: &sqlx::PgPool) -> String {
 }
 
 /// The rows of `id` in the ledger.
-async fn rows(pool: &sqlx::PgPool, ledger: &str, id: &str) -> i64 {
+pub(super) async fn rows(pool: &sqlx::PgPool, ledger: &str, id: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
         "SELECT count(*) FROM {ledger} WHERE id = $1"
     )))
@@ -156,7 +156,7 @@ async fn rows(pool: &sqlx::PgPool, ledger: &str, id: &str) -> i64 {
 }
 
 /// A store on the shared PostgreSQL with a pool of `connections`.
-async fn store_of(connections: u32) -> PgStore {
+pub(super) async fn store_of(connections: u32) -> PgStore {
     let store = PgStore::new(support::pg::pool(support::pg::shared_url(), connections).await);
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
     store

@@ -12,7 +12,8 @@
 //! - `in_transaction`: the in-transaction form: a server killed between
 //!   its INSERT and the commit, duplicates during the open transaction, a
 //!   panic, a released status, a failed commit, 64 duplicates on a pool
-//!   of 8;
+//!   of 8; `in_transaction_edges`: what handlers, clients and settings
+//!   can do to it;
 //! - `outages`: the store unreachable or failing while a response is
 //!   recorded, and what the client is told;
 //! - `tenants`: tenants sharing keys, anonymous callers;
@@ -42,6 +43,7 @@ use serde_json::{json, Value};
 mod hooks;
 mod in_progress;
 mod in_transaction;
+mod in_transaction_edges;
 #[cfg(feature = "tiered")]
 mod isolation;
 mod keys;
