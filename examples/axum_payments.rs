@@ -12,6 +12,10 @@
 //!
 //! With `--serve 127.0.0.1:3000` it only serves (for a load tool);
 //! `--no-idempotency` serves the same handler without the layer.
+//!
+//! `--backend in-transaction` runs the layer's in-transaction form: the
+//! handler inserts its row on the request's transaction (`RequestTx`),
+//! which commits with the recorded response.
 
 use std::future::IntoFuture;
 use std::sync::Arc;
@@ -21,9 +25,9 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::post;
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use clap::{Parser, ValueEnum};
-use idemkit::http::IdempotencyLayer;
+use idemkit::http::{IdempotencyLayer, RequestTx};
 use idemkit::postgres::PgStore;
 use idemkit::{Idempotency, IdempotencyStore};
 use serde::{Deserialize, Serialize};
@@ -35,6 +39,9 @@ enum Backend {
     Postgres,
     /// moka, then Redis (--redis-url), then PostgreSQL.
     Tiered,
+    /// PgStore, the layer's in-transaction form: the INSERT commits with
+    /// the recorded response.
+    InTransaction,
 }
 
 #[derive(Debug, Parser)]
@@ -67,18 +74,41 @@ struct Payment {
     amount_cents: i64,
 }
 
+const INSERT: &str = "INSERT INTO payments (order_id, amount_cents) VALUES ($1, $2) RETURNING id";
+
 /// The business handler: charges (here: inserts a row) and answers 201.
 async fn create_payment(
     State(pool): State<PgPool>,
     Json(p): Json<NewPayment>,
-) -> impl IntoResponse {
-    let row: Result<(i64,), _> = sqlx::query_as(
-        "INSERT INTO payments (order_id, amount_cents) VALUES ($1, $2) RETURNING id",
-    )
-    .bind(p.order_id)
-    .bind(p.amount_cents)
-    .fetch_one(&pool)
-    .await;
+) -> axum::response::Response {
+    let row: Result<(i64,), _> = sqlx::query_as(INSERT)
+        .bind(p.order_id)
+        .bind(p.amount_cents)
+        .fetch_one(&pool)
+        .await;
+    answer(&p, row)
+}
+
+/// The same handler in the in-transaction form: the row is inserted on
+/// the request's transaction, which commits with the recorded response.
+async fn create_payment_in_tx(
+    Extension(tx): Extension<RequestTx>,
+    Json(p): Json<NewPayment>,
+) -> axum::response::Response {
+    let row: Result<(i64,), sqlx::Error> = match tx.lock().await {
+        Ok(mut tx) => {
+            sqlx::query_as(INSERT)
+                .bind(p.order_id)
+                .bind(p.amount_cents)
+                .fetch_one(&mut *tx)
+                .await
+        }
+        Err(e) => Err(sqlx::Error::Protocol(e.to_string())),
+    };
+    answer(&p, row)
+}
+
+fn answer(p: &NewPayment, row: Result<(i64,), sqlx::Error>) -> axum::response::Response {
     match row {
         Ok((payment_id,)) => (
             StatusCode::CREATED,
@@ -97,52 +127,69 @@ async fn create_payment(
             )
         }
     }
+    .into_response()
 }
 
-async fn store(
-    args: &Args,
-    pool: PgPool,
-) -> Result<Arc<dyn IdempotencyStore>, Box<dyn std::error::Error>> {
+/// What the layer runs on.
+enum Layered {
+    /// A store the layer holds leases in.
+    Store(Arc<dyn IdempotencyStore>),
+    /// The in-transaction form on PostgreSQL.
+    InTransaction(PgStore),
+}
+
+async fn store(args: &Args, pool: PgPool) -> Result<Layered, Box<dyn std::error::Error>> {
     let pg = PgStore::builder(pool).connections(32).build()?;
     pg.migrate().await?;
     Ok(match args.backend {
-        Backend::Postgres => Arc::new(pg),
+        Backend::Postgres => Layered::Store(Arc::new(pg)),
+        Backend::InTransaction => Layered::InTransaction(pg),
         Backend::Tiered => {
             use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
             let url = args
                 .redis_url
                 .as_deref()
                 .ok_or("--backend tiered needs --redis-url (or IDEM_REDIS_URL)")?;
-            Arc::new(
+            Layered::Store(Arc::new(
                 TieredStore::new(pg)
                     .with_cache(MokaCache::new(100_000, 64 << 20))
                     .with_cache(RedisCache::connect(url).await?),
-            )
+            ))
         }
     })
 }
 
-fn app(
-    pool: PgPool,
-    store: Option<Arc<dyn IdempotencyStore>>,
-) -> Result<Router, idemkit::KeyError> {
-    let router = Router::new().route("/payments", post(create_payment));
-    let router = match store {
-        Some(store) => router.layer(
-            IdempotencyLayer::new(
-                Idempotency::from_arc(store).retention(Duration::from_secs(86_400)),
-            )
-            .scope("payments.api")?
-            // who is calling: here an API key header; in a real API the
-            // principal an auth layer verified
-            .tenant(|req| {
-                req.headers
-                    .get("x-api-key")
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned)
-            }),
-        ),
-        None => router,
+/// Who is calling: here an API key header; in a real API the principal
+/// an auth layer verified.
+fn tenant(req: &axum::http::request::Parts) -> Option<String> {
+    req.headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+}
+
+fn app(pool: PgPool, layered: Option<Layered>) -> Result<Router, idemkit::KeyError> {
+    let router = match layered {
+        Some(Layered::Store(store)) => Router::new()
+            .route("/payments", post(create_payment))
+            .layer(
+                IdempotencyLayer::new(
+                    Idempotency::from_arc(store).retention(Duration::from_secs(86_400)),
+                )
+                .scope("payments.api")?
+                .tenant(tenant),
+            ),
+        Some(Layered::InTransaction(store)) => Router::new()
+            .route("/payments", post(create_payment_in_tx))
+            .layer(
+                IdempotencyLayer::new(
+                    Idempotency::new(store).retention(Duration::from_secs(86_400)),
+                )
+                .scope("payments.api")?
+                .tenant(tenant)
+                .in_transaction(),
+            ),
+        None => Router::new().route("/payments", post(create_payment)),
     };
     Ok(router.with_state(pool))
 }
