@@ -202,8 +202,25 @@ fn start_cluster() -> Vec<String> {
 }
 
 /// A 3-master cluster of its own (no replicas), its servers returned so a
-/// test can freeze or kill one.
+/// test can freeze or kill one. Up to three tries, each on new ports: a
+/// node's cluster bus port (its port + 10000) can be taken by another
+/// process between the choice of the port and the node's start, and the
+/// nodes then never join (seen once: "port 47119 may be unreachable").
 pub fn start_cluster_servers() -> Vec<RedisServer> {
+    let mut failures = Vec::new();
+    for _ in 0..3 {
+        match try_start_cluster_servers() {
+            Ok(nodes) => return nodes,
+            Err(e) => failures.push(e), // its nodes are stopped (dropped)
+        }
+    }
+    panic!(
+        "a 3-master cluster did not form in three tries:\n{}",
+        failures.join("\n")
+    );
+}
+
+fn try_start_cluster_servers() -> Result<Vec<RedisServer>, String> {
     let mut nodes = Vec::new();
     let mut ports = Vec::new();
     for _ in 0..3 {
@@ -225,7 +242,7 @@ pub fn start_cluster_servers() -> Vec<RedisServer> {
     }
     // Bounded: `--cluster create` waits for the nodes to join forever.
     let out = Command::new("timeout")
-        .args(["60", "redis-cli"])
+        .args(["30", "redis-cli"])
         .arg("--cluster")
         .arg("create")
         .args(ports.iter().map(|p| format!("127.0.0.1:{p}")))
@@ -233,22 +250,25 @@ pub fn start_cluster_servers() -> Vec<RedisServer> {
         .output()
         .unwrap_or_else(|e| panic!("cannot run redis-cli: {e}. {HOW_TO}"));
     if !out.status.success() {
-        panic!(
-            "redis-cli --cluster create failed:\n{}\n{}",
+        return Err(format!(
+            "redis-cli --cluster create on {ports:?} failed ({}):\n{}\n{}",
+            out.status,
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
-        );
+        ));
     }
     let deadline = Instant::now() + Duration::from_secs(30);
     for port in &ports {
         while !command(*port, "CLUSTER INFO").contains("cluster_state:ok") {
             if Instant::now() > deadline {
-                panic!("the cluster on ports {ports:?} did not reach cluster_state:ok");
+                return Err(format!(
+                    "the cluster on ports {ports:?} did not reach cluster_state:ok"
+                ));
             }
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    nodes
+    Ok(nodes)
 }
 
 /// A 3-master cluster of its own whose nodes announce the ports of loopback
