@@ -357,7 +357,7 @@ where
         // unique violation it maps to 409, say): the transaction was
         // aborted, so nothing of it can be kept. Its answer is passed on,
         // unrecorded, as for a released status: a retry runs again.
-        Err(e) if sqlstate(&e).as_deref() == Some("25P02") => {
+        Err(IdemError::Store(e)) if sqlstate(&e).as_deref() == Some("25P02") => {
             tracing::debug!(key = %key, "idempotency layer: the handler answered from an aborted transaction; nothing kept, its response passed on");
             drop(tx);
             return Ok(response);
@@ -460,9 +460,9 @@ async fn mark_ran<S: ?Sized, C: Codec>(
     }
 }
 
-/// The SQLSTATE of the database error under `e`, if any.
-fn sqlstate(e: &IdemError<Infallible>) -> Option<String> {
-    let IdemError::Store(StoreError::Unavailable(source) | StoreError::Backend(source)) = e else {
+/// The SQLSTATE of the database error under a store error, if any.
+fn sqlstate(e: &StoreError) -> Option<String> {
+    let (StoreError::Unavailable(source) | StoreError::Backend(source)) = e else {
         return None;
     };
     let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
@@ -480,19 +480,7 @@ fn sqlstate(e: &IdemError<Infallible>) -> Option<String> {
 /// Whether `e` is a lock wait that ran out (SQLSTATE 55P03, the claim's
 /// `lock_timeout`): another transaction holds the key.
 fn lock_wait_ran_out(e: &StoreError) -> bool {
-    let StoreError::Unavailable(source) = e else {
-        return false;
-    };
-    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
-    while let Some(error) = cause {
-        if let Some(idem_postgres::sqlx::Error::Database(db)) =
-            error.downcast_ref::<idem_postgres::sqlx::Error>()
-        {
-            return db.code().as_deref() == Some("55P03");
-        }
-        cause = error.source();
-    }
-    false
+    matches!(e, StoreError::Unavailable(_)) && sqlstate(e).as_deref() == Some("55P03")
 }
 
 /// Whether the response is recorded, and what is recorded: its body read
