@@ -17,13 +17,18 @@ use crate::fingerprint::Fingerprint;
 use crate::finishing::FinishingKeys;
 use crate::key::IdempotencyKey;
 use crate::record::{
-    not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, Record, NOT_REPLAYABLE,
+    not_replayable_marker, not_replayable_reason, saturate, Acquisition, Lease, LeaseToken, Record,
 };
 use crate::store::IdempotencyStore;
 use crate::telemetry::{timed, timed_since, StoreOperation};
 
 mod batch;
+mod transaction;
 pub use batch::BatchOutcome;
+pub use transaction::{
+    Gated, KeyGate, LeaseRunner, Runner, SharedTx, TransactionalStore, TxEnded, TxGuard, TxRunner,
+    DEFAULT_TRANSACTION_WAIT,
+};
 
 /// What to do when a key is held by another worker with a live lease.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -723,8 +728,7 @@ where
         let key = &lease.key;
         tracing::warn!(key = %key, %reason, "the handler ran but its result cannot be recorded: the key completes as not replayable");
         count("idem_not_replayable_total", key.scope());
-        let mut marker = NOT_REPLAYABLE.to_vec();
-        marker.extend_from_slice(truncate(&reason, 1024).as_bytes());
+        let marker = not_replayable_marker(&reason);
         match self.complete(lease, &marker, lease_end).await {
             Ok(()) => Ok(Processed::ExecutedNotReplayable { value, reason }),
             Err(e) => Err(self.unrecorded(lease, marker, e)),
@@ -1030,17 +1034,6 @@ fn later(t: Instant, d: Duration) -> Instant {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 fn process_span(key: &IdempotencyKey) -> tracing::Span {

@@ -52,15 +52,19 @@ pub mod testkit;
 pub use canonical::canonical_json;
 pub use codec::{Codec, JsonCodec};
 pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError, Unrecorded};
-pub use executor::{BatchOutcome, Context, Idempotency, InProgressPolicy, Processed};
+pub use executor::{
+    BatchOutcome, Context, Gated, Idempotency, InProgressPolicy, KeyGate, LeaseRunner, Processed,
+    Runner, SharedTx, TransactionalStore, TxEnded, TxGuard, TxRunner, DEFAULT_TRANSACTION_WAIT,
+};
 pub use fingerprint::Fingerprint;
 pub use finishing::{Finished, FinishingGuard, FinishingKeys, GivenUpKeys, Pauses, MIN_PAUSE};
 pub use key::{IdempotencyKey, MAX_ID_LEN, MAX_SCOPE_LEN};
 pub use memory::{MemoryStore, MemoryStoreBuilder};
 pub use payload::{PayloadFingerprint, PickFn};
 pub use record::{
-    not_replayable_reason, saturate, Acquisition, CompletedRecord, Lease, LeaseToken, Record,
-    RecordState, IN_PROGRESS_GRACE, MAX_DURATION, NOT_REPLAYABLE,
+    not_replayable_marker, not_replayable_reason, saturate, within_response_limit, Acquisition,
+    CompletedRecord, Lease, LeaseToken, Record, RecordState, IN_PROGRESS_GRACE, MAX_DURATION,
+    NOT_REPLAYABLE,
 };
 pub use store::{purge_periodically, AcquireItem, IdempotencyStore};
 pub use telemetry::{describe_metrics, StoreOperation, STORE_DURATION_SECONDS};

@@ -36,6 +36,28 @@ pub fn saturate(d: Duration) -> Duration {
 /// follows the marker.
 pub const NOT_REPLAYABLE: &[u8] = b"\0idem:not-replayable\0";
 
+/// The "not replayable" marker for `reason` (cut to 1 KiB, on a character
+/// boundary): what a store records for a key whose handler ran but whose
+/// result cannot be replayed.
+pub fn not_replayable_marker(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(1024);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let mut marker = NOT_REPLAYABLE.to_vec();
+    marker.extend_from_slice(&reason.as_bytes()[..end]);
+    marker
+}
+
+/// Whether a store with a response limit of `limit` bytes takes
+/// `response`: one within the limit, or a "not replayable" marker
+/// ([`not_replayable_marker`]: at most 1 KiB of reason), whatever the limit,
+/// since it stands for a response that was too large.
+pub fn within_response_limit(response: &[u8], limit: usize) -> bool {
+    response.len() <= limit
+        || (response.starts_with(NOT_REPLAYABLE) && response.len() <= NOT_REPLAYABLE.len() + 1024)
+}
+
 /// The reason recorded after [`NOT_REPLAYABLE`], if `response` is such a
 /// marker.
 pub fn not_replayable_reason(response: &[u8]) -> Option<String> {

@@ -38,7 +38,7 @@ impl DynamoDbStore {
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
-        if response.len() > self.max_response_bytes {
+        if !idem_core::within_response_limit(response, self.max_response_bytes) {
             return Err(StoreError::ResponseTooLarge {
                 size: response.len(),
                 limit: self.max_response_bytes,

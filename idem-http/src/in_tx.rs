@@ -4,21 +4,16 @@
 //! the response leaves. A crash anywhere before the commit rolls back the
 //! handler's writes with the claim: the retry runs cleanly.
 
-use std::collections::HashMap;
 use std::convert::Infallible;
-use std::fmt;
 use std::future::Future;
-use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use idem_core::{Codec, Fingerprint, IdemError, IdempotencyKey, StoreError};
-use idem_postgres::sqlx::{PgConnection, Postgres, Transaction};
+use idem_core::{Codec, Fingerprint, IdemError, IdempotencyKey, KeyGate, SharedTx, StoreError};
 use idem_postgres::{Claim, Completion, InTransaction, PgStore, TxLease};
-use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard};
 
 use crate::layer::Config;
 use crate::recorded::{self, Buffered, Outcome, Prefixed, Recorded};
@@ -26,8 +21,7 @@ use crate::response::{box_response, full, is_event_stream, render, replay, BoxEr
 use crate::service::{HeldByLayers, LayerAnswer};
 use crate::{Problem, ProblemKind};
 
-/// The default of [`IdempotencyLayer::transaction_wait`](crate::IdempotencyLayer::transaction_wait).
-pub const DEFAULT_TRANSACTION_WAIT: Duration = Duration::from_secs(10);
+pub use idem_core::DEFAULT_TRANSACTION_WAIT;
 
 /// The in-transaction settings of a layer.
 pub(crate) struct TxMode<C> {
@@ -43,6 +37,10 @@ pub(crate) struct TxMode<C> {
 /// in the request's extensions (axum: `Extension<RequestTx>`). Do the
 /// business writes on it; the layer records the response in the same
 /// transaction and commits, or rolls everything back.
+///
+/// `tx.lock().await` gives a [`TxGuard`](idem_core::TxGuard) (`&mut *guard` is an sqlx
+/// executor; do not run `COMMIT` or `ROLLBACK` on it), or
+/// [`TxEnded`](idem_core::TxEnded) once the request's transaction ended.
 ///
 /// ```no_run
 /// use axum::{Extension, Json};
@@ -64,132 +62,7 @@ pub(crate) struct TxMode<C> {
 ///     Ok(Json(serde_json::json!({ "payment": id })))
 /// }
 /// ```
-#[derive(Clone)]
-pub struct RequestTx(Arc<tokio::sync::Mutex<Option<Transaction<'static, Postgres>>>>);
-
-impl fmt::Debug for RequestTx {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RequestTx").finish_non_exhaustive()
-    }
-}
-
-/// [`RequestTx::lock`] after the request's transaction ended: the handler
-/// kept the `RequestTx` past its response (in a task of its own, say).
-/// Not retryable: the transaction is committed or rolled back.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the request's transaction has ended: write in it before the handler returns")]
-pub struct TxEnded;
-
-/// The request's transaction, locked for the handler's statements: it
-/// derefs to the connection (`&mut *guard` is an sqlx executor), and
-/// `guard.begin()` opens a savepoint. Do not run `COMMIT` or `ROLLBACK`
-/// on it: the layer ends the transaction once the response is recorded.
-pub struct TxGuard(
-    OwnedMappedMutexGuard<Option<Transaction<'static, Postgres>>, Transaction<'static, Postgres>>,
-);
-
-impl fmt::Debug for TxGuard {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("TxGuard").finish_non_exhaustive()
-    }
-}
-
-impl Deref for TxGuard {
-    type Target = PgConnection;
-    fn deref(&self) -> &PgConnection {
-        &self.0
-    }
-}
-
-impl DerefMut for TxGuard {
-    fn deref_mut(&mut self) -> &mut PgConnection {
-        &mut self.0
-    }
-}
-
-impl RequestTx {
-    fn new(tx: Transaction<'static, Postgres>) -> Self {
-        RequestTx(Arc::new(tokio::sync::Mutex::new(Some(tx))))
-    }
-
-    /// Locks the transaction until the guard is dropped (statements of one
-    /// request run one at a time on its one connection).
-    pub async fn lock(&self) -> Result<TxGuard, TxEnded> {
-        let guard = self.0.clone().lock_owned().await;
-        OwnedMutexGuard::try_map(guard, Option::as_mut)
-            .map(TxGuard)
-            .map_err(|_| TxEnded)
-    }
-
-    /// The transaction, taken back by the layer once the handler returned;
-    /// `None` if a guard is still held after `wait`.
-    async fn take(&self, wait: Duration) -> Option<Transaction<'static, Postgres>> {
-        let mut guard = tokio::time::timeout(wait, self.0.lock()).await.ok()?;
-        guard.take()
-    }
-}
-
-/// The keys this process is claiming in a transaction: a duplicate in the
-/// same process waits here, holding no connection, instead of in the
-/// database on a connection of the pool (64 duplicates of one key on a
-/// pool of 8 would hold every connection waiting).
-#[derive(Default)]
-pub(crate) struct KeyGate {
-    /// Each key's lock and how many requests hold or wait for it.
-    keys: Mutex<HashMap<IdempotencyKey, (KeyLock, usize)>>,
-}
-
-/// The lock of one key at the gate.
-type KeyLock = Arc<tokio::sync::Mutex<()>>;
-
-/// A request at [`KeyGate`] for a key (holding it once `guard` is set);
-/// counted out when dropped, however the wait ended.
-struct Gated {
-    gate: Arc<KeyGate>,
-    key: IdempotencyKey,
-    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
-}
-
-impl KeyGate {
-    /// Waits until no other request of this process holds `key`, for at
-    /// most `wait`.
-    async fn enter(self: &Arc<Self>, key: &IdempotencyKey, wait: Duration) -> Option<Gated> {
-        let lock = {
-            let mut keys = self.keys.lock().unwrap_or_else(|p| p.into_inner());
-            let (lock, users) = keys.entry(key.clone()).or_default();
-            *users += 1;
-            lock.clone()
-        };
-        // Counted in from here: dropped on a timeout or a cancellation, it
-        // counts itself out.
-        let mut gated = Gated {
-            gate: self.clone(),
-            key: key.clone(),
-            guard: None,
-        };
-        gated.guard = Some(tokio::time::timeout(wait, lock.lock_owned()).await.ok()?);
-        Some(gated)
-    }
-
-    /// The keys held or waited for (for tests: none once requests end).
-    #[cfg(test)]
-    fn len(&self) -> usize {
-        self.keys.lock().unwrap_or_else(|p| p.into_inner()).len()
-    }
-}
-
-impl Drop for Gated {
-    fn drop(&mut self) {
-        self.guard.take();
-        let mut keys = self.gate.keys.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, users)) = keys.get_mut(&self.key) {
-            *users -= 1;
-            if *users == 0 {
-                keys.remove(&self.key);
-            }
-        }
-    }
-}
+pub type RequestTx = idem_postgres::PgTx;
 
 /// What became of the handler's response.
 enum Ran {
@@ -237,23 +110,6 @@ where
         Ok(tx) => tx,
         Err(e) => return Ok(unavailable(config, &key, &e)),
     };
-    // A claim waits for another process's open transaction on the key for
-    // at most `wait` (then 409); the handler's own statements get the
-    // server's setting back.
-    let wait_ms = mode.wait.as_millis().clamp(1, i32::MAX as u128).to_string();
-    // The session's own value first (the set_config refers to it, so it
-    // runs after), to give it back after the claim.
-    let before: Result<String, _> = idem_postgres::sqlx::query_scalar(
-        "SELECT old FROM (SELECT current_setting('lock_timeout') AS old OFFSET 0) s, \
-         LATERAL (SELECT set_config('lock_timeout', $1, true) WHERE s.old IS NOT NULL) l",
-    )
-    .bind(&wait_ms)
-    .fetch_one(&mut *tx)
-    .await;
-    let before = match before {
-        Ok(before) => before,
-        Err(e) => return Ok(unavailable(config, &key, &e)),
-    };
     let claim = mode
         .in_tx
         .claim_with::<Outcome>(&mut tx, &key, Some(fingerprint))
@@ -281,20 +137,10 @@ where
         Err(IdemError::PayloadMismatch) => {
             return Ok(render(config, Problem::new(ProblemKind::Mismatch)))
         }
-        // The wait for another transaction on the key ran out.
-        Err(IdemError::Store(e)) if lock_wait_ran_out(&e) => return Ok(in_progress()),
         Err(e) => return Ok(failed(config, &key, e)),
     };
-    if let Err(e) = idem_postgres::sqlx::query("SELECT set_config('lock_timeout', $1, true)")
-        .bind(&before)
-        .execute(&mut *tx)
-        .await
-    {
-        return Ok(unavailable(config, &key, &e));
-    }
-
     // The handler: the transaction and the context in its extensions.
-    let shared = RequestTx::new(tx);
+    let shared: RequestTx = SharedTx::new(tx);
     parts.extensions.insert(lease.context());
     parts.extensions.insert(shared.clone());
     let mut held = parts
@@ -477,12 +323,6 @@ fn sqlstate(e: &StoreError) -> Option<String> {
     None
 }
 
-/// Whether `e` is a lock wait that ran out (SQLSTATE 55P03, the claim's
-/// `lock_timeout`): another transaction holds the key.
-fn lock_wait_ran_out(e: &StoreError) -> bool {
-    matches!(e, StoreError::Unavailable(_)) && sqlstate(e).as_deref() == Some("55P03")
-}
-
 /// Whether the response is recorded, and what is recorded: its body read
 /// (all of it, up to the limit) before anything commits.
 async fn settle<S: ?Sized, C, ResBody>(
@@ -586,50 +426,5 @@ fn failed<S: ?Sized, C>(
             tracing::error!(key = %key, error = %e, "idempotency layer (in a transaction) failed");
             render(config, Problem::new(ProblemKind::Internal))
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn key(id: &str) -> IdempotencyKey {
-        IdempotencyKey::new("http", id).unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Waiters that time out or are cancelled while another request holds
-    /// the key count themselves out: the gate keeps no key once every
-    /// request ended.
-    #[tokio::test]
-    async fn the_gate_forgets_a_key_once_its_waiters_timed_out_or_went_away() {
-        let gate = Arc::new(KeyGate::default());
-        let held = gate.enter(&key("k"), Duration::from_secs(1)).await;
-        assert!(held.is_some());
-        let timed_out = gate.enter(&key("k"), Duration::from_millis(10)).await;
-        assert!(timed_out.is_none(), "the key is held");
-        let cancelled = tokio::time::timeout(
-            Duration::from_millis(10),
-            gate.enter(&key("k"), Duration::from_secs(60)),
-        )
-        .await;
-        assert!(cancelled.is_err(), "still waiting when cancelled");
-        assert_eq!(gate.len(), 1);
-        let waiting = {
-            let gate = gate.clone();
-            tokio::spawn(async move {
-                gate.enter(&key("k"), Duration::from_secs(60))
-                    .await
-                    .is_some()
-            })
-        };
-        while gate.keys.lock().unwrap_or_else(|p| p.into_inner())[&key("k")].1 < 2 {
-            tokio::task::yield_now().await;
-        }
-        drop(held);
-        assert!(
-            waiting.await.unwrap_or_else(|e| panic!("{e}")),
-            "the waiter got the key"
-        );
-        assert_eq!(gate.len(), 0, "no key left");
     }
 }

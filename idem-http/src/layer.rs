@@ -840,15 +840,16 @@ impl<C: Codec> IdempotencyLayer<idem_postgres::PgStore, C> {
     /// ```
     pub fn in_transaction(self) -> Self {
         let store = (**self.config.idem.store()).clone();
-        let in_tx = store
-            .in_transaction()
-            .retention(self.config.idem.retention_period())
-            .codec_shared(self.config.idem.codec_shared());
         let wait = self
             .config
             .tx
             .as_ref()
             .map_or(crate::in_tx::DEFAULT_TRANSACTION_WAIT, |m| m.wait);
+        let in_tx = store
+            .in_transaction()
+            .retention(self.config.idem.retention_period())
+            .codec_shared(self.config.idem.codec_shared())
+            .lock_wait(wait);
         self.edit(|c| {
             c.tx = Some(Arc::new(crate::in_tx::TxMode {
                 in_tx,
@@ -873,7 +874,7 @@ impl<C: Codec> IdempotencyLayer<idem_postgres::PgStore, C> {
         self.edit(|c| {
             if let Some(mode) = &c.tx {
                 c.tx = Some(Arc::new(crate::in_tx::TxMode {
-                    in_tx: mode.in_tx.clone(),
+                    in_tx: mode.in_tx.clone().lock_wait(wait),
                     store: mode.store.clone(),
                     wait,
                     gate: mode.gate.clone(),

@@ -147,7 +147,9 @@ pub use tower;
 #[cfg(doc)]
 use idem_core::Idempotency;
 #[cfg(feature = "postgres")]
-pub use in_tx::{RequestTx, TxEnded, TxGuard, DEFAULT_TRANSACTION_WAIT};
+pub use idem_core::{TxEnded, TxGuard};
+#[cfg(feature = "postgres")]
+pub use in_tx::{RequestTx, DEFAULT_TRANSACTION_WAIT};
 pub use key::{request_key, RequestKeyError};
 pub use layer::IdempotencyLayer;
 pub use problem::{Problem, ProblemKind};

@@ -46,6 +46,7 @@ pub struct KafkaConsumer<S: ?Sized, C = JsonCodec> {
     pub(crate) dead_letter: Option<String>,
     pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) revoke_wait: Duration,
+    pub(crate) transaction_wait: Duration,
     pub(crate) commit_interval: Duration,
     pub(crate) retry_backoff: (Duration, Duration),
     pub(crate) call_timeout: Duration,
@@ -192,6 +193,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             dead_letter: None,
             fingerprint: PayloadFingerprint::Whole,
             revoke_wait: Duration::from_secs(10),
+            transaction_wait: idem_core::DEFAULT_TRANSACTION_WAIT,
             commit_interval: Duration::from_millis(100),
             retry_backoff: (Duration::from_millis(50), Duration::from_secs(2)),
             call_timeout: Duration::from_secs(10),
@@ -292,6 +294,15 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// `max.poll.interval.ms`.
     pub fn revoke_wait(mut self, wait: Duration) -> Self {
         self.revoke_wait = saturate(wait);
+        self
+    }
+
+    /// In the in-transaction form
+    /// ([`run_in_transaction`](Self::run_in_transaction)), how long a
+    /// record's claim waits for another transaction holding its key
+    /// (default 10 s, at least 1 ms): then the record is retried in place.
+    pub fn transaction_wait(mut self, wait: Duration) -> Self {
+        self.transaction_wait = wait;
         self
     }
 

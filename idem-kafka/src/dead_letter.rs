@@ -12,7 +12,7 @@ use rdkafka::util::Timeout;
 use crate::record::KafkaRecord;
 use crate::work::Work;
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,

@@ -14,7 +14,7 @@ pub(crate) fn failure_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
     IdempotencyKey::new("idem.failures", id).ok()
 }
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,

@@ -61,7 +61,7 @@ pub(crate) enum Settle {
     Fatal(StoreError),
 }
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,

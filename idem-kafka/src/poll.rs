@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use idem_core::{Codec, IdempotencyStore};
+use idem_core::{
+    Codec, IdempotencyStore, LeaseRunner, Runner, SharedTx, TransactionalStore, TxRunner,
+};
 use rdkafka::consumer::Consumer;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -45,6 +47,76 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
+        self.run_with(LeaseRunner, move |record, ()| handler(record), shutdown)
+            .await
+    }
+
+    /// The in-transaction form of [`run`](Self::run): each record runs in
+    /// a transaction of the store's database (a [`TransactionalStore`],
+    /// such as `PgStore`), handed to the handler; the claim of its key,
+    /// the handler's writes and its result commit together before its
+    /// offset may be committed. A consumer killed anywhere before that
+    /// commit leaves nothing: the redelivery runs the record cleanly, with
+    /// no lease and no window, so effects in that database happen exactly
+    /// once. A commit that fails leaves the record to be retried in place
+    /// (and a crash, to be redelivered); a handler's `Err` or panic rolls
+    /// everything back. See [`TxRunner`] for the rest.
+    ///
+    /// ```no_run
+    /// use idem_core::Idempotency;
+    /// use idem_kafka::{KafkaConsumer, KafkaRecord};
+    /// use idem_postgres::{sqlx, PgStore, PgTx};
+    ///
+    /// # async fn run(store: PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let consumer = KafkaConsumer::connect("127.0.0.1:9092", "billing", &["payments"], Idempotency::new(store))?
+    ///     .key_header("message-id");
+    /// consumer
+    ///     .run_in_transaction(
+    ///         |record: KafkaRecord, tx: PgTx| async move {
+    ///             let amount: i64 = record.json()?;
+    ///             let mut tx = tx.lock().await?;
+    ///             sqlx::query("INSERT INTO ledger (amount, fence) VALUES ($1, $2)")
+    ///                 .bind(amount)
+    ///                 .bind(record.fence as i64)
+    ///                 .execute(&mut *tx)
+    ///                 .await?;
+    ///             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(amount)
+    ///         },
+    ///         async { let _ = tokio::signal::ctrl_c().await; },
+    ///     )
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_in_transaction<F, Fut, T, E>(
+        &self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, KafkaConsumerError>
+    where
+        S: TransactionalStore,
+        F: Fn(KafkaRecord, SharedTx<S::Tx>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let runner = TxRunner::new().wait(self.transaction_wait);
+        self.run_with(runner, handler, shutdown).await
+    }
+
+    /// [`run`](Self::run) with handlers run by `runner`.
+    async fn run_with<M, F, Fut, T, E>(
+        &self,
+        runner: M,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, KafkaConsumerError>
+    where
+        M: Runner<S, C>,
+        F: Fn(KafkaRecord, M::With) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
         if let Some(dead) = &self.dead_letter {
             if dead.is_empty() || dead.contains('\0') {
                 return Err(KafkaConsumerError::Config(format!(
@@ -67,6 +139,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
             .store(self.partition_concurrency as u64, Ordering::Relaxed);
         let work = Arc::new(Work {
             idem: self.idem.clone(),
+            runner,
             handler,
             key: self.key.clone(),
             scope: self.scope.clone(),

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use idem_core::{
     Codec, Context, Fingerprint, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, PayloadFingerprint, Processed, StoreError, Unrecorded,
+    IdempotencyStore, PayloadFingerprint, Processed, Runner, StoreError, Unrecorded,
 };
 use rdkafka::producer::FutureProducer;
 use serde::de::DeserializeOwned;
@@ -57,9 +57,11 @@ impl Drop for Turn {
     }
 }
 
-/// What the record tasks share: the executor, the handler, the settings.
-pub(crate) struct Work<S: ?Sized, C, F> {
+/// What the record tasks share: the executor, how it runs the handler
+/// (with a lease, or in a transaction), the handler, the settings.
+pub(crate) struct Work<S: ?Sized, C, F, M> {
     pub(crate) idem: Idempotency<S, C>,
+    pub(crate) runner: M,
     pub(crate) handler: F,
     pub(crate) key: KeySource,
     pub(crate) scope: Option<String>,
@@ -74,10 +76,11 @@ pub(crate) struct Work<S: ?Sized, C, F> {
     pub(crate) fatal: Mutex<Option<StoreError>>,
 }
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,
+    M: Runner<S, C>,
 {
     fn scope_of(&self, topic: &str) -> String {
         self.scope.clone().unwrap_or_else(|| default_scope(topic))
@@ -112,7 +115,7 @@ where
     /// Runs one record until it is settled or given up.
     pub(crate) async fn run_record<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, job: Job)
     where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        F: Fn(KafkaRecord, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -141,11 +144,11 @@ where
     fn item<Fut, T, E>(
         self: &Arc<Self>,
         record: &KafkaRecord,
-    ) -> impl FnOnce(Context) -> futures_util::future::BoxFuture<'static, Result<T, Run<E>>>
+    ) -> impl FnOnce(Context, M::With) -> futures_util::future::BoxFuture<'static, Result<T, Run<E>>>
            + Send
            + 'static
     where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        F: Fn(KafkaRecord, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Send + 'static,
         E: Send + 'static,
@@ -153,10 +156,10 @@ where
         let max = self.max_deliveries;
         let work = self.clone();
         let mut copy = record.clone();
-        move |ctx: Context| {
+        move |ctx: Context, with: M::With| {
             copy.attempt = ctx.attempt;
             copy.fence = ctx.fence;
-            let fut = (ctx.attempt <= max).then(|| (work.handler)(copy));
+            let fut = (ctx.attempt <= max).then(|| (work.handler)(copy, with));
             Box::pin(async move {
                 match fut {
                     Some(fut) => fut.await.map_err(Run::Handler),
@@ -171,7 +174,7 @@ where
     /// together); each record that did not settle goes on on its own.
     pub(crate) async fn run_chunk<Fut, T, E>(self: Arc<Self>, track: Arc<Track>, jobs: Vec<Job>)
     where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        F: Fn(KafkaRecord, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -208,8 +211,8 @@ where
             })
             .collect();
         let mut results = self
-            .idem
-            .process_batch_with_detached(items)
+            .runner
+            .process_batch(&self.idem, items)
             .await
             .into_iter();
         let drives = records.into_iter().map(|(record, key, fingerprint)| {
@@ -232,7 +235,7 @@ where
         fingerprint: Option<Fingerprint>,
         mut first: Option<Result<Processed<T>, IdemError<Run<E>>>>,
     ) where
-        F: Fn(KafkaRecord) -> Fut + Send + Sync + 'static,
+        F: Fn(KafkaRecord, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -304,8 +307,8 @@ where
                 let result = match first.take() {
                     Some(r) => r,
                     None => {
-                        self.idem
-                            .process_with_detached(k, fingerprint, self.item(&record))
+                        self.runner
+                            .process_one(&self.idem, k, fingerprint, self.item(&record))
                             .await
                     }
                 };

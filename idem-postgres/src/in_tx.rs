@@ -2,17 +2,26 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
+use async_trait::async_trait;
 use idem_core::{
-    not_replayable_reason, Acquisition, Codec, CodecError, Context, Fingerprint, IdemError,
-    IdempotencyKey, JsonCodec, Lease, LeaseToken, StoreError, NOT_REPLAYABLE,
+    not_replayable_marker, not_replayable_reason, Acquisition, Codec, CodecError, Context,
+    Fingerprint, IdemError, IdempotencyKey, JsonCodec, Lease, LeaseToken, SharedTx, StoreError,
+    TransactionalStore,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use sqlx::{Postgres, Transaction};
+use sqlx::{PgConnection, Postgres, Transaction};
 
+use crate::error::Failure;
 use crate::store::PgStore;
+
+/// The transaction a receiver's in-transaction form hands its handler
+/// (`run_in_transaction` of the Kafka, SQS and Redis Streams consumers):
+/// `tx.lock().await?` gives a guard, and `&mut *guard` is an sqlx executor
+/// on the transaction. The receiver records the result in it and commits.
+pub type PgTx = SharedTx<Transaction<'static, Postgres>>;
 
 /// Idempotency inside your own transaction: the reservation, your business
 /// writes and the completion commit or roll back together.
@@ -81,6 +90,7 @@ pub struct InTransaction<C = JsonCodec> {
     store: PgStore,
     retention: Duration,
     codec: Arc<C>,
+    lock_wait: Option<Duration>,
 }
 
 impl<C> Clone for InTransaction<C> {
@@ -89,6 +99,7 @@ impl<C> Clone for InTransaction<C> {
             store: self.store.clone(),
             retention: self.retention,
             codec: self.codec.clone(),
+            lock_wait: self.lock_wait,
         }
     }
 }
@@ -132,6 +143,7 @@ impl InTransaction<JsonCodec> {
             store,
             retention: Duration::from_secs(24 * 60 * 60),
             codec: Arc::new(JsonCodec),
+            lock_wait: None,
         }
     }
 }
@@ -147,11 +159,17 @@ impl<C: Codec> InTransaction<C> {
 
     /// Replaces the response codec (default JSON).
     pub fn codec<C2: Codec>(self, codec: C2) -> InTransaction<C2> {
-        InTransaction {
-            store: self.store,
-            retention: self.retention,
-            codec: Arc::new(codec),
-        }
+        self.codec_shared(Arc::new(codec))
+    }
+
+    /// How long a claim waits for another open transaction that holds its
+    /// key; then the claim is [`IdemError::InProgress`] and your
+    /// transaction is aborted (roll it back). Default: your transaction's
+    /// own `lock_timeout` (the server's, often none). The transaction's
+    /// setting is given back after the claim.
+    pub fn lock_wait(mut self, wait: Duration) -> Self {
+        self.lock_wait = Some(wait);
+        self
     }
 
     /// Replaces the response codec with a shared one (an executor's,
@@ -161,6 +179,7 @@ impl<C: Codec> InTransaction<C> {
             store: self.store,
             retention: self.retention,
             codec,
+            lock_wait: self.lock_wait,
         }
     }
 
@@ -192,22 +211,10 @@ impl<C: Codec> InTransaction<C> {
     where
         T: DeserializeOwned,
     {
-        // No lease: until commit the record is visible to nobody else, and
-        // if it is committed unfinished the next delivery may take it over.
-        // A second claim of the key in this transaction gets this claim
-        // again (the token names the transaction).
         let outcome = self
             .store
-            .acquire_on(
-                tx,
-                key,
-                fingerprint.as_ref(),
-                Duration::ZERO,
-                LeaseToken::random(),
-                None,
-            )
-            .await
-            .map_err(|f| self.store.fail(f))?;
+            .claim_on(tx, key, fingerprint.as_ref(), self.lock_wait)
+            .await?;
         match outcome {
             Acquisition::Acquired(lease) => Ok(Claim::Acquired(TxLease {
                 store: self.store.clone(),
@@ -301,12 +308,7 @@ impl<C: Codec> TxLease<C> {
         tx: &mut Transaction<'_, Postgres>,
         reason: &str,
     ) -> Result<Completion, IdemError<Infallible>> {
-        let mut marker = NOT_REPLAYABLE.to_vec();
-        let mut end = reason.len().min(1024);
-        while !reason.is_char_boundary(end) {
-            end -= 1;
-        }
-        marker.extend_from_slice(&reason.as_bytes()[..end]);
+        let marker = not_replayable_marker(reason);
         self.store
             .complete_on(tx, &self.lease, &marker, self.retention)
             .await
@@ -315,7 +317,7 @@ impl<C: Codec> TxLease<C> {
                 other => IdemError::Store(other),
             })?;
         Ok(Completion::NotReplayable {
-            reason: String::from_utf8_lossy(&marker[NOT_REPLAYABLE.len()..]).into_owned(),
+            reason: not_replayable_reason(&marker).unwrap_or_default(),
         })
     }
 
@@ -331,5 +333,121 @@ impl<C: Codec> TxLease<C> {
             .release_on(tx, &self.lease)
             .await
             .map_err(|f| self.store.fail(f))
+    }
+}
+
+impl PgStore {
+    /// Claims `key` on the transaction's connection, waiting at most
+    /// `wait` (if given) for another transaction holding it: then
+    /// `InProgress`. The connection's `lock_timeout` is given back after.
+    async fn claim_on(
+        &self,
+        conn: &mut PgConnection,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        wait: Option<Duration>,
+    ) -> Result<Acquisition, StoreError> {
+        let before = match wait {
+            None => None,
+            Some(wait) => {
+                let wait_ms = wait.as_millis().clamp(1, i32::MAX as u128).to_string();
+                // The setting's own value first (the set_config refers to
+                // it, so it runs after), to give it back after the claim.
+                let before: String = sqlx::query_scalar(
+                    "SELECT old FROM (SELECT current_setting('lock_timeout') AS old OFFSET 0) s, \
+                     LATERAL (SELECT set_config('lock_timeout', $1, true) WHERE s.old IS NOT NULL) l",
+                )
+                .bind(&wait_ms)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| self.error(e))?;
+                Some(before)
+            }
+        };
+        // No lease: until commit the record is visible to nobody else, and
+        // if it is committed unfinished the next delivery may take it over.
+        // A second claim of the key in this transaction gets this claim
+        // again (the token names the transaction).
+        let outcome = self
+            .acquire_on(
+                conn,
+                key,
+                fingerprint,
+                Duration::ZERO,
+                LeaseToken::random(),
+                None,
+            )
+            .await;
+        let outcome = match outcome {
+            Ok(outcome) => outcome,
+            // The wait for another transaction on the key ran out.
+            Err(Failure::Sql(e))
+                if before.is_some()
+                    && e.as_database_error()
+                        .and_then(|d| d.code())
+                        .is_some_and(|c| c == "55P03") =>
+            {
+                return Ok(Acquisition::InProgress {
+                    lease_expires_at: SystemTime::now(),
+                    retry_after: Duration::from_secs(1),
+                    attempt: 0,
+                });
+            }
+            Err(f) => return Err(self.fail(f)),
+        };
+        if let Some(before) = before {
+            sqlx::query("SELECT set_config('lock_timeout', $1, true)")
+                .bind(&before)
+                .execute(&mut *conn)
+                .await
+                .map_err(|e| self.error(e))?;
+        }
+        Ok(outcome)
+    }
+}
+
+/// The receivers' in-transaction form on PostgreSQL: a transaction of the
+/// store's pool per message, the claim as [`InTransaction`] makes it
+/// (waiting at most the receiver's wait for another transaction on the
+/// key), the result recorded in it.
+#[async_trait]
+impl TransactionalStore for PgStore {
+    type Tx = Transaction<'static, Postgres>;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.pool().begin().await.map_err(|e| self.error(e))
+    }
+
+    async fn claim_in(
+        &self,
+        tx: &mut Self::Tx,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        wait: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        self.claim_on(tx, key, fingerprint, Some(wait)).await
+    }
+
+    async fn complete_in(
+        &self,
+        tx: &mut Self::Tx,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.check_response_size(response)?;
+        self.complete_on(tx, lease, response, retention)
+            .await
+            .map_err(|f| self.fail(f))
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(|e| self.error(e))
+    }
+
+    async fn rollback(&self, tx: Self::Tx) {
+        if let Err(e) = tx.rollback().await {
+            tracing::debug!(error = %e, "a rollback failed (the server rolls the transaction back)");
+        }
     }
 }

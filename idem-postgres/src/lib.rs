@@ -179,7 +179,7 @@ pub use failover::{
     connect_any, Failover, NoWritableServer, DEFAULT_CHECK_INTERVAL, DEFAULT_PROBE_TIMEOUT,
 };
 pub use idem_core;
-pub use in_tx::{Claim, Completion, InTransaction, TxLease};
+pub use in_tx::{Claim, Completion, InTransaction, PgTx, TxLease};
 /// The sqlx this crate is built on: a `PgPool` given to [`PgStore`] must come
 /// from this version (a pool of another sqlx major version is a different
 /// type). Name it as `idemkit::postgres::sqlx` to be sure.

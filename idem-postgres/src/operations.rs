@@ -143,7 +143,7 @@ impl PgStore {
     }
 
     pub(crate) fn check_response_size(&self, response: &[u8]) -> Result<(), StoreError> {
-        if response.len() > self.inner.max_response_bytes {
+        if !idem_core::within_response_limit(response, self.inner.max_response_bytes) {
             return Err(StoreError::ResponseTooLarge {
                 size: response.len(),
                 limit: self.inner.max_response_bytes,

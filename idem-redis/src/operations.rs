@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use idem_core::within_response_limit;
 use idem_core::{
     AcquireItem, Acquisition, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, LeaseToken,
     Record, StoreError, IN_PROGRESS_GRACE,
@@ -83,7 +84,7 @@ where
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
-        if response.len() > self.max_response_bytes {
+        if !within_response_limit(response, self.max_response_bytes) {
             return Err(StoreError::ResponseTooLarge {
                 size: response.len(),
                 limit: self.max_response_bytes,
@@ -376,7 +377,7 @@ where
         let mut out: Vec<Option<Result<(), StoreError>>> = items
             .iter()
             .map(|(_, response)| {
-                (response.len() > self.max_response_bytes).then(|| {
+                (!within_response_limit(response, self.max_response_bytes)).then(|| {
                     Err(StoreError::ResponseTooLarge {
                         size: response.len(),
                         limit: self.max_response_bytes,

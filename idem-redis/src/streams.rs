@@ -114,7 +114,8 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use idem_core::{
     saturate, Codec, Context, Fingerprint, Finished, IdemError, Idempotency, IdempotencyKey,
-    IdempotencyStore, JsonCodec, KeyError, PayloadFingerprint, Processed, StoreError, Unrecorded,
+    IdempotencyStore, JsonCodec, KeyError, LeaseRunner, PayloadFingerprint, Processed, Runner,
+    SharedTx, StoreError, TransactionalStore, TxRunner, Unrecorded,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{FromRedisValue, Value};
@@ -277,6 +278,7 @@ pub struct StreamConsumer<S: ?Sized, C = JsonCodec, R = ConnectionManager> {
     block: Duration,
     claim_idle: Duration,
     call_timeout: Duration,
+    transaction_wait: Duration,
     max_deliveries: u64,
     dead_letter: String,
     /// What of an entry's fields its fingerprint covers.
@@ -396,6 +398,7 @@ where
             block: Duration::from_millis(500),
             claim_idle: Duration::from_secs(30),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            transaction_wait: idem_core::DEFAULT_TRANSACTION_WAIT,
             max_deliveries: DEFAULT_MAX_DELIVERIES,
             dead_letter: format!("{stream}:dead"),
             fingerprint: PayloadFingerprint::Whole,
@@ -496,6 +499,15 @@ where
         self
     }
 
+    /// In the in-transaction form
+    /// ([`run_in_transaction`](Self::run_in_transaction)), how long an
+    /// entry's claim waits for another transaction holding its key
+    /// (default 10 s, at least 1 ms): then the entry is left pending.
+    pub fn transaction_wait(mut self, wait: Duration) -> Self {
+        self.transaction_wait = wait;
+        self
+    }
+
     /// How many deliveries an entry whose handler fails gets before it is
     /// dead-lettered (default [`DEFAULT_MAX_DELIVERIES`]; at least 1). The
     /// count is Redis's delivery counter of the entry (`XPENDING`), which
@@ -564,6 +576,78 @@ where
     ) -> Result<ConsumerStats, StoreError>
     where
         F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        self.run_with(LeaseRunner, move |entry, ()| handler(entry), shutdown)
+            .await
+    }
+
+    /// The in-transaction form of [`run`](Self::run): each entry runs in a
+    /// transaction of the store's database (a [`TransactionalStore`], such
+    /// as `PgStore`: the store of the keys is then PostgreSQL, the stream
+    /// stays in Redis), handed to the handler; the claim of its key, the
+    /// handler's writes and its result commit together before the entry
+    /// is acknowledged. A consumer killed anywhere before that commit
+    /// leaves nothing: the entry, still pending, is reclaimed and runs
+    /// cleanly, with no lease and no window, so effects in that database
+    /// happen exactly once. A commit that fails leaves the entry pending;
+    /// a handler's `Err` or panic rolls everything back. Keep
+    /// [`concurrency`](Self::concurrency) at or under the pool's size.
+    /// See [`TxRunner`] for the rest.
+    ///
+    /// ```no_run
+    /// use idem_core::Idempotency;
+    /// use idem_postgres::{sqlx, PgStore, PgTx};
+    /// use idem_redis::streams::{StreamConsumer, StreamEntry};
+    ///
+    /// # async fn run(conn: redis::aio::ConnectionManager, store: PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let consumer = StreamConsumer::new(conn, "orders", "billing", "worker-1", Idempotency::new(store))
+    ///     .await?
+    ///     .key_field("order_id");
+    /// consumer
+    ///     .run_in_transaction(
+    ///         |entry: StreamEntry, tx: PgTx| async move {
+    ///             let mut tx = tx.lock().await?;
+    ///             sqlx::query("INSERT INTO shipments (order_id, fence) VALUES ($1, $2)")
+    ///                 .bind(entry.text("order_id").unwrap_or_default().to_owned())
+    ///                 .bind(entry.fence as i64)
+    ///                 .execute(&mut *tx)
+    ///                 .await?;
+    ///             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    ///         },
+    ///         async { let _ = tokio::signal::ctrl_c().await; },
+    ///     )
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_in_transaction<F, Fut, T, E>(
+        &self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, StoreError>
+    where
+        S: TransactionalStore,
+        F: Fn(StreamEntry, SharedTx<S::Tx>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let runner = TxRunner::new().wait(self.transaction_wait);
+        self.run_with(runner, handler, shutdown).await
+    }
+
+    /// [`run`](Self::run) with handlers run by `runner`.
+    async fn run_with<M, F, Fut, T, E>(
+        &self,
+        runner: M,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, StoreError>
+    where
+        M: Runner<S, C>,
+        F: Fn(StreamEntry, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -637,7 +721,7 @@ where
                 }
                 entries = self.read_new(block).await?;
             }
-            self.process_batch(entries, &handler).await?;
+            self.process_batch(entries, &runner, &handler).await?;
         }
         self.finish_unfinished().await;
         Ok(self.stats())
@@ -838,13 +922,15 @@ where
     /// `acquire_many` and one `complete_many` for all its entries, handlers
     /// `concurrency` at once; deliveries of one key one after the other),
     /// then dead-letters what must be, and acknowledges.
-    async fn process_batch<F, Fut, T, E>(
+    async fn process_batch<M, F, Fut, T, E>(
         &self,
         deliveries: Vec<Delivery>,
+        runner: &M,
         handler: &Arc<F>,
     ) -> Result<(), StoreError>
     where
-        F: Fn(StreamEntry) -> Fut + Send + Sync + 'static,
+        M: Runner<S, C>,
+        F: Fn(StreamEntry, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -899,11 +985,15 @@ where
                     Ok(key) => {
                         let fingerprint = self.fingerprint_of(&delivery.entry.fields);
                         let (handler, mut entry) = (handler.clone(), delivery.entry.clone());
-                        items.push((key, fingerprint, move |context: Context| async move {
-                            entry.attempt = context.attempt;
-                            entry.fence = context.fence;
-                            handler(entry).await
-                        }));
+                        items.push((
+                            key,
+                            fingerprint,
+                            move |context: Context, with: M::With| async move {
+                                entry.attempt = context.attempt;
+                                entry.fence = context.fence;
+                                handler(entry, with).await
+                            },
+                        ));
                         item_of.push(i);
                         None
                     }
@@ -931,12 +1021,8 @@ where
         // `concurrency` handlers at once; one whose lease may have ended
         // while it waited for its turn does not run (the entry stays
         // pending: its redelivery gets the replay, or takes the key over).
-        let processed = self
-            .idem
-            .clone()
-            .batch_concurrency(self.concurrency)
-            .process_batch_with_detached(items)
-            .await;
+        let idem = self.idem.clone().batch_concurrency(self.concurrency);
+        let processed = runner.process_batch(&idem, items).await;
         for (i, result) in item_of.into_iter().zip(processed) {
             settled[i] = Some(self.outcome_of(&deliveries[i].entry.id, result));
         }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use idem_core::{
     Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
-    PayloadFingerprint, Processed, StoreError, Unrecorded,
+    PayloadFingerprint, Processed, Runner, StoreError, Unrecorded,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -99,9 +99,11 @@ fn is_permanent<E: 'static>(e: &E) -> bool {
 }
 
 /// What a batch task needs: the queue, the executor, the handler.
-pub(crate) struct Work<S: ?Sized, C, F> {
+pub(crate) struct Work<S: ?Sized, C, F, M> {
     pub(crate) queue: Arc<Queue>,
     pub(crate) idem: Idempotency<S, C>,
+    /// How the handler runs: with a lease, or in a transaction.
+    pub(crate) runner: M,
     pub(crate) handler: Arc<F>,
     pub(crate) key: KeySource,
     pub(crate) scope: String,
@@ -111,10 +113,11 @@ pub(crate) struct Work<S: ?Sized, C, F> {
     pub(crate) retry_visibility: Option<i32>,
 }
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,
+    M: Runner<S, C>,
 {
     /// The message's key; a key from the content, with a fingerprint of
     /// parts of the body, is the hash of those parts (copies that differ
@@ -137,7 +140,7 @@ where
         batch: Vec<(SqsMessage, Option<String>)>,
         _room: OwnedSemaphorePermit,
     ) where
-        F: Fn(SqsMessage) -> Fut + Send + Sync + 'static,
+        F: Fn(SqsMessage, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
@@ -235,13 +238,13 @@ where
         let item = |message: &SqsMessage| {
             let (handler, mut message) = (self.handler.clone(), message.clone());
             let max = self.max_deliveries;
-            move |context: Context| async move {
+            move |context: Context, with: M::With| async move {
                 if context.attempt > max {
                     return Err(Run::TooManyAttempts(context.attempt));
                 }
                 message.attempt = context.attempt;
                 message.fence = context.fence;
-                handler(message).await.map_err(Run::Handler)
+                handler(message, with).await.map_err(Run::Handler)
             }
         };
         loop {
@@ -264,7 +267,7 @@ where
             if items.is_empty() {
                 break;
             }
-            let processed = self.idem.process_batch_with_detached(items).await;
+            let processed = self.runner.process_batch(&self.idem, items).await;
             for ((i, g), result) in item_of.into_iter().zip(processed) {
                 let outcome = self.outcome_of(&batch[i].0, result);
                 if outcome.stops_its_group() {

@@ -70,6 +70,7 @@ pub struct SqsConsumer<S: ?Sized, C = JsonCodec> {
     pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) call_timeout: Duration,
     pub(crate) shutdown_wait: Duration,
+    pub(crate) transaction_wait: Duration,
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -137,6 +138,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
             fingerprint: PayloadFingerprint::Whole,
             call_timeout: DEFAULT_CALL_TIMEOUT,
             shutdown_wait: Duration::from_secs(30),
+            transaction_wait: idem_core::DEFAULT_TRANSACTION_WAIT,
             shared,
         }
     }
@@ -264,6 +266,16 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// (default 30 s). Saturated to [`MAX_DURATION`](idem_core::MAX_DURATION).
     pub fn shutdown_wait(mut self, wait: Duration) -> Self {
         self.shutdown_wait = saturate(wait);
+        self
+    }
+
+    /// In the in-transaction form
+    /// ([`run_in_transaction`](Self::run_in_transaction)), how long a
+    /// message's claim waits for another transaction holding its key
+    /// (default 10 s, at least 1 ms): then the message is left for
+    /// redelivery.
+    pub fn transaction_wait(mut self, wait: Duration) -> Self {
+        self.transaction_wait = wait;
         self
     }
 

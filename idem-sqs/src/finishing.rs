@@ -25,7 +25,7 @@ pub(crate) struct Unfinished {
     pub(crate) unrecorded: Arc<Unrecorded>,
 }
 
-impl<S, C, F> Work<S, C, F>
+impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
     C: Codec,

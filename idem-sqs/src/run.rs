@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
-use idem_core::{Codec, IdempotencyStore};
+use idem_core::{
+    Codec, IdempotencyStore, LeaseRunner, Runner, SharedTx, TransactionalStore, TxRunner,
+};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::Semaphore;
@@ -44,6 +46,75 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
         T: Serialize + DeserializeOwned + Send + 'static,
         E: fmt::Display + Send + 'static,
     {
+        self.run_with(LeaseRunner, move |message, ()| handler(message), shutdown)
+            .await
+    }
+
+    /// The in-transaction form of [`run`](Self::run): each message runs in
+    /// a transaction of the store's database (a [`TransactionalStore`],
+    /// such as `PgStore`), handed to the handler; the claim of its key,
+    /// the handler's writes and its result commit together before the
+    /// message is deleted. A consumer killed anywhere before that commit
+    /// leaves nothing: the redelivery runs the message cleanly, with no
+    /// lease and no window, so effects in that database happen exactly
+    /// once. A commit that fails leaves the message for redelivery; a
+    /// handler's `Err` or panic rolls everything back. Keep
+    /// [`concurrency`](Self::concurrency) at or under the pool's size: each
+    /// message in flight holds a connection. See [`TxRunner`] for the rest.
+    ///
+    /// ```no_run
+    /// use idem_core::Idempotency;
+    /// use idem_postgres::{sqlx, PgStore, PgTx};
+    /// use idem_sqs::{SqsConsumer, SqsMessage};
+    ///
+    /// # async fn run(client: idem_sqs::aws_sdk_sqs::Client, url: &str, store: PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// let consumer = SqsConsumer::new(client, url, Idempotency::new(store)).key_from_content();
+    /// consumer
+    ///     .run_in_transaction(
+    ///         |message: SqsMessage, tx: PgTx| async move {
+    ///             let mut tx = tx.lock().await?;
+    ///             sqlx::query("INSERT INTO emails (body, fence) VALUES ($1, $2)")
+    ///                 .bind(&message.body)
+    ///                 .bind(message.fence as i64)
+    ///                 .execute(&mut *tx)
+    ///                 .await?;
+    ///             Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+    ///         },
+    ///         async { let _ = tokio::signal::ctrl_c().await; },
+    ///     )
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn run_in_transaction<F, Fut, T, E>(
+        &self,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, SqsConsumerError>
+    where
+        S: TransactionalStore,
+        F: Fn(SqsMessage, SharedTx<S::Tx>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let runner = TxRunner::new().wait(self.transaction_wait);
+        self.run_with(runner, handler, shutdown).await
+    }
+
+    /// [`run`](Self::run) with handlers run by `runner`.
+    async fn run_with<M, F, Fut, T, E>(
+        &self,
+        runner: M,
+        handler: F,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<ConsumerStats, SqsConsumerError>
+    where
+        M: Runner<S, C>,
+        F: Fn(SqsMessage, M::With) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
         self.check()?;
         let shared = &self.shared;
         // Receipts of an earlier run whose future was dropped: stale.
@@ -70,6 +141,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
         let work = Arc::new(Work {
             queue: queue.clone(),
             idem: self.idem.clone(),
+            runner,
             handler: Arc::new(handler),
             key: self.key.clone(),
             fingerprint: self.fingerprint.clone(),

@@ -31,3 +31,5 @@ mod postgres;
 mod redis;
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 mod tiered;
+#[cfg(feature = "postgres")]
+mod transactions;

@@ -2915,3 +2915,36 @@ async fn a_url_that_requires_tls_is_not_retryable() {
         );
     }
 }
+
+/// A response limit smaller than the "not replayable" marker: a result
+/// over it still completes the key as not replayable (the marker is
+/// never refused for its size), so the duplicate gets `ResultUnavailable`
+/// and the handler runs once.
+#[tokio::test]
+async fn a_result_over_a_limit_smaller_than_the_marker_completes_not_replayable() {
+    let store = PgStore::builder(pg::pool(pg::shared_url(), 4).await)
+        .max_response_bytes(16)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let idem = idemkit::Idempotency::new(store);
+    let k = key("tiny-limit");
+    let runs = std::sync::atomic::AtomicU64::new(0);
+    for _ in 0..2 {
+        let out = idem
+            .process(&k, &"payload", |_| async {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, Infallible>("x".repeat(1024))
+            })
+            .await;
+        assert!(
+            matches!(
+                out,
+                Ok(idemkit::Processed::ExecutedNotReplayable { .. })
+                    | Err(IdemError::ResultUnavailable { .. })
+            ),
+            "{out:?}"
+        );
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

@@ -1752,3 +1752,31 @@ async fn raw_connection(url: &str) -> idemkit::redis::redis::aio::MultiplexedCon
         .await
         .unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// A response limit smaller than the "not replayable" marker: a result
+/// over it still completes the key as not replayable (the marker is
+/// never refused for its size), so the duplicate gets `ResultUnavailable`
+/// and the handler runs once.
+#[tokio::test]
+async fn a_result_over_a_limit_smaller_than_the_marker_completes_not_replayable() {
+    let idem = Idempotency::new(standalone().await.max_response_bytes(16));
+    let k = testkit::unique_key("tiny-limit");
+    let runs = std::sync::atomic::AtomicU64::new(0);
+    for _ in 0..2 {
+        let out = idem
+            .process(&k, &"payload", |_| async {
+                runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                Ok::<_, std::convert::Infallible>("x".repeat(1024))
+            })
+            .await;
+        assert!(
+            matches!(
+                out,
+                Ok(Processed::ExecutedNotReplayable { .. })
+                    | Err(IdemError::ResultUnavailable { .. })
+            ),
+            "{out:?}"
+        );
+    }
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

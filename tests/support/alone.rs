@@ -90,3 +90,79 @@ impl Drop for Killed {
         self.kill();
     }
 }
+
+/// A child process of this binary that runs test `name` with `var` set to
+/// `value` (the test sees it and plays its part, say a consumer to be
+/// killed), with the servers of this process (`servers`: the variables
+/// that name them, such as `IDEM_KAFKA_BROKERS`; PostgreSQL's is added);
+/// its output lines are read on a thread. Killed (SIGKILL) when dropped.
+pub struct Part {
+    process: Killed,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Part {
+    /// Starts test `name` (its full path) in a child with `var=value`.
+    pub fn start(name: &str, var: &str, value: &str, servers: &[(&str, &str)]) -> Part {
+        let exe = std::env::current_exe().unwrap_or_else(|e| panic!("this test binary: {e}"));
+        let mut command = Command::new(exe);
+        command
+            .args([name, "--exact", "--nocapture", "--test-threads=1"])
+            .env(var, value)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
+        // The servers this process uses (perhaps started by it), so the
+        // child starts none of its own.
+        #[cfg(feature = "postgres")]
+        command.env("IDEM_POSTGRES_URL", super::pg::shared_url());
+        command.envs(servers.iter().copied());
+        let mut process = Killed(
+            command
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot start {name} in a child: {e}")),
+        );
+        let out = process
+            .0
+            .stdout
+            .take()
+            .unwrap_or_else(|| panic!("the child's stdout"));
+        let (send, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                println!("child: {line}");
+                if send.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Part { process, lines }
+    }
+
+    /// The rest of the first line (from here on) that holds `prefix`;
+    /// fails after `limit`, or when the child ends first.
+    pub fn line_with(&mut self, prefix: &str, limit: Duration) -> String {
+        let deadline = Instant::now() + limit;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some((_, rest)) = line.split_once(prefix) {
+                        return rest.to_owned();
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("no {prefix:?} from the child in {limit:?}")
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("the child ended before {prefix:?}")
+                }
+            }
+        }
+    }
+
+    /// Kills the child (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        self.process.kill();
+    }
+}

@@ -9,6 +9,8 @@ pub mod alone;
 pub mod chaos;
 pub mod flaky;
 pub mod kafka;
+#[cfg(feature = "postgres")]
+pub mod ledger;
 pub mod logs;
 pub mod moto;
 pub mod netns;

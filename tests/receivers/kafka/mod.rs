@@ -6,6 +6,9 @@
 //! - `delivery`: duplicates, a member killed mid-batch, out-of-order
 //!   completion within a partition;
 //! - `rebalance`: members joining while records run, short revoke waits;
+//! - `in_transaction`: the in-transaction form on PostgreSQL: a member
+//!   killed between its INSERT and the commit, panics, 64 copies on a
+//!   pool of 8;
 //! - `poison`: dead letters, `max_deliveries`, input no handler can use;
 //! - `settings`: settings at their extremes, scopes that cannot be keys;
 //! - `shutdown`: a bounded shutdown, a record cut off by it;
@@ -37,6 +40,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 mod delivery;
+#[cfg(feature = "postgres")]
+mod in_transaction;
 mod poison;
 mod rebalance;
 mod settings;

@@ -11,6 +11,9 @@
 //! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
 //!   the result finished later, duplicates meanwhile;
 //! - `config`: configurations `run` refuses, a missing queue;
+//! - `in_transaction`: the in-transaction form on PostgreSQL: a consumer
+//!   killed between its INSERT and the commit, panics, 64 copies on a
+//!   pool of 8;
 //! - `fifo`: a FIFO queue's message groups, run in order and stopped at a
 //!   failure.
 //!
@@ -38,6 +41,8 @@ use tokio::sync::oneshot;
 mod config;
 mod delivery;
 mod fifo;
+#[cfg(feature = "postgres")]
+mod in_transaction;
 mod poison;
 mod unrecorded;
 mod visibility;

@@ -7,6 +7,9 @@
 //! - `reads`: blocking reads on an idle stream, `claim_idle` at its
 //!   extreme, a connection of the caller's own, a shutdown with an entry
 //!   in flight;
+//! - `in_transaction`: the in-transaction form (keys in PostgreSQL): a
+//!   consumer killed between its INSERT and the commit, panics, 64 copies
+//!   on a pool of 8;
 //! - `poison`: dead letters (`max_deliveries`, entries without a usable
 //!   key, mismatches, field names that are not UTF-8);
 //! - `unrecorded`: a store outage after the handler ran (`Unrecorded`),
@@ -27,6 +30,8 @@ use idemkit::redis::RedisStore;
 use idemkit::{Idempotency, IdempotencyStore};
 
 mod delivery;
+#[cfg(feature = "postgres")]
+mod in_transaction;
 mod poison;
 mod reads;
 mod unrecorded;

@@ -1,0 +1,273 @@
+//! The consumer's in-transaction form (`run_in_transaction`, PostgreSQL):
+//! the claim, the handler's INSERT and the result commit together, before
+//! the delete. A consumer killed (SIGKILL) between its INSERT and the
+//! commit leaves nothing, and the redelivery commits one row; a panic or
+//! an error keeps nothing; 64 copies of a message on two consumers and a
+//! pool of 8 connections commit one row.
+
+use crate::support;
+use crate::support::ledger::{pg_store, BoxError, Ledger};
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemkit::postgres::{PgStore, PgTx};
+use idemkit::sqs::aws_sdk_sqs::Client;
+use idemkit::sqs::{SqsConsumer, SqsMessage};
+use idemkit::Idempotency;
+
+use super::{client, create_queue, queue_empty, send_all, text, Outgoing};
+
+/// Tells a child process of this binary to be the consumer that is killed
+/// (its value: queue URL, ledger table).
+const KILLED_CONSUMER: &str = "IDEM_TEST_SQS_TX_CONSUMER";
+
+/// The message whose run the killed consumer holds open after its INSERT.
+const HELD: &str = "m-7";
+
+fn consumer_of(client: Client, url: &str, store: PgStore) -> SqsConsumer<PgStore> {
+    SqsConsumer::new(client, url, Idempotency::new(store))
+        .key_attribute("key")
+        .visibility_timeout(Duration::from_secs(2))
+        .wait_time(Duration::from_secs(1))
+        .retry_visibility(Duration::from_secs(1))
+}
+
+fn messages(ids: impl IntoIterator<Item = String>) -> Vec<Outgoing> {
+    ids.into_iter()
+        .map(|id| {
+            (
+                format!("{{\"id\":\"{id}\"}}"),
+                vec![("key".to_owned(), text(&id))],
+            )
+        })
+        .collect()
+}
+
+/// The message's key attribute.
+fn id_of(message: &SqsMessage) -> Result<String, BoxError> {
+    Ok(message.attribute_text("key")?.to_owned())
+}
+
+/// Runs `consumer` in its in-transaction form with `handler` until the
+/// ledger holds `rows` rows and the queue is empty (120 s at most).
+async fn run_until_done<F, Fut>(
+    consumer: &SqsConsumer<PgStore>,
+    handler: F,
+    url: &str,
+    ledger: &Ledger,
+    rows: i64,
+) where
+    F: Fn(SqsMessage, PgTx) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), BoxError>> + Send + 'static,
+{
+    let done = Arc::new(AtomicBool::new(false));
+    let run = consumer.run_in_transaction(handler, {
+        let done = done.clone();
+        async move {
+            while !done.load(Ordering::SeqCst) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    });
+    let watch = async {
+        let c = client();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        let mut finished = false;
+        while tokio::time::Instant::now() < deadline {
+            if ledger.total().await == rows && queue_empty(&c, url).await {
+                finished = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        done.store(true, Ordering::SeqCst);
+        finished
+    };
+    let (stats, finished) = tokio::join!(run, watch);
+    stats.unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        finished,
+        "not done in 120 s: {} of {rows} rows",
+        ledger.total().await
+    );
+}
+
+/// A handler that inserts the message's row.
+fn pays(
+    ledger: &Ledger,
+) -> impl Fn(SqsMessage, PgTx) -> futures::future::BoxFuture<'static, Result<(), BoxError>>
+       + Send
+       + Sync
+       + 'static {
+    let ledger = ledger.clone();
+    move |message: SqsMessage, tx: PgTx| {
+        let ledger = ledger.clone();
+        Box::pin(async move {
+            ledger.insert(&tx, &id_of(&message)?, message.fence).await?;
+            Ok(())
+        })
+    }
+}
+
+/// The killed consumer, in a child process: runs every message, but
+/// holds [`HELD`] open after its INSERT (and says so) until it is killed.
+async fn killed_consumer(spec: &str) {
+    let (url, table) = spec
+        .split_once(' ')
+        .unwrap_or_else(|| panic!("{KILLED_CONSUMER}={spec}"));
+    let store = pg_store(4).await;
+    let ledger = Ledger::existing(store.pool(), table);
+    let consumer = consumer_of(client(), url, store);
+    consumer
+        .run_in_transaction(
+            move |message: SqsMessage, tx: PgTx| {
+                let ledger = ledger.clone();
+                async move {
+                    let id = id_of(&message)?;
+                    ledger.insert(&tx, &id, message.fence).await?;
+                    if id == HELD {
+                        println!("idem-inserted {id}");
+                        std::future::pending::<()>().await;
+                    }
+                    Ok::<_, BoxError>(())
+                }
+            },
+            std::future::pending::<()>(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A consumer, a process of its own, is killed (SIGKILL) after its
+/// handler's INSERT for one message and before that transaction commits:
+/// nothing of that run is kept; once the message's visibility timeout
+/// lapses the other consumer runs it once, and replays any message the
+/// killed one committed but did not delete. Every message's row is in
+/// the ledger once, and the queue is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_killed_between_its_insert_and_the_commit_leaves_nothing_and_the_redelivery_commits_once(
+) {
+    if let Ok(spec) = std::env::var(KILLED_CONSUMER) {
+        return killed_consumer(&spec).await;
+    }
+    let c = client();
+    let url = create_queue(&c, "tx-payments").await;
+    send_all(&c, &url, messages((0..20).map(|m| format!("m-{m}")))).await;
+    let store = pg_store(8).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+
+    let mut child = support::alone::Part::start(
+        "sqs::in_transaction::a_consumer_killed_between_its_insert_and_the_commit_leaves_nothing_and_the_redelivery_commits_once",
+        KILLED_CONSUMER,
+        &format!("{url} {}", ledger.table),
+        &[("IDEM_MOTO_URL", support::moto::shared_url())],
+    );
+    child.line_with("idem-inserted ", Duration::from_secs(120));
+    assert_eq!(ledger.rows(HELD).await, 0, "not committed yet");
+    child.kill();
+
+    let consumer = consumer_of(c, &url, store);
+    run_until_done(&consumer, pays(&ledger), &url, &ledger, 20).await;
+    assert!(
+        ledger.doubles().await.is_empty(),
+        "{:?}",
+        ledger.doubles().await
+    );
+    assert_eq!(ledger.rows(HELD).await, 1);
+}
+
+/// A handler that panics after its INSERT, then one that fails: nothing
+/// of either is kept, and the redelivery commits one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_panics_or_fails_after_its_insert_keeps_nothing_and_the_redelivery_commits_once(
+) {
+    let c = client();
+    let url = create_queue(&c, "tx-panics").await;
+    send_all(&c, &url, messages(["p-1".to_owned()])).await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    let consumer = consumer_of(c, &url, store).max_deliveries(5);
+    let runs = Arc::new(AtomicU64::new(0));
+    let l = ledger.clone();
+    let handler = move |message: SqsMessage, tx: PgTx| {
+        let (ledger, runs) = (l.clone(), runs.clone());
+        async move {
+            ledger.insert(&tx, "p-1", message.fence).await?;
+            match runs.fetch_add(1, Ordering::SeqCst) {
+                0 => panic!("the handler panics after its INSERT"),
+                1 => Err::<(), BoxError>("the bank is down".into()),
+                _ => Ok(()),
+            }
+        }
+    };
+    run_until_done(&consumer, handler, &url, &ledger, 1).await;
+    assert_eq!(ledger.rows("p-1").await, 1);
+    assert_eq!(
+        ledger.runs(),
+        3,
+        "two runs kept nothing, the third committed"
+    );
+}
+
+/// 64 copies of one message (and 64 other messages), read by two
+/// consumers at once (two gates: copies across them wait in the
+/// database) with 32 messages in flight each on one pool of 8
+/// connections: no deadlock, no exhausted pool, one row per message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_copies_on_two_consumers_and_a_pool_of_eight_commit_one_row() {
+    let c = client();
+    let url = create_queue(&c, "tx-storm").await;
+    let ids = (0..64).flat_map(|i| ["same".to_owned(), format!("o-{i}")]);
+    send_all(&c, &url, messages(ids)).await;
+    let store = pg_store(8).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    let slow = |ledger: &Ledger| {
+        let ledger = ledger.clone();
+        move |message: SqsMessage, tx: PgTx| {
+            let ledger = ledger.clone();
+            async move {
+                ledger.insert(&tx, &id_of(&message)?, message.fence).await?;
+                // The transaction stays open a while: the copies wait.
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                Ok::<_, BoxError>(())
+            }
+        }
+    };
+    let a = consumer_of(c.clone(), &url, store.clone()).concurrency(32);
+    let b = consumer_of(c.clone(), &url, store.clone()).concurrency(32);
+    let done = Arc::new(AtomicBool::new(false));
+    let stop = |done: Arc<AtomicBool>| async move {
+        while !done.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let watch = async {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+        let mut finished = false;
+        while tokio::time::Instant::now() < deadline {
+            if ledger.total().await == 65 && queue_empty(&c, &url).await {
+                finished = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        done.store(true, Ordering::SeqCst);
+        finished
+    };
+    let (ra, rb, finished) = tokio::join!(
+        a.run_in_transaction(slow(&ledger), stop(done.clone())),
+        b.run_in_transaction(slow(&ledger), stop(done.clone())),
+        watch
+    );
+    ra.unwrap_or_else(|e| panic!("{e}"));
+    rb.unwrap_or_else(|e| panic!("{e}"));
+    assert!(finished, "{} of 65 rows", ledger.total().await);
+    assert!(
+        ledger.doubles().await.is_empty(),
+        "{:?}",
+        ledger.doubles().await
+    );
+    assert_eq!(ledger.rows("same").await, 1);
+}

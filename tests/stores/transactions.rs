@@ -1,0 +1,410 @@
+//! The receivers' in-transaction runner (`TxRunner`) on PostgreSQL: the
+//! claim, the handler's INSERT and the result commit together or not at
+//! all. A duplicate waits for the open transaction (at the runner's gate
+//! in one process, in the database across processes) and replays; an
+//! error, a panic or a failed commit keep nothing; a handler that keeps or
+//! ends its transaction never runs twice; 64 duplicates on a pool of 8
+//! run once.
+
+use crate::support;
+use crate::support::ledger::{pg_store, BoxError, Ledger};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idemkit::postgres::{PgStore, PgTx};
+use idemkit::{
+    Context, IdemError, Idempotency, IdempotencyKey, IdempotencyStore, Processed, Runner, TxRunner,
+};
+
+fn key(id: &str) -> IdempotencyKey {
+    IdempotencyKey::new("tx.runner", format!("{id}-{:08x}", fastrand::u32(..)))
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// A handler that inserts the row of `id` and answers its fence.
+fn pays(
+    ledger: &Ledger,
+    id: &str,
+) -> impl FnOnce(Context, PgTx) -> futures::future::BoxFuture<'static, Result<u64, BoxError>> {
+    let (ledger, id) = (ledger.clone(), id.to_owned());
+    move |context: Context, tx: PgTx| {
+        Box::pin(async move {
+            ledger.insert(&tx, &id, context.fence).await?;
+            Ok(context.fence)
+        })
+    }
+}
+
+async fn setup(connections: u32) -> (PgStore, Idempotency<PgStore>, Ledger) {
+    let store = pg_store(connections).await;
+    let ledger = Ledger::create(store.pool(), "tx_runner").await;
+    (store.clone(), Idempotency::new(store), ledger)
+}
+
+/// A run commits its row with its record; the duplicate replays the
+/// fence the run was given, and runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_commits_its_write_with_its_record_and_the_duplicate_replays() {
+    let (store, idem, ledger) = setup(4).await;
+    let runner = TxRunner::new();
+    let k = key("pay");
+    let first = runner
+        .process_one(&idem, &k, None, pays(&ledger, "p"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let Processed::Executed(fence) = first else {
+        panic!("first: {first:?}")
+    };
+    let again = runner
+        .process_one(&idem, &k, None, pays(&ledger, "p"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(again, Processed::Replayed(f) if f == fence));
+    assert_eq!(ledger.rows("p").await, 1);
+    assert_eq!(ledger.runs(), 1);
+    let record = store.get(&k).await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(record.map(|r| r.fence), Some(fence));
+    assert!(runner.gate().is_empty(), "the gate keeps no key");
+}
+
+/// A duplicate from another process (another runner: another gate)
+/// waits in the database for the open transaction, then replays; one
+/// whose wait is shorter than the transaction is told "in progress" and
+/// keeps nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_of_another_process_waits_for_the_open_transaction_then_replays() {
+    let (store, idem, ledger) = setup(8).await;
+    let k = key("wait");
+    let open = Arc::new(tokio::sync::Semaphore::new(0));
+    let inserted = Arc::new(tokio::sync::Notify::new());
+    let first = {
+        let (idem, k, ledger, open, inserted) = (
+            idem.clone(),
+            k.clone(),
+            ledger.clone(),
+            open.clone(),
+            inserted.clone(),
+        );
+        tokio::spawn(async move {
+            TxRunner::new()
+                .process_one(
+                    &idem,
+                    &k,
+                    None,
+                    move |context: Context, tx: PgTx| async move {
+                        ledger.insert(&tx, "w", context.fence).await?;
+                        inserted.notify_one();
+                        let _permit = open.acquire().await;
+                        Ok::<_, BoxError>(context.fence)
+                    },
+                )
+                .await
+        })
+    };
+    inserted.notified().await;
+    // Another process with a short wait: in progress, nothing kept.
+    let impatient = TxRunner::new()
+        .wait(Duration::from_millis(200))
+        .process_one(&idem, &k, None, pays(&ledger, "w"))
+        .await;
+    assert!(
+        matches!(impatient, Err(IdemError::InProgress { .. })),
+        "{impatient:?}"
+    );
+    // Another process that waits: it waits on the open transaction.
+    let second = {
+        let (idem, k, ledger) = (idem.clone(), k.clone(), ledger.clone());
+        tokio::spawn(async move {
+            TxRunner::new()
+                .process_one(&idem, &k, None, pays(&ledger, "w"))
+                .await
+        })
+    };
+    support::pg::until_waiting_on_locks(store.pool(), 1).await;
+    open.add_permits(1);
+    let first = first
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let second = second
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(first, Processed::Executed(_)));
+    assert!(
+        matches!(second, Processed::Replayed(f) if f == *first.value()),
+        "{second:?}"
+    );
+    assert_eq!(ledger.rows("w").await, 1);
+    assert_eq!(ledger.runs(), 1);
+}
+
+/// A handler's error, a panic after its INSERT, and a commit that fails
+/// keep nothing; the next run commits one row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_a_panic_or_a_failed_commit_keep_nothing_and_the_next_run_commits_once() {
+    let (_store, idem, ledger) = setup(4).await;
+    let runner = TxRunner::new();
+    let k = key("fails");
+    let l = ledger.clone();
+    let failed = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "f", context.fence).await?;
+                Err::<u64, BoxError>("declined by the bank".into())
+            },
+        )
+        .await;
+    assert!(matches!(failed, Err(IdemError::Handler(_))), "{failed:?}");
+    let l = ledger.clone();
+    let panicked = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "f", context.fence).await?;
+                panic!(
+                    "the handler panics after its INSERT (fence {})",
+                    context.fence
+                );
+                #[allow(unreachable_code)]
+                Ok::<u64, BoxError>(0)
+            },
+        )
+        .await;
+    assert!(
+        matches!(panicked, Err(IdemError::Panicked { .. })),
+        "{panicked:?}"
+    );
+    let l = ledger.clone();
+    let refused = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "f", context.fence).await?;
+                l.break_commit(&tx).await?;
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    match &refused {
+        Err(IdemError::Store(e)) => assert!(!e.is_retryable(), "a refused commit: {e}"),
+        other => panic!("a refused commit: {other:?}"),
+    }
+    assert_eq!(ledger.rows("f").await, 0, "nothing was kept");
+    let ran = runner
+        .process_one(&idem, &k, None, pays(&ledger, "f"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(ran, Processed::Executed(_)));
+    assert_eq!(ledger.rows("f").await, 1);
+    assert_eq!(ledger.runs(), 4);
+}
+
+/// A handler that keeps its transaction past its return is rolled back
+/// (nothing kept, told so); one that ends it itself (ROLLBACK, then a
+/// write on its own) is completed "not replayable": its duplicate is
+/// never run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_that_keeps_or_ends_its_transaction_never_runs_twice() {
+    let (_store, idem, ledger) = setup(4).await;
+    let runner = TxRunner::new().wait(Duration::from_millis(300));
+    let k = key("keeps");
+    let (kept_tx, kept_rx) = tokio::sync::oneshot::channel();
+    let l = ledger.clone();
+    let kept = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "k", context.fence).await?;
+                let guard = tx.lock().await?;
+                let _ = kept_tx.send(guard);
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(matches!(kept, Err(IdemError::Store(_))), "{kept:?}");
+    drop(kept_rx);
+    assert_eq!(ledger.rows("k").await, 0);
+
+    let k = key("ends");
+    let l = ledger.clone();
+    let ended = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                {
+                    let mut conn = tx.lock().await?;
+                    sqlx::query("ROLLBACK").execute(&mut *conn).await?;
+                }
+                // On its own now (autocommit).
+                l.insert(&tx, "e", context.fence).await?;
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(
+        matches!(ended, Ok(Processed::ExecutedNotReplayable { .. })),
+        "{ended:?}"
+    );
+    let again = runner
+        .process_one(&idem, &k, None, pays(&ledger, "e"))
+        .await;
+    assert!(
+        matches!(again, Err(IdemError::ResultUnavailable { .. })),
+        "{again:?}"
+    );
+    assert_eq!(ledger.rows("e").await, 1);
+}
+
+/// A result that does not encode (NaN) or is over the store's limit
+/// commits the write with the "not replayable" marker: the duplicate gets
+/// `ResultUnavailable`, never a second run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_that_cannot_be_recorded_commits_not_replayable() {
+    let small = PgStore::builder(support::pg::pool(support::pg::shared_url(), 4).await)
+        .max_response_bytes(64)
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
+    small.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+    let ledger = Ledger::create(small.pool(), "tx_runner").await;
+    let idem = Idempotency::new(small);
+    let runner = TxRunner::new();
+    let l = ledger.clone();
+    let nan = key("nan");
+    let ran = runner
+        .process_one(
+            &idem,
+            &nan,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "nan", context.fence).await?;
+                Ok::<f64, BoxError>(f64::NAN)
+            },
+        )
+        .await;
+    assert!(
+        matches!(ran, Ok(Processed::ExecutedNotReplayable { .. })),
+        "{ran:?}"
+    );
+    let l = ledger.clone();
+    let large = key("large");
+    let ran = runner
+        .process_one(
+            &idem,
+            &large,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                l.insert(&tx, "large", context.fence).await?;
+                Ok::<String, BoxError>("x".repeat(1 << 20))
+            },
+        )
+        .await;
+    assert!(
+        matches!(ran, Ok(Processed::ExecutedNotReplayable { .. })),
+        "{ran:?}"
+    );
+    for (k, id) in [(&nan, "nan"), (&large, "large")] {
+        let again = runner.process_one(&idem, k, None, pays(&ledger, id)).await;
+        assert!(
+            matches!(again, Err(IdemError::ResultUnavailable { .. })),
+            "{id}: {again:?}"
+        );
+        assert_eq!(ledger.rows(id).await, 1, "{id}");
+    }
+    assert_eq!(ledger.runs(), 2);
+}
+
+/// 64 duplicates of one key at once, on a pool of 8 connections, from
+/// two runners (two processes): they wait without holding the pool, the
+/// key runs once, and every duplicate gets its replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixty_four_duplicates_on_a_pool_of_eight_run_once_and_all_replay() {
+    let (_store, idem, ledger) = setup(8).await;
+    let runners = [TxRunner::new(), TxRunner::new()];
+    let k = key("storm");
+    let calls = (0..64).map(|i| {
+        let (runner, idem, k, ledger) = (
+            runners[i % 2].clone(),
+            idem.clone(),
+            k.clone(),
+            ledger.clone(),
+        );
+        tokio::spawn(async move {
+            runner
+                .process_one(
+                    &idem,
+                    &k,
+                    None,
+                    move |context: Context, tx: PgTx| async move {
+                        ledger.insert(&tx, "s", context.fence).await?;
+                        // The transaction stays open a while: the others wait.
+                        tokio::time::sleep(Duration::from_millis(200)).await;
+                        Ok::<_, BoxError>(context.fence)
+                    },
+                )
+                .await
+        })
+    });
+    let outcomes = tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(calls))
+        .await
+        .unwrap_or_else(|_| panic!("64 duplicates did not end in 60 s"));
+    let (mut executed, mut replayed) = (0, 0);
+    for outcome in outcomes {
+        match outcome.unwrap_or_else(|e| panic!("{e}")) {
+            Ok(Processed::Executed(_)) => executed += 1,
+            Ok(Processed::Replayed(_)) => replayed += 1,
+            other => panic!("a duplicate: {other:?}"),
+        }
+    }
+    assert_eq!((executed, replayed), (1, 63));
+    assert_eq!(ledger.rows("s").await, 1);
+    assert_eq!(ledger.runs(), 1);
+    assert!(runners.iter().all(|r| r.gate().is_empty()));
+}
+
+/// A batch mixing fresh keys, a key twice and a completed key, with 4
+/// transactions at once on a pool of 4: each key runs once, the key that
+/// appears twice replays to its second item.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_runs_each_key_once_within_its_concurrency() {
+    let (_store, idem, ledger) = setup(4).await;
+    let idem = idem.batch_concurrency(4);
+    let runner = TxRunner::new();
+    let done = key("done");
+    runner
+        .process_one(&idem, &done, None, pays(&ledger, "done"))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let twice = key("twice");
+    let mut items = vec![
+        (twice.clone(), None, pays(&ledger, "twice")),
+        (done.clone(), None, pays(&ledger, "done")),
+        (twice.clone(), None, pays(&ledger, "twice")),
+    ];
+    for i in 0..20 {
+        let id = format!("b{i}");
+        items.push((key(&id), None, pays(&ledger, &id)));
+    }
+    let outcomes = runner.process_batch(&idem, items).await;
+    assert_eq!(outcomes.len(), 23);
+    assert!(matches!(outcomes[0], Ok(Processed::Executed(_))));
+    assert!(matches!(outcomes[1], Ok(Processed::Replayed(_))));
+    assert!(matches!(outcomes[2], Ok(Processed::Replayed(_))));
+    assert!(outcomes[3..]
+        .iter()
+        .all(|o| matches!(o, Ok(Processed::Executed(_)))));
+    assert_eq!(ledger.total().await, 22);
+    assert!(ledger.doubles().await.is_empty());
+}
