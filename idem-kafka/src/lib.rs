@@ -64,6 +64,12 @@
 //! key's own attempt number: an acquisition whose attempt is past
 //! `max_deliveries` does not run the handler and dead-letters the record
 //! (a poison record that kills its consumer does not kill every next one).
+//! In the in-transaction form
+//! ([`run_in_transaction`](KafkaConsumer::run_in_transaction)) a crash
+//! rolls the claim back and its attempt with it, so the counter counts
+//! each run's *start* instead (taken before the transaction begins): a
+//! record started more than `max_deliveries` times without settling is
+//! dead-lettered without running.
 //!
 //! # Commits
 //!

@@ -592,8 +592,12 @@ where
     /// is acknowledged. A consumer killed anywhere before that commit
     /// leaves nothing: the entry, still pending, is reclaimed and runs
     /// cleanly, with no lease and no window, so effects in that database
-    /// happen exactly once. A commit that fails leaves the entry pending;
-    /// a handler's `Err` or panic rolls everything back. Keep
+    /// happen exactly once. A commit that fails for a passing reason (a
+    /// lost connection) leaves the entry pending; one the database refuses
+    /// (a deferred constraint) dead-letters it with the reason. A
+    /// handler's `Err` or panic rolls everything back; an entry that kills
+    /// its consumer is reclaimed and run again each time, as in the lease
+    /// form (`max_deliveries` counts failed runs, not crashes). Keep
     /// [`concurrency`](Self::concurrency) at or under the pool's size.
     /// See [`TxRunner`] for the rest.
     ///

@@ -200,6 +200,22 @@ where
                             add(&shared.counters.in_progress, 1);
                             Some(Outcome::Left)
                         }
+                        // In a transaction, a run cut off by a crash
+                        // leaves no trace (its `attempt` stays 1): SQS's
+                        // receive count stops a message that kills every
+                        // consumer.
+                        Ok(_)
+                            if M::CRASH_LEAVES_NO_TRACE
+                                && message
+                                    .receive_count
+                                    .is_some_and(|n| n > self.max_deliveries) =>
+                        {
+                            Some(Outcome::Dead(format!(
+                                "received {} times (max_deliveries {}) without settling: its runs failed, or were cut off (their consumer died)",
+                                message.receive_count.unwrap_or_default(),
+                                self.max_deliveries
+                            )))
+                        }
                         Ok(key) => {
                             claimed.keys.insert(key.clone());
                             run = Some((key, message::fingerprint_of(message, &self.fingerprint)));

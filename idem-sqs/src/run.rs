@@ -57,7 +57,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// message is deleted. A consumer killed anywhere before that commit
     /// leaves nothing: the redelivery runs the message cleanly, with no
     /// lease and no window, so effects in that database happen exactly
-    /// once. A commit that fails leaves the message for redelivery; a
+    /// once. A commit that fails for a passing reason (a lost connection)
+    /// leaves the message for redelivery; one the database refuses (a
+    /// deferred constraint) dead-letters it with the reason. A crash leaves
+    /// no trace in the store, so SQS's receive count stops a message that
+    /// kills every consumer: one received more than
+    /// [`max_deliveries`](Self::max_deliveries) times is dead-lettered
+    /// without running (a copy of a key that completed meanwhile too). A
     /// handler's `Err` or panic rolls everything back. Keep
     /// [`concurrency`](Self::concurrency) at or under the pool's size: each
     /// message in flight holds a connection. See [`TxRunner`] for the rest.

@@ -374,13 +374,14 @@ async fn sixty_four_duplicates_on_a_pool_of_eight_run_once_and_all_replay() {
     assert!(runners.iter().all(|r| r.gate().is_empty()));
 }
 
-/// A batch mixing fresh keys, a key twice and a completed key, with 4
-/// transactions at once on a pool of 4: each key runs once, the key that
-/// appears twice replays to its second item.
+/// A batch mixing fresh keys, a key twice and a completed key, with 3
+/// transactions at once (`batch_concurrency`) on a pool of 8: each key
+/// runs once, the key that appears twice replays to its second item, and
+/// no more than 3 transactions are open at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_runs_each_key_once_within_its_concurrency() {
-    let (_store, idem, ledger) = setup(4).await;
-    let idem = idem.batch_concurrency(4);
+    let (_store, idem, ledger) = setup(8).await;
+    let idem = idem.batch_concurrency(3);
     let runner = TxRunner::new();
     let done = key("done");
     runner
@@ -388,16 +389,44 @@ async fn a_batch_runs_each_key_once_within_its_concurrency() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let twice = key("twice");
-    let mut items = vec![
-        (twice.clone(), None, pays(&ledger, "twice")),
-        (done.clone(), None, pays(&ledger, "done")),
-        (twice.clone(), None, pays(&ledger, "twice")),
+    type Handler = Box<
+        dyn FnOnce(Context, PgTx) -> futures::future::BoxFuture<'static, Result<u64, BoxError>>
+            + Send,
+    >;
+    let boxed = |id: &str| Box::new(pays(&ledger, id)) as Handler;
+    let mut items: Vec<(IdempotencyKey, Option<idemkit::Fingerprint>, Handler)> = vec![
+        (twice.clone(), None, boxed("twice")),
+        (done.clone(), None, boxed("done")),
+        (twice.clone(), None, boxed("twice")),
     ];
+    // The transactions open at once, and the most seen.
+    let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let most = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for i in 0..20 {
         let id = format!("b{i}");
-        items.push((key(&id), None, pays(&ledger, &id)));
+        let (pay, open, most) = (pays(&ledger, &id), open.clone(), most.clone());
+        items.push((
+            key(&id),
+            None,
+            Box::new(move |context: Context, tx: PgTx| {
+                let now = open.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                most.fetch_max(now, std::sync::atomic::Ordering::SeqCst);
+                let run = pay(context, tx);
+                Box::pin(async move {
+                    tokio::time::sleep(Duration::from_millis(30)).await;
+                    let out = run.await;
+                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    out
+                }) as futures::future::BoxFuture<'static, Result<u64, BoxError>>
+            }) as Handler,
+        ));
     }
     let outcomes = runner.process_batch(&idem, items).await;
+    let most = most.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        most <= 3,
+        "{most} transactions at once, batch_concurrency 3"
+    );
     assert_eq!(outcomes.len(), 23);
     assert!(matches!(outcomes[0], Ok(Processed::Executed(_))));
     assert!(matches!(outcomes[1], Ok(Processed::Replayed(_))));
@@ -407,4 +436,30 @@ async fn a_batch_runs_each_key_once_within_its_concurrency() {
         .all(|o| matches!(o, Ok(Processed::Executed(_)))));
     assert_eq!(ledger.total().await, 22);
     assert!(ledger.doubles().await.is_empty());
+}
+
+/// A wait of zero (taken as 1 ms) or `Duration::MAX` (as long as the
+/// database lets a claim wait) runs a key and replays it like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_of_zero_and_duration_max_run_and_replay() {
+    let (_store, idem, ledger) = setup(4).await;
+    for (name, wait) in [("zero", Duration::ZERO), ("max", Duration::MAX)] {
+        let runner = TxRunner::new().wait(wait);
+        let k = key(name);
+        let first = runner
+            .process_one(&idem, &k, None, pays(&ledger, name))
+            .await;
+        assert!(
+            matches!(first, Ok(Processed::Executed(_))),
+            "{name}: {first:?}"
+        );
+        let again = runner
+            .process_one(&idem, &k, None, pays(&ledger, name))
+            .await;
+        assert!(
+            matches!(again, Ok(Processed::Replayed(_))),
+            "{name}: {again:?}"
+        );
+        assert_eq!(ledger.rows(name).await, 1);
+    }
 }

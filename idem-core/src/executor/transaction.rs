@@ -260,6 +260,12 @@ pub trait Runner<S: ?Sized, C>: Send + Sync + 'static {
     /// What the handler gets beside its context.
     type With: Send + 'static;
 
+    /// Whether a run cut off by a crash leaves no trace in the store (its
+    /// claim rolls back with its transaction): its `attempt` never grows,
+    /// so a receiver that stops a message which crashes every consumer
+    /// must count the runs it starts itself.
+    const CRASH_LEAVES_NO_TRACE: bool = false;
+
     /// Runs one key, detached (a caller that goes away does not stop it).
     fn process_one<T, E, F, Fut>(
         &self,
@@ -351,7 +357,7 @@ where
 /// |---|---|
 /// | returns `Ok` | the result is recorded in the transaction, which commits: executed (a result that cannot be recorded commits the "not replayable" marker instead) |
 /// | returns `Err` or panics | rolled back: nothing of it is kept, the error is the executor's |
-/// | the commit fails | [`IdemError::Store`]: nothing is kept, unless the commit's reply was lost after it happened (the redelivery then gets the replay) |
+/// | the commit fails | [`IdemError::Store`] (retryable for a lost connection, not for a refusal such as a deferred constraint): nothing is kept, unless the commit's reply was lost after it happened (the redelivery then gets the replay) |
 /// | keeps a [`TxGuard`] past its return | rolled back, [`IdemError::Store`] (not retryable) |
 /// | ends the transaction itself (`COMMIT`, `ROLLBACK`) | what it wrote after that is its own; the key is completed "not replayable" in a new transaction, so it never runs again |
 ///
@@ -405,6 +411,8 @@ where
     C: Codec,
 {
     type With = SharedTx<S::Tx>;
+
+    const CRASH_LEAVES_NO_TRACE: bool = true;
 
     async fn process_one<T, E, F, Fut>(
         &self,
@@ -468,17 +476,11 @@ where
             let runs = round.into_iter().map(|(index, key, fingerprint, handler)| {
                 let limit = limit.clone();
                 async move {
-                    // The permit is held by the detached run (the semaphore
-                    // is never closed).
-                    let permit = limit.acquire_owned().await.ok();
-                    let handler = move |context, tx| {
-                        let _permit = permit;
-                        handler(context, tx)
-                    };
-                    (
-                        index,
-                        self.process_one(idem, &key, fingerprint, handler).await,
-                    )
+                    // Held from before the transaction begins until it
+                    // ended (the semaphore is never closed).
+                    let _permit = limit.acquire_owned().await.ok();
+                    let outcome = self.process_one(idem, &key, fingerprint, handler).await;
+                    (index, outcome)
                 }
             });
             for (index, outcome) in futures::future::join_all(runs).await {

@@ -277,3 +277,96 @@ async fn sixty_four_copies_on_two_members_and_a_pool_of_eight_commit_one_row() {
     );
     assert_eq!(ledger.rows("same").await, 1);
 }
+
+/// Tells a child process of this binary to be a member killed while it
+/// runs the poison record (its value: topic, group, dead-letter topic,
+/// ledger table).
+const POISONED_MEMBER: &str = "IDEM_TEST_KAFKA_TX_POISONED";
+
+/// A member, in a child process, that says when it runs the record and
+/// then hangs in it until it is killed (a record that kills its
+/// consumer: out of memory, a crash in a library).
+async fn poisoned_member(spec: &str) {
+    let mut parts = spec.split(' ');
+    let (Some(topic), Some(group), Some(dead), Some(table)) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        panic!("{POISONED_MEMBER}={spec}")
+    };
+    let store = pg_store(4).await;
+    let ledger = Ledger::existing(store.pool(), table);
+    let consumer = member(group, topic, store)
+        .dead_letter(dead)
+        .max_deliveries(3);
+    let run = consumer.run_in_transaction(
+        move |record: KafkaRecord, tx: PgTx| {
+            let ledger = ledger.clone();
+            async move {
+                let id = record.header_text("message-id")?.to_owned();
+                ledger.insert(&tx, &id, record.fence).await?;
+                println!("idem-poisoned {id} attempt {}", record.attempt);
+                std::future::pending::<()>().await;
+                Ok::<_, BoxError>(record.fence)
+            }
+        },
+        std::future::pending::<()>(),
+    );
+    run.await.unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A record that kills every member that runs it: a crash rolls its
+/// claim back, so its `attempt` stays 1, but each start is counted; after
+/// `max_deliveries` (3) members died in it, the next one dead-letters it
+/// without running it, and the partition moves on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_kills_its_members_is_dead_lettered_after_max_deliveries() {
+    if let Ok(spec) = std::env::var(POISONED_MEMBER) {
+        return poisoned_member(&spec).await;
+    }
+    let (topic, group, dead) = (name("tx-poison"), name("tx-billing"), name("tx-poison-dlq"));
+    support::kafka::create_topic(&topic, 1);
+    support::kafka::create_topic(&dead, 1);
+    let ends = produce(
+        &topic,
+        vec![(
+            0,
+            None,
+            vec![("message-id".to_owned(), "kills".to_owned())],
+            "{}".to_owned(),
+        )],
+    )
+    .await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "kafka_tx").await;
+    for _ in 0..3 {
+        let mut child = support::alone::Part::start(
+            "kafka::in_transaction::a_record_that_kills_its_members_is_dead_lettered_after_max_deliveries",
+            POISONED_MEMBER,
+            &format!("{topic} {group} {dead} {}", ledger.table),
+            &[("IDEM_KAFKA_BROKERS", support::kafka::brokers())],
+        );
+        child.line_with("idem-poisoned ", Duration::from_secs(120));
+        child.kill();
+    }
+    let consumer = member(&group, &topic, store.clone())
+        .dead_letter(dead.clone())
+        .max_deliveries(3);
+    let done = Arc::new(AtomicBool::new(false));
+    let watch = async {
+        let finished = wait_for(Duration::from_secs(120), || async {
+            all_committed(&group, &topic, &ends).await
+        })
+        .await;
+        done.store(true, Ordering::SeqCst);
+        finished
+    };
+    let (stats, finished) = tokio::join!(
+        consumer.run_in_transaction(pays(&ledger), once_set(done.clone())),
+        watch
+    );
+    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
+    assert!(finished, "the record was not settled in 120 s: {stats:?}");
+    assert_eq!(ledger.runs(), 0, "a 4th member ran it: {stats:?}");
+    assert_eq!(stats.dead_lettered, 1, "{stats:?}");
+    assert_eq!(ledger.total().await, 0, "no run committed");
+}

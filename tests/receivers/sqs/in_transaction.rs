@@ -271,3 +271,73 @@ async fn sixty_four_copies_on_two_consumers_and_a_pool_of_eight_commit_one_row()
     );
     assert_eq!(ledger.rows("same").await, 1);
 }
+
+/// Tells a child process of this binary to be a consumer killed while it
+/// runs the poison message (its value: queue URL, ledger table).
+const POISONED_CONSUMER: &str = "IDEM_TEST_SQS_TX_POISONED";
+
+/// A consumer, in a child process, that says when it runs the message and
+/// then hangs in it until it is killed (a message that kills its
+/// consumer).
+async fn poisoned_consumer(spec: &str) {
+    let (url, table) = spec
+        .split_once(' ')
+        .unwrap_or_else(|| panic!("{POISONED_CONSUMER}={spec}"));
+    let store = pg_store(4).await;
+    let ledger = Ledger::existing(store.pool(), table);
+    consumer_of(client(), url, store)
+        .max_deliveries(3)
+        .run_in_transaction(
+            move |message: SqsMessage, tx: PgTx| {
+                let ledger = ledger.clone();
+                async move {
+                    ledger.insert(&tx, &id_of(&message)?, message.fence).await?;
+                    println!("idem-poisoned {:?}", message.receive_count);
+                    std::future::pending::<()>().await;
+                    Ok::<_, BoxError>(())
+                }
+            },
+            std::future::pending::<()>(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A message that kills every consumer that runs it: a crash rolls its
+/// claim back, so its `attempt` stays 1, but SQS counts its receives;
+/// after `max_deliveries` (3) consumers died in it, the next one
+/// dead-letters it (to the consumer's dead-letter queue, with the reason)
+/// without running it, and the queue is empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_kills_its_consumers_is_dead_lettered_after_max_deliveries() {
+    if let Ok(spec) = std::env::var(POISONED_CONSUMER) {
+        return poisoned_consumer(&spec).await;
+    }
+    let c = client();
+    let url = create_queue(&c, "tx-poison").await;
+    let dead = create_queue(&c, "tx-poison-dead").await;
+    send_all(&c, &url, messages(["kills".to_owned()])).await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    for _ in 0..3 {
+        let mut child = support::alone::Part::start(
+            "sqs::in_transaction::a_message_that_kills_its_consumers_is_dead_lettered_after_max_deliveries",
+            POISONED_CONSUMER,
+            &format!("{url} {}", ledger.table),
+            &[("IDEM_MOTO_URL", support::moto::shared_url())],
+        );
+        child.line_with("idem-poisoned ", Duration::from_secs(120));
+        child.kill();
+    }
+    let consumer = consumer_of(c.clone(), &url, store)
+        .max_deliveries(3)
+        .dead_letter(dead.clone());
+    run_until_done(&consumer, pays(&ledger), &url, &ledger, 0).await;
+    assert_eq!(ledger.runs(), 0, "a 4th consumer ran it");
+    let letters = super::take_dead(&c, &dead, 1).await;
+    assert!(
+        super::attr(&letters[0], "idem.reason").is_some_and(|r| r.contains("received 4 times")),
+        "{:?}",
+        letters[0]
+    );
+}
