@@ -66,10 +66,12 @@
 //! (a poison record that kills its consumer does not kill every next one).
 //! In the in-transaction form
 //! ([`run_in_transaction`](KafkaConsumer::run_in_transaction)) a crash
-//! rolls the claim back and its attempt with it, so the counter counts
-//! each run's *start* instead (taken before the transaction begins): a
-//! record started more than `max_deliveries` times without settling is
-//! dead-lettered without running.
+//! rolls the claim back with everything else, so the attempt is the count
+//! of the runs *started* ([`TxRunner`](idem_core::TxRunner) counts them
+//! outside the transaction once the key is claimed): a record whose runs
+//! were cut off `max_deliveries` times is dead-lettered without running;
+//! a retry while its key is held elsewhere, or while the store is away,
+//! starts nothing and counts nothing.
 //!
 //! # Commits
 //!

@@ -60,11 +60,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// no lease and no window, so effects in that database happen exactly
     /// once. A commit that fails for a passing reason (a lost connection)
     /// leaves the record to be retried in place; one the database refuses
-    /// (a deferred constraint) dead-letters it with the reason. Each run's
-    /// start is counted in the store first (one more write per record, and
-    /// its delete when the record settles), because a crash leaves no other
-    /// trace: a record that kills every member is dead-lettered after
-    /// `max_deliveries` starts. A handler's `Err` or panic rolls
+    /// (a deferred constraint) dead-letters it with the reason. A crash
+    /// leaves no trace in the transaction, so the runs started are counted
+    /// apart (the record's `attempt`): a record that kills every member is
+    /// dead-lettered after `max_deliveries` starts. A handler's `Err` or panic rolls
     /// everything back. The rest as [`run`](Self::run); see [`TxRunner`]
     /// for what each outcome of the handler does.
     ///

@@ -203,11 +203,8 @@ where
             let fingerprint = record::fingerprint_of(&job.record, &self.fingerprint);
             records.push((job.record, job.key, fingerprint));
         }
-        // A run in a transaction counts its start first (`drive`): each
-        // record then goes on its own.
         let items: Vec<_> = records
             .iter()
-            .filter(|_| !M::CRASH_LEAVES_NO_TRACE)
             .filter_map(|(record, key, fingerprint)| {
                 let key = key.as_ref().ok()?;
                 Some((key.clone(), *fingerprint, self.item(record)))
@@ -307,78 +304,55 @@ where
             } else if held {
                 self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
             } else if let (Some(k), None) = (&key, &dead) {
-                // In a transaction, a run cut off by a crash leaves no
-                // trace: each start is counted first, so a record that
-                // kills its consumer is dead-lettered after
-                // `max_deliveries` starts.
-                let mut started = None;
-                if M::CRASH_LEAVES_NO_TRACE && first.is_none() {
-                    started = self.failures(k).await;
-                    counted |= started.is_some();
-                }
-                if let Some(n) = started.filter(|n| *n > self.max_deliveries) {
-                    dead = Some((
-                        n - 1,
-                        format!(
-                            "started {} times (max_deliveries {}) without settling: its runs failed, or were cut off (their consumer died)",
-                            n - 1,
-                            self.max_deliveries
-                        ),
-                    ));
-                } else {
-                    let result = match first.take() {
-                        Some(r) => r,
-                        None => {
-                            self.runner
-                                .process_one(&self.idem, k, fingerprint, self.item(&record))
-                                .await
-                        }
-                    };
-                    match self.settle_of(&record, result) {
-                        Settle::Done => {
-                            self.settled(track, &record, key.as_ref(), counted).await;
-                            return;
-                        }
-                        Settle::Dead(reason) => dead = Some((0, reason)),
-                        Settle::Failed(reason) => {
-                            // In a transaction the start was counted.
-                            let n = if M::CRASH_LEAVES_NO_TRACE {
-                                started
-                            } else {
-                                self.failures(k).await.inspect(|_| counted = true)
-                            };
-                            match n {
-                                Some(n) if n >= self.max_deliveries => {
-                                    let reason = format!(
-                                        "{reason} (failed {n} times, max_deliveries {})",
-                                        self.max_deliveries
-                                    );
-                                    dead = Some((n, reason));
-                                }
-                                _ => {
-                                    self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                                }
+                let result = match first.take() {
+                    Some(r) => r,
+                    None => {
+                        self.runner
+                            .process_one(&self.idem, k, fingerprint, self.item(&record))
+                            .await
+                    }
+                };
+                match self.settle_of(&record, result) {
+                    Settle::Done => {
+                        self.settled(track, &record, key.as_ref(), counted).await;
+                        return;
+                    }
+                    Settle::Dead(reason) => dead = Some((0, reason)),
+                    Settle::Failed(reason) => {
+                        match self.failures(k).await.inspect(|_| counted = true) {
+                            Some(n) if n >= self.max_deliveries => {
+                                let reason = format!(
+                                    "{reason} (failed {n} times, max_deliveries {})",
+                                    self.max_deliveries
+                                );
+                                dead = Some((n, reason));
+                            }
+                            _ => {
+                                self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
                             }
                         }
-                        Settle::Retry => {
-                            self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                        }
-                        Settle::Finish(u) => {
-                            self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
-                            let guard = self.shared.finishing.hold(k.clone(), None);
-                            unfinished = Some((u, guard));
-                        }
-                        Settle::Fatal(e) => {
-                            lock(&self.fatal).get_or_insert(e);
-                            self.shared.wake.notify_one();
-                            track.abandon(record.offset);
-                            return;
-                        }
+                    }
+                    Settle::Retry => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Settle::Finish(u) => {
+                        self.shared.counters.retried.fetch_add(1, Ordering::Relaxed);
+                        let guard = self.shared.finishing.hold(k.clone(), None);
+                        unfinished = Some((u, guard));
+                    }
+                    Settle::Fatal(e) => {
+                        lock(&self.fatal).get_or_insert(e);
+                        self.shared.wake.notify_one();
+                        track.abandon(record.offset);
+                        return;
                     }
                 }
             }
             if let Some((n, reason)) = &dead {
                 if self.dead_letter_one(&record, *n, reason).await {
+                    if let Some(k) = &key {
+                        self.runner.forget(&self.idem, k).await;
+                    }
                     self.settled(track, &record, key.as_ref(), counted).await;
                     return;
                 }

@@ -151,7 +151,9 @@ impl InTransaction<JsonCodec> {
 impl<C: Codec> InTransaction<C> {
     /// How long completed responses are kept for replay (default 24 h;
     /// saturated to [`MAX_DURATION`](idem_core::MAX_DURATION), so
-    /// `Duration::MAX` keeps them as long as the store can).
+    /// `Duration::MAX` keeps them as long as the store can). A zero
+    /// retention is refused when a key is claimed
+    /// ([`IdemError::InvalidConfig`]): every duplicate would run again.
     pub fn retention(mut self, retention: Duration) -> Self {
         self.retention = retention;
         self
@@ -211,6 +213,13 @@ impl<C: Codec> InTransaction<C> {
     where
         T: DeserializeOwned,
     {
+        // A completion that expires at once would let every duplicate
+        // run the handler again.
+        if self.retention.is_zero() {
+            return Err(IdemError::InvalidConfig {
+                detail: "the retention is zero: every duplicate would run the handler again".into(),
+            });
+        }
         let outcome = self
             .store
             .claim_on(tx, key, fingerprint.as_ref(), self.lock_wait)

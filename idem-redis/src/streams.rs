@@ -1110,6 +1110,11 @@ where
                 }
             }
         }
+        for (delivery, _, _) in &dead {
+            if let Ok(key) = self.key_of(&delivery.entry) {
+                runner.forget(&self.idem, &key).await;
+            }
+        }
         ack.extend(self.dead_letter_all(dead).await);
         self.ack(&ack).await;
         match fatal {

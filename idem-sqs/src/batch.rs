@@ -200,22 +200,6 @@ where
                             add(&shared.counters.in_progress, 1);
                             Some(Outcome::Left)
                         }
-                        // In a transaction, a run cut off by a crash
-                        // leaves no trace (its `attempt` stays 1): SQS's
-                        // receive count stops a message that kills every
-                        // consumer.
-                        Ok(_)
-                            if M::CRASH_LEAVES_NO_TRACE
-                                && message
-                                    .receive_count
-                                    .is_some_and(|n| n > self.max_deliveries) =>
-                        {
-                            Some(Outcome::Dead(format!(
-                                "received {} times (max_deliveries {}) without settling: its runs failed, or were cut off (their consumer died)",
-                                message.receive_count.unwrap_or_default(),
-                                self.max_deliveries
-                            )))
-                        }
                         Ok(key) => {
                             claimed.keys.insert(key.clone());
                             run = Some((key, message::fingerprint_of(message, &self.fingerprint)));
@@ -353,6 +337,11 @@ where
         self.queue.settled(&left);
         self.queue
             .settling(delete.iter().chain(dead.iter().map(|(_, r, _)| r)));
+        for (message, _, _) in &dead {
+            if let Ok(key) = self.key_of(message) {
+                self.runner.forget(&self.idem, &key).await;
+            }
+        }
         let (sent, not_sent) = self.queue.dead_letter(dead).await;
         self.queue.settled(&not_sent);
         delete.extend(sent);

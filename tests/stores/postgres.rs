@@ -1917,29 +1917,11 @@ async fn a_huge_connection_count_is_clamped_and_does_not_panic_the_builder() {
     }
 }
 
-/// The shared server's address, and a URL to it through a new proxy that
-/// can lose replies.
+/// A URL of the shared server through a new proxy that can lose replies
+/// (its table migrated).
 pub(crate) async fn proxied_shared_server() -> (support::proxy::CountingProxy, String) {
-    let url = pg::shared_url();
-    let host_port = url
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap_or_else(|| panic!("cannot parse {url}"));
-    let upstream: std::net::SocketAddr = tokio::net::lookup_host(host_port)
-        .await
-        .ok()
-        .and_then(|mut a| a.next())
-        .unwrap_or_else(|| panic!("cannot resolve {host_port}"));
     PgHarness.store().await; // migrated
-    let proxy = support::proxy::CountingProxy::start(upstream).await;
-    let proxied = url.replacen(&upstream.to_string(), &proxy.addr.to_string(), 1);
-    let proxied = if proxied.contains(&proxy.addr.to_string()) {
-        proxied
-    } else {
-        format!("postgres://postgres@{}/postgres", proxy.addr)
-    };
-    (proxy, proxied)
+    pg::proxied().await
 }
 
 /// An acquire whose reply is lost after the server

@@ -463,3 +463,55 @@ async fn waits_of_zero_and_duration_max_run_and_replay() {
         assert_eq!(ledger.rows(name).await, 1);
     }
 }
+
+/// A run in a transaction leaves no trace when it fails or its process
+/// dies, so the runs started are counted apart: the handler's `attempt`
+/// is 1, 2, 3 across two failures; `forget` (a message dead-lettered)
+/// starts the count again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_attempt_counts_the_runs_started_until_forgotten() {
+    let (_store, idem, ledger) = setup(4).await;
+    let runner = TxRunner::new();
+    let k = key("starts");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fails = |seen: &Arc<std::sync::Mutex<Vec<u32>>>| {
+        let seen = seen.clone();
+        move |context: Context, _tx: PgTx| async move {
+            seen.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(context.attempt);
+            Err::<u64, BoxError>("fails".into())
+        }
+    };
+    for _ in 0..2 {
+        let out = runner.process_one(&idem, &k, None, fails(&seen)).await;
+        assert!(matches!(out, Err(IdemError::Handler(_))), "{out:?}");
+    }
+    let s = seen.clone();
+    let l = ledger.clone();
+    let ran = runner
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, tx: PgTx| async move {
+                s.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(context.attempt);
+                l.insert(&tx, "starts", context.fence).await?;
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+    assert_eq!(*seen.lock().unwrap_or_else(|p| p.into_inner()), [1, 2, 3]);
+
+    let other = key("forgotten");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for _ in 0..2 {
+        let _ = runner.process_one(&idem, &other, None, fails(&seen)).await;
+    }
+    runner.forget(&idem, &other).await;
+    let _ = runner.process_one(&idem, &other, None, fails(&seen)).await;
+    assert_eq!(*seen.lock().unwrap_or_else(|p| p.into_inner()), [1, 2, 1]);
+}

@@ -38,6 +38,30 @@ pub fn shared_url() -> &'static str {
     })
 }
 
+/// A URL of the shared server through a new proxy (which can cut the
+/// connections, lose or delay replies), and the proxy.
+pub async fn proxied() -> (super::proxy::CountingProxy, String) {
+    let url = shared_url();
+    let host_port = url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap_or_else(|| panic!("cannot parse {url}"));
+    let upstream: std::net::SocketAddr = tokio::net::lookup_host(host_port)
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .unwrap_or_else(|| panic!("cannot resolve {host_port}"));
+    let proxy = super::proxy::CountingProxy::start(upstream).await;
+    let proxied = url.replacen(&upstream.to_string(), &proxy.addr.to_string(), 1);
+    let proxied = if proxied.contains(&proxy.addr.to_string()) {
+        proxied
+    } else {
+        format!("postgres://postgres@{}/postgres", proxy.addr)
+    };
+    (proxy, proxied)
+}
+
 /// A pool the way the README recommends: no ping before each use.
 pub async fn pool(url: &str, max: u32) -> PgPool {
     PgPoolOptions::new()

@@ -260,12 +260,6 @@ pub trait Runner<S: ?Sized, C>: Send + Sync + 'static {
     /// What the handler gets beside its context.
     type With: Send + 'static;
 
-    /// Whether a run cut off by a crash leaves no trace in the store (its
-    /// claim rolls back with its transaction): its `attempt` never grows,
-    /// so a receiver that stops a message which crashes every consumer
-    /// must count the runs it starts itself.
-    const CRASH_LEAVES_NO_TRACE: bool = false;
-
     /// Runs one key, detached (a caller that goes away does not stop it).
     fn process_one<T, E, F, Fut>(
         &self,
@@ -279,6 +273,15 @@ pub trait Runner<S: ?Sized, C>: Send + Sync + 'static {
         E: Send + 'static,
         F: FnOnce(Context, Self::With) -> Fut + Send + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static;
+
+    /// The message of `key` leaves without a committed run (dead-lettered):
+    /// what the runner counted of its runs is forgotten, so a copy of it
+    /// (re-driven from the dead letters, say) counts from zero.
+    fn forget(
+        &self,
+        idem: &Idempotency<S, C>,
+        key: &IdempotencyKey,
+    ) -> impl Future<Output = ()> + Send;
 
     /// Runs a batch, detached; the outcomes in the items' order. Items of
     /// one key run one after the other, in order.
@@ -323,6 +326,9 @@ where
             .await
     }
 
+    /// The lease form counts with the key's own attempt: nothing to forget.
+    async fn forget(&self, _: &Idempotency<S, C>, _: &IdempotencyKey) {}
+
     async fn process_batch<T, E, F, Fut>(
         &self,
         idem: &Idempotency<S, C>,
@@ -364,6 +370,16 @@ where
 /// A duplicate of a key this runner holds waits at the runner's gate (no
 /// connection), one of another process waits in the database, both for at
 /// most [`wait`](Self::wait): then [`IdemError::InProgress`].
+///
+/// A run cut off by a crash leaves no trace in its transaction, so the
+/// runs started are counted outside it, once the key is claimed (a record
+/// of scope `idem.starts` in the store, taken over at each start and
+/// deleted once a run commits: two more store calls per executed key):
+/// the handler's [`Context::attempt`] is that count, which a receiver
+/// compares with its `max_deliveries` to stop a message that kills every
+/// consumer. A wait for a key held elsewhere, or a store that is away,
+/// starts nothing and counts nothing; [`Runner::forget`] (a message
+/// dead-lettered) starts the count again.
 #[derive(Debug, Clone)]
 pub struct TxRunner {
     wait: Duration,
@@ -412,8 +428,6 @@ where
 {
     type With = SharedTx<S::Tx>;
 
-    const CRASH_LEAVES_NO_TRACE: bool = true;
-
     async fn process_one<T, E, F, Fut>(
         &self,
         idem: &Idempotency<S, C>,
@@ -440,6 +454,10 @@ where
                 },
             }),
         }
+    }
+
+    async fn forget(&self, idem: &Idempotency<S, C>, key: &IdempotencyKey) {
+        forget_starts(&**idem.store(), start_counter(key).as_ref()).await;
     }
 
     async fn process_batch<T, E, F, Fut>(
@@ -564,13 +582,33 @@ impl TxRunner {
             }
         };
         count("idem_acquired_total", scope);
-        tracing::Span::current().record("attempt", lease.attempt);
+        // A run cut off by a crash rolls back with its claim and leaves no
+        // trace, so the runs started are counted outside the transaction
+        // (the key's claim, held until it ends, keeps two counts of one
+        // key apart): the handler's `attempt` is this count, so that a
+        // receiver stops a message that kills every consumer.
+        let counter = start_counter(&key);
+        let mut context = Context::of(&lease);
+        if let Some(counter) = &counter {
+            match store.acquire(counter, None, Duration::from_millis(1)).await {
+                Ok(Acquisition::Acquired(start)) => {
+                    context.attempt = context.attempt.max(start.attempt)
+                }
+                Ok(Acquisition::InProgress { attempt, .. }) => {
+                    context.attempt = context.attempt.max(attempt.saturating_add(1))
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(key = %key, error = %e, "in-transaction run: its start could not be counted");
+                }
+            }
+        }
+        tracing::Span::current().record("attempt", context.attempt);
         tracing::Span::current().record("fence", lease.fence);
 
         let shared = SharedTx::new(tx);
         let given = shared.clone();
-        let outcome =
-            run_handler(move |context| handler(context, given), Context::of(&lease)).await;
+        let outcome = run_handler(move |context| handler(context, given), context).await;
         let value = match outcome {
             HandlerOutcome::Ok(value) => value,
             // Rolled back: nothing of the handler is kept.
@@ -629,6 +667,7 @@ impl TxRunner {
             }
         }
         store.commit(tx).await.map_err(IdemError::Store)?;
+        forget_starts(&*store, counter.as_ref()).await;
         Ok(match not_replayable {
             None => Processed::Executed(value),
             Some(reason) => {
@@ -672,6 +711,7 @@ impl TxRunner {
                     return Err(IdemError::Store(e));
                 }
                 store.commit(tx).await.map_err(IdemError::Store)?;
+                forget_starts(&*store, start_counter(key).as_ref()).await;
                 Ok(Processed::ExecutedNotReplayable { value, reason })
             }
             // It committed its claim with the completion (COMMIT after the
@@ -688,6 +728,25 @@ impl TxRunner {
                 store.rollback(tx).await;
                 Err(IdemError::Store(e))
             }
+        }
+    }
+}
+
+/// The key of the counter of the runs of `key` started in a transaction
+/// (scope `idem.starts`, a hash of the key as ID): a record taken over
+/// at each start (a 1 ms lease, never completed), whose attempt is the
+/// count; deleted once a run committed.
+fn start_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
+    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
+    IdempotencyKey::new("idem.starts", id).ok()
+}
+
+/// Deletes the start counter once a run committed (a failure is logged:
+/// the counter then counts on from where it was, until it expires).
+async fn forget_starts<S: IdempotencyStore + ?Sized>(store: &S, counter: Option<&IdempotencyKey>) {
+    if let Some(counter) = counter {
+        if let Err(e) = store.delete(counter).await {
+            tracing::warn!(error = %e, "in-transaction run: its start counter could not be deleted");
         }
     }
 }

@@ -538,3 +538,34 @@ async fn sixty_four_duplicates_on_a_pool_of_eight_neither_deadlock_nor_hold_the_
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
     assert_eq!(rows(store.pool(), &ledger, "p-64").await, 1);
 }
+
+/// An executor with a zero retention (refused by the lease form as
+/// `InvalidConfig`: every duplicate would run the handler again): the
+/// in-transaction form refuses it too, so a retry never runs the payment
+/// again: one row at most.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_retention_never_runs_a_completed_request_twice() {
+    let store = store_of(8).await;
+    let ledger = create_ledger(store.pool()).await;
+    let scope = scope();
+    let app = tx_app(&ledger);
+    let layer = IdempotencyLayer::new(Idempotency::new(store.clone()).retention(Duration::ZERO))
+        .scope(&scope)
+        .unwrap_or_else(|e| panic!("{e}"))
+        .tenant(api_key)
+        .in_transaction();
+    let url = spawn_server(tx_router(layer, &app)).await;
+    let body = json!({ "id": "p-zero" });
+    let first = post_json(&format!("{url}/pay"), Some("k-zero"), "t1", &body).await;
+    let retry = post_json(&format!("{url}/pay"), Some("k-zero"), "t1", &body).await;
+    assert!(
+        rows(store.pool(), &ledger, "p-zero").await <= 1,
+        "the payment committed {} times: first {} {:?}, retry {} {:?} (replayed: {})",
+        rows(store.pool(), &ledger, "p-zero").await,
+        first.status,
+        first.body,
+        retry.status,
+        retry.body,
+        retry.replayed()
+    );
+}

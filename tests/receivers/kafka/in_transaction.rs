@@ -370,3 +370,68 @@ async fn a_record_that_kills_its_members_is_dead_lettered_after_max_deliveries()
     assert_eq!(stats.dead_lettered, 1, "{stats:?}");
     assert_eq!(ledger.total().await, 0, "no run committed");
 }
+
+/// A record whose key is held by another open transaction (a revoked
+/// member still running it) is retried in place, in progress; it never
+/// ran. Once the holder rolls back (its run failed), the record runs
+/// once: its retries in place are not counted as starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_retried_while_its_key_is_held_elsewhere_runs_once_the_holder_rolls_back() {
+    let (topic, group, dead) = (name("tx-held"), name("tx-billing"), name("tx-held-dlq"));
+    support::kafka::create_topic(&topic, 1);
+    support::kafka::create_topic(&dead, 1);
+    let ends = produce(
+        &topic,
+        vec![(
+            0,
+            None,
+            vec![("message-id".to_owned(), "held".to_owned())],
+            "{}".to_owned(),
+        )],
+    )
+    .await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "kafka_tx").await;
+    let scope = format!("kafka.held.{:08x}", fastrand::u32(..));
+    // The other holder of the key: an open transaction that claimed it.
+    let key =
+        idemkit::IdempotencyKey::new(scope.as_str(), "held").unwrap_or_else(|e| panic!("{e}"));
+    let mut holder = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
+    let claim = store
+        .in_transaction()
+        .claim_with::<u64>(&mut holder, &key, None)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(claim, idemkit::postgres::Claim::Acquired(_)));
+    let consumer = member(&group, &topic, store.clone())
+        .scope(scope.as_str())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .dead_letter(dead.clone())
+        .max_deliveries(3)
+        .transaction_wait(Duration::from_millis(300));
+    let done = Arc::new(AtomicBool::new(false));
+    let watch = async {
+        // Held for several retries, then rolled back (its run failed).
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        holder.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        let finished = wait_for(Duration::from_secs(120), || async {
+            all_committed(&group, &topic, &ends).await
+        })
+        .await;
+        done.store(true, Ordering::SeqCst);
+        finished
+    };
+    let (stats, finished) = tokio::join!(
+        consumer.run_in_transaction(pays(&ledger), once_set(done.clone())),
+        watch
+    );
+    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
+    assert!(finished, "the record was not settled in 120 s: {stats:?}");
+    assert_eq!(
+        ledger.rows("held").await,
+        1,
+        "the record never ran: handler runs {}, {stats:?}",
+        ledger.runs()
+    );
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+}

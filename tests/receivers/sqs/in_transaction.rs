@@ -336,8 +336,80 @@ async fn a_message_that_kills_its_consumers_is_dead_lettered_after_max_deliverie
     assert_eq!(ledger.runs(), 0, "a 4th consumer ran it");
     let letters = super::take_dead(&c, &dead, 1).await;
     assert!(
-        super::attr(&letters[0], "idem.reason").is_some_and(|r| r.contains("received 4 times")),
+        super::attr(&letters[0], "idem.reason").is_some_and(|r| r.contains("acquired 4 times")),
         "{:?}",
         letters[0]
     );
+}
+
+/// PostgreSQL is unreachable for 6 s (a failover, a network blip): each
+/// receive meanwhile leaves the message without running it (nothing ran,
+/// nothing failed); once the database is back it runs once, and is not
+/// dead-lettered for the receives it had meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_received_during_a_database_outage_runs_once_it_is_back() {
+    let c = client();
+    let url = create_queue(&c, "tx-outage").await;
+    let dead = create_queue(&c, "tx-outage-dead").await;
+    let direct = pg_store(4).await; // migrated
+    let ledger = Ledger::create(direct.pool(), "sqs_tx").await;
+    let (proxy, proxied) = support::pg::proxied().await;
+    let through = PgStore::new(support::pg::pool(&proxied, 4).await);
+    proxy.cut(true);
+    send_all(&c, &url, messages(["during-outage".to_owned()])).await;
+    let consumer = consumer_of(c.clone(), &url, through)
+        .max_deliveries(3)
+        .dead_letter(dead.clone());
+    let outage = async {
+        // The outage's length: several receives of the message.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        proxy.cut(false);
+    };
+    tokio::join!(
+        run_until_done(&consumer, pays(&ledger), &url, &ledger, 1),
+        outage
+    );
+    assert_eq!(ledger.rows("during-outage").await, 1);
+    let letters = super::take_dead_within(&c, &dead, Duration::from_secs(1)).await;
+    assert!(letters.is_empty(), "dead-lettered: {letters:?}");
+}
+
+/// A message whose key is held by another open transaction (a copy run by
+/// another consumer) is left, in progress, each time it is received; it
+/// never ran. Once the holder rolls back (its run failed), the message
+/// runs once, and is not dead-lettered for the receives it had meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_left_while_its_key_is_held_elsewhere_runs_once_the_holder_rolls_back() {
+    let c = client();
+    let url = create_queue(&c, "tx-held").await;
+    let dead = create_queue(&c, "tx-held-dead").await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    let scope = format!("sqs.held.{:08x}", fastrand::u32(..));
+    let key = idemkit::IdempotencyKey::new(scope.as_str(), "held").unwrap();
+    let mut holder = store.pool().begin().await.unwrap();
+    let claim = store
+        .in_transaction()
+        .claim_with::<()>(&mut holder, &key, None)
+        .await
+        .unwrap();
+    assert!(matches!(claim, idemkit::postgres::Claim::Acquired(_)));
+    send_all(&c, &url, messages(["held".to_owned()])).await;
+    let consumer = consumer_of(c.clone(), &url, store.clone())
+        .scope(scope.as_str())
+        .max_deliveries(3)
+        .transaction_wait(Duration::from_millis(300))
+        .dead_letter(dead.clone());
+    let holding = async {
+        // Held for several receives of the message, then rolled back.
+        tokio::time::sleep(Duration::from_secs(7)).await;
+        holder.rollback().await.unwrap();
+    };
+    tokio::join!(
+        run_until_done(&consumer, pays(&ledger), &url, &ledger, 1),
+        holding
+    );
+    assert_eq!(ledger.rows("held").await, 1);
+    let letters = super::take_dead_within(&c, &dead, Duration::from_secs(1)).await;
+    assert!(letters.is_empty(), "dead-lettered: {letters:?}");
 }
