@@ -9,6 +9,17 @@
 //! cargo run --release --features redis --example stream_rate -- --redis-url redis://127.0.0.1:6379/ --entries 50000 --batch 100
 //! # stream_rate entries=50000 batch=100 plain_per_sec=... idem_per_sec=... ratio=...
 //! ```
+//!
+//! With `--postgres-url` (feature `postgres`), the same entries go twice
+//! more through the consumer with the keys in PostgreSQL: with a lease
+//! (`run`) and in a transaction per entry (`run_in_transaction`, the
+//! handler's work beside it, no statement of its own), `concurrency`
+//! entries at once on a pool of as many connections:
+//!
+//! ```text
+//! cargo run --release --features redis,postgres --example stream_rate -- --redis-url ... --postgres-url postgres://... --entries 5000
+//! # stream_rate_postgres entries=5000 concurrency=8 lease_per_sec=... in_transaction_per_sec=... ratio=...
+//! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +42,13 @@ struct Args {
     /// Entries per read.
     #[arg(long, default_value_t = 100)]
     batch: usize,
+    /// Also measure the consumer with the keys in this PostgreSQL, with a
+    /// lease and in a transaction (feature `postgres`).
+    #[arg(long)]
+    postgres_url: Option<String>,
+    /// Entries at once in the PostgreSQL runs (and the pool's size).
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -151,12 +169,102 @@ async fn main() -> Result<(), BoxError> {
         )
         .into());
     }
-    let _: u64 = conn.del(&stream).await?;
     println!(
         "stream_rate entries={} batch={} plain_per_sec={plain:.0} idem_per_sec={with_idem:.0} ratio={:.2} work={work}",
         args.entries,
         args.batch,
         with_idem / plain,
     );
+    if let Some(url) = &args.postgres_url {
+        postgres_rates(&args, url, &stream).await?;
+    }
+    let _: u64 = conn.del(&stream).await?;
     Ok(())
+}
+
+/// The consumer with the keys in PostgreSQL: with a lease, then in a
+/// transaction per entry; each reads the whole stream in a group of its
+/// own.
+#[cfg(feature = "postgres")]
+async fn postgres_rates(args: &Args, url: &str, stream: &str) -> Result<(), BoxError> {
+    use idemkit::postgres::{PgStore, PgTx};
+
+    let concurrency = args.concurrency.clamp(1, 64);
+    let pool = idemkit::postgres::sqlx::postgres::PgPoolOptions::new()
+        .max_connections(concurrency as u32)
+        .connect(url)
+        .await?;
+    let store = PgStore::new(pool);
+    store.migrate().await?;
+    let consumer = |group: &'static str| {
+        let store = store.clone();
+        async move {
+            Ok::<_, BoxError>(
+                StreamConsumer::connect(
+                    &args.redis_url,
+                    stream,
+                    group,
+                    "c1",
+                    Idempotency::new(store),
+                )
+                .await?
+                .key_field("message_id")
+                .batch(args.batch)
+                .concurrency(concurrency)
+                .block(Duration::from_millis(10)),
+            )
+        }
+    };
+
+    let lease = consumer("pg-lease").await?;
+    let started = Instant::now();
+    lease
+        .run(
+            |entry: StreamEntry| async move {
+                Ok::<_, std::io::Error>(handle(entry.text("message_id").unwrap_or_default()))
+            },
+            wait_acked(&lease, args.entries),
+        )
+        .await?;
+    let lease_rate = args.entries as f64 / started.elapsed().as_secs_f64();
+
+    let in_tx = consumer("pg-tx").await?;
+    let started = Instant::now();
+    in_tx
+        .run_in_transaction(
+            // The same work as the other runs: no statement of its own on
+            // the entry's transaction, so the difference is idem's.
+            |entry: StreamEntry, _tx: PgTx| async move {
+                Ok::<_, BoxError>(handle(entry.text("message_id").unwrap_or_default()))
+            },
+            wait_acked(&in_tx, args.entries),
+        )
+        .await?;
+    let tx_rate = args.entries as f64 / started.elapsed().as_secs_f64();
+    let (l, t) = (lease.stats(), in_tx.stats());
+    if l.executed != args.entries || t.executed != args.entries {
+        return Err(format!("postgres runs: lease {l:?}, in a transaction {t:?}").into());
+    }
+    println!(
+        "stream_rate_postgres entries={} concurrency={concurrency} lease_per_sec={lease_rate:.0} in_transaction_per_sec={tx_rate:.0} ratio={:.2}",
+        args.entries,
+        tx_rate / lease_rate,
+    );
+    Ok(())
+}
+
+/// Done once `consumer` acknowledged `entries` entries.
+#[cfg(feature = "postgres")]
+async fn wait_acked<S: idemkit::IdempotencyStore + ?Sized>(
+    consumer: &StreamConsumer<S>,
+    entries: u64,
+) {
+    while consumer.stats().acked < entries {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn postgres_rates(_: &Args, _: &str, _: &str) -> Result<(), BoxError> {
+    Err("--postgres-url needs the feature postgres".into())
 }

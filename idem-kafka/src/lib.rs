@@ -66,12 +66,14 @@
 //! (a poison record that kills its consumer does not kill every next one).
 //! In the in-transaction form
 //! ([`run_in_transaction`](KafkaConsumer::run_in_transaction)) a crash
-//! rolls the claim back with everything else, so the attempt is the count
-//! of the runs *started* ([`TxRunner`](idem_core::TxRunner) counts them
-//! outside the transaction once the key is claimed): a record whose runs
-//! were cut off `max_deliveries` times is dead-lettered without running;
-//! a retry while its key is held elsewhere, or while the store is away,
-//! starts nothing and counts nothing.
+//! rolls the claim back with everything else, so the attempt is 1 plus the
+//! runs of the key *cut off* in a row ([`TxRunner`](idem_core::TxRunner)
+//! counts them outside the transaction once the key is claimed, and
+//! forgets the count when a run is seen to end): a record whose runs were
+//! cut off `max_deliveries` times is dead-lettered without running;
+//! failures seen to end are counted by the failure counter above, and a
+//! retry while its key is held elsewhere, or while the store is away,
+//! counts nothing.
 //!
 //! # Commits
 //!

@@ -61,9 +61,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// once. A commit that fails for a passing reason (a lost connection)
     /// leaves the record to be retried in place; one the database refuses
     /// (a deferred constraint) dead-letters it with the reason. A crash
-    /// leaves no trace in the transaction, so the runs started are counted
+    /// leaves no trace in the transaction, so the runs cut off are counted
     /// apart (the record's `attempt`): a record that kills every member is
-    /// dead-lettered after `max_deliveries` starts. A handler's `Err` or panic rolls
+    /// dead-lettered after `max_deliveries` such runs. A handler's `Err` or panic rolls
     /// everything back. The rest as [`run`](Self::run); see [`TxRunner`]
     /// for what each outcome of the handler does.
     ///

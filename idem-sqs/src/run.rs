@@ -60,10 +60,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// once. A commit that fails for a passing reason (a lost connection)
     /// leaves the message for redelivery; one the database refuses (a
     /// deferred constraint) dead-letters it with the reason. A crash leaves
-    /// no trace in the transaction, so the runs started are counted apart
+    /// no trace in the transaction, so the runs cut off are counted apart
     /// (the message's `attempt`): a message that kills every consumer is
-    /// dead-lettered after [`max_deliveries`](Self::max_deliveries)
-    /// starts. A handler's `Err` or panic rolls everything back. Keep
+    /// dead-lettered after [`max_deliveries`](Self::max_deliveries) such
+    /// runs. A handler's `Err` or panic rolls everything back. Keep
     /// [`concurrency`](Self::concurrency) at or under the pool's size: each
     /// message in flight holds a connection. See [`TxRunner`] for the rest.
     ///

@@ -464,12 +464,47 @@ async fn waits_of_zero_and_duration_max_run_and_replay() {
     }
 }
 
-/// A run in a transaction leaves no trace when it fails or its process
-/// dies, so the runs started are counted apart: the handler's `attempt`
-/// is 1, 2, 3 across two failures; `forget` (a message dead-lettered)
-/// starts the count again.
+/// Runs `key` in a runtime of its own (a process of its own, with its own
+/// pool) whose handler says its attempt and hangs, then drops that
+/// runtime under it: a consumer that dies mid-transaction.
+fn crash(key: &IdempotencyKey, seen: &Arc<std::sync::Mutex<Vec<u32>>>) {
+    let (key, seen) = (key.clone(), seen.clone());
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let (started, running) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            let idem = Idempotency::new(pg_store(2).await);
+            let _ = TxRunner::new()
+                .process_one(&idem, &key, None, move |context: Context, _tx: PgTx| {
+                    seen.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(context.attempt);
+                    let _ = started.send(());
+                    std::future::pending::<Result<u64, BoxError>>()
+                })
+                .await;
+        });
+        running
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("the run never started: {e}"));
+        // The process dies: its connections close, the server rolls back.
+        runtime.shutdown_background();
+    })
+    .join()
+    .unwrap_or_else(|_| panic!("the crashing thread panicked"));
+}
+
+/// A run cut off by a crash leaves no trace in its transaction, so the
+/// runner counts the runs started and not seen to end: the handler's
+/// `attempt` is 1, 2, 3 across two crashes; a run seen to end (a failure:
+/// the receiver counts those) forgets the count, and so does `forget` (a
+/// message dead-lettered).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_attempt_counts_the_runs_started_until_forgotten() {
+async fn the_attempt_counts_the_runs_cut_off_by_a_crash_until_one_is_seen_to_end() {
     let (_store, idem, ledger) = setup(4).await;
     let runner = TxRunner::new();
     let k = key("starts");
@@ -483,10 +518,14 @@ async fn the_attempt_counts_the_runs_started_until_forgotten() {
             Err::<u64, BoxError>("fails".into())
         }
     };
+    crash(&k, &seen);
+    crash(&k, &seen);
     for _ in 0..2 {
         let out = runner.process_one(&idem, &k, None, fails(&seen)).await;
         assert!(matches!(out, Err(IdemError::Handler(_))), "{out:?}");
     }
+    crash(&k, &seen);
+    runner.forget(&idem, &k).await;
     let s = seen.clone();
     let l = ledger.clone();
     let ran = runner
@@ -504,14 +543,10 @@ async fn the_attempt_counts_the_runs_started_until_forgotten() {
         )
         .await;
     assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
-    assert_eq!(*seen.lock().unwrap_or_else(|p| p.into_inner()), [1, 2, 3]);
-
-    let other = key("forgotten");
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    for _ in 0..2 {
-        let _ = runner.process_one(&idem, &other, None, fails(&seen)).await;
-    }
-    runner.forget(&idem, &other).await;
-    let _ = runner.process_one(&idem, &other, None, fails(&seen)).await;
-    assert_eq!(*seen.lock().unwrap_or_else(|p| p.into_inner()), [1, 2, 1]);
+    assert_eq!(
+        *seen.lock().unwrap_or_else(|p| p.into_inner()),
+        [1, 2, 3, 1, 1, 1],
+        "crash, crash, failure (seen to end), failure, crash, forget, commit"
+    );
+    assert_eq!(ledger.rows("starts").await, 1);
 }

@@ -10,7 +10,7 @@
 //! [`Context`]) or [`TxRunner`] (a transaction per message, handed to the
 //! handler as a [`SharedTx`]), so that one receiver serves both forms.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
@@ -23,7 +23,7 @@ use serde::Serialize;
 use tokio::sync::{OwnedMappedMutexGuard, OwnedMutexGuard, Semaphore};
 use tracing::Instrument;
 
-use super::{count, panic_message, process_span, run_handler, HandlerOutcome};
+use super::{count, lock, panic_message, process_span, run_handler, HandlerOutcome};
 use super::{BatchOutcome, Context, Idempotency, Processed};
 use crate::codec::Codec;
 use crate::error::{IdemError, StoreError};
@@ -372,18 +372,23 @@ where
 /// most [`wait`](Self::wait): then [`IdemError::InProgress`].
 ///
 /// A run cut off by a crash leaves no trace in its transaction, so the
-/// runs started are counted outside it, once the key is claimed (a record
-/// of scope `idem.starts` in the store, taken over at each start and
-/// deleted once a run commits: two more store calls per executed key):
-/// the handler's [`Context::attempt`] is that count, which a receiver
-/// compares with its `max_deliveries` to stop a message that kills every
-/// consumer. A wait for a key held elsewhere, or a store that is away,
-/// starts nothing and counts nothing; [`Runner::forget`] (a message
-/// dead-lettered) starts the count again.
+/// runs started and not seen to end are counted outside it, once the key
+/// is claimed (a record of scope `idem.starts` in the store, taken over at
+/// each start and deleted as soon as a run is seen to end, committed or
+/// not: two more store calls per run): the handler's
+/// [`Context::attempt`] is 1 plus the runs of the key cut off in a row,
+/// which a receiver compares with its `max_deliveries` to stop a message
+/// that kills every consumer. A failure seen to end (the handler's `Err`,
+/// a panic, a lost connection, a refused commit) is the receiver's to
+/// count; a wait for a key held elsewhere, or a store that is away,
+/// starts nothing; [`Runner::forget`] (a message dead-lettered) starts
+/// the count again.
 #[derive(Debug, Clone)]
 pub struct TxRunner {
     wait: Duration,
     gate: Arc<KeyGate>,
+    /// Start counters whose delete failed: deleted before the next count.
+    unforgotten: Arc<Mutex<HashSet<IdempotencyKey>>>,
 }
 
 impl Default for TxRunner {
@@ -399,6 +404,7 @@ impl TxRunner {
         TxRunner {
             wait: DEFAULT_TRANSACTION_WAIT,
             gate: Arc::new(KeyGate::default()),
+            unforgotten: Arc::default(),
         }
     }
 
@@ -457,7 +463,8 @@ where
     }
 
     async fn forget(&self, idem: &Idempotency<S, C>, key: &IdempotencyKey) {
-        forget_starts(&**idem.store(), start_counter(key).as_ref()).await;
+        self.forget_starts(&**idem.store(), start_counter(key).as_ref())
+            .await;
     }
 
     async fn process_batch<T, E, F, Fut>(
@@ -518,6 +525,38 @@ where
 }
 
 impl TxRunner {
+    /// Deletes a start counter (a run seen to end, or a message
+    /// dead-lettered); one whose delete fails is deleted before the next
+    /// count of its key.
+    async fn forget_starts<S: IdempotencyStore + ?Sized>(
+        &self,
+        store: &S,
+        counter: Option<&IdempotencyKey>,
+    ) {
+        let Some(counter) = counter else { return };
+        if let Err(e) = store.delete(counter).await {
+            tracing::warn!(error = %e, "in-transaction run: its start counter could not be deleted (it is, before the next count)");
+            lock(&self.unforgotten).insert(counter.clone());
+        }
+    }
+
+    /// Whether `counter` may count: not waiting to be deleted, or deleted
+    /// now.
+    async fn forgotten<S: IdempotencyStore + ?Sized>(
+        &self,
+        store: &S,
+        counter: &IdempotencyKey,
+    ) -> bool {
+        if !lock(&self.unforgotten).contains(counter) {
+            return true;
+        }
+        if store.delete(counter).await.is_err() {
+            return false;
+        }
+        lock(&self.unforgotten).remove(counter);
+        true
+    }
+
     /// One key, from the gate to the commit.
     async fn run<S, C, T, E, F, Fut>(
         &self,
@@ -583,29 +622,64 @@ impl TxRunner {
         };
         count("idem_acquired_total", scope);
         // A run cut off by a crash rolls back with its claim and leaves no
-        // trace, so the runs started are counted outside the transaction
-        // (the key's claim, held until it ends, keeps two counts of one
-        // key apart): the handler's `attempt` is this count, so that a
-        // receiver stops a message that kills every consumer.
+        // trace, so the runs started and not seen to end are counted
+        // outside the transaction (the key's claim, held until it ends,
+        // keeps two counts of one key apart): the handler's `attempt` is
+        // this count, so that a receiver stops a message that kills every
+        // consumer. A run seen to end (committed, failed, refused) forgets
+        // the count: failures and outages are the receivers' to count.
         let counter = start_counter(&key);
         let mut context = Context::of(&lease);
         if let Some(counter) = &counter {
-            match store.acquire(counter, None, Duration::from_millis(1)).await {
-                Ok(Acquisition::Acquired(start)) => {
-                    context.attempt = context.attempt.max(start.attempt)
-                }
-                Ok(Acquisition::InProgress { attempt, .. }) => {
-                    context.attempt = context.attempt.max(attempt.saturating_add(1))
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(key = %key, error = %e, "in-transaction run: its start could not be counted");
+            if self.forgotten(&*store, counter).await {
+                match store.acquire(counter, None, Duration::from_millis(1)).await {
+                    Ok(Acquisition::Acquired(start)) => {
+                        context.attempt = context.attempt.max(start.attempt)
+                    }
+                    Ok(Acquisition::InProgress { attempt, .. }) => {
+                        context.attempt = context.attempt.max(attempt.saturating_add(1))
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "in-transaction run: its start could not be counted");
+                    }
                 }
             }
         }
         tracing::Span::current().record("attempt", context.attempt);
         tracing::Span::current().record("fence", lease.fence);
+        let (result, seen_to_end) = self
+            .claimed(idem, &key, fingerprint, lease, tx, handler, context)
+            .await;
+        if seen_to_end {
+            self.forget_starts(&*store, counter.as_ref()).await;
+        }
+        result
+    }
 
+    /// A claimed key, from its handler to the commit; whether the run was
+    /// seen to end (anything but a cancellation: the runtime shutting
+    /// down under it, as a crash).
+    #[allow(clippy::too_many_arguments)]
+    async fn claimed<S, C, T, E, F, Fut>(
+        &self,
+        idem: &Idempotency<S, C>,
+        key: &IdempotencyKey,
+        fingerprint: Option<Fingerprint>,
+        lease: Lease,
+        tx: S::Tx,
+        handler: F,
+        context: Context,
+    ) -> (Result<Processed<T>, IdemError<E>>, bool)
+    where
+        S: TransactionalStore + ?Sized,
+        C: Codec,
+        T: Serialize + DeserializeOwned,
+        F: FnOnce(Context, SharedTx<S::Tx>) -> Fut,
+        Fut: Future<Output = Result<T, E>>,
+    {
+        let store = idem.store.clone();
+        let scope = key.scope();
         let shared = SharedTx::new(tx);
         let given = shared.clone();
         let outcome = run_handler(move |context| handler(context, given), context).await;
@@ -616,22 +690,37 @@ impl TxRunner {
                 if let Some(tx) = shared.take(self.wait).await {
                     store.rollback(tx).await;
                 }
-                return Err(IdemError::Handler(e));
+                return (Err(IdemError::Handler(e)), true);
             }
-            HandlerOutcome::Panicked(message) | HandlerOutcome::Cancelled(message) => {
+            HandlerOutcome::Panicked(message) => {
                 if let Some(tx) = shared.take(self.wait).await {
                     store.rollback(tx).await;
                 }
-                return Err(IdemError::Panicked { message });
+                return (Err(IdemError::Panicked { message }), true);
             }
-            HandlerOutcome::NotStarted => return Err(busy(lease.attempt)),
+            // The runtime shutting down under the run: as a crash.
+            HandlerOutcome::Cancelled(message) => {
+                return (Err(IdemError::Panicked { message }), false)
+            }
+            HandlerOutcome::NotStarted => {
+                return (
+                    Err(IdemError::InProgress {
+                        retry_after: Duration::ZERO,
+                        attempt: lease.attempt,
+                    }),
+                    true,
+                )
+            }
         };
         let Some(mut tx) = shared.take(self.wait).await else {
             // Rolled back when the handler's guard goes.
             tracing::error!(key = %key, "in-transaction run: the handler still holds its transaction after it returned; rolled back");
-            return Err(IdemError::Store(StoreError::backend(
-                "the handler still held its transaction after it returned: nothing was kept",
-            )));
+            return (
+                Err(IdemError::Store(StoreError::backend(
+                    "the handler still held its transaction after it returned: nothing was kept",
+                ))),
+                true,
+            );
         };
         let retention = idem.retention;
         let mut not_replayable = None;
@@ -659,23 +748,25 @@ impl TxRunner {
             // replayable" in a new transaction, never run again.
             Err(StoreError::LeaseLost) => {
                 drop(tx);
-                return self.mark_ran(idem, &key, fingerprint, value).await;
+                return (self.mark_ran(idem, key, fingerprint, value).await, true);
             }
             Err(e) => {
                 store.rollback(tx).await;
-                return Err(IdemError::Store(e));
+                return (Err(IdemError::Store(e)), true);
             }
         }
-        store.commit(tx).await.map_err(IdemError::Store)?;
-        forget_starts(&*store, counter.as_ref()).await;
-        Ok(match not_replayable {
+        if let Err(e) = store.commit(tx).await {
+            return (Err(IdemError::Store(e)), true);
+        }
+        let done = match not_replayable {
             None => Processed::Executed(value),
             Some(reason) => {
                 tracing::warn!(key = %key, %reason, "the handler ran but its result cannot be recorded: the key completed as not replayable");
                 count("idem_not_replayable_total", scope);
                 Processed::ExecutedNotReplayable { value, reason }
             }
-        })
+        };
+        (Ok(done), true)
     }
 
     /// After a handler ended its transaction itself: claims the key again
@@ -711,7 +802,6 @@ impl TxRunner {
                     return Err(IdemError::Store(e));
                 }
                 store.commit(tx).await.map_err(IdemError::Store)?;
-                forget_starts(&*store, start_counter(key).as_ref()).await;
                 Ok(Processed::ExecutedNotReplayable { value, reason })
             }
             // It committed its claim with the completion (COMMIT after the
@@ -739,16 +829,6 @@ impl TxRunner {
 fn start_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
     let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
     IdempotencyKey::new("idem.starts", id).ok()
-}
-
-/// Deletes the start counter once a run committed (a failure is logged:
-/// the counter then counts on from where it was, until it expires).
-async fn forget_starts<S: IdempotencyStore + ?Sized>(store: &S, counter: Option<&IdempotencyKey>) {
-    if let Some(counter) = counter {
-        if let Err(e) = store.delete(counter).await {
-            tracing::warn!(error = %e, "in-transaction run: its start counter could not be deleted");
-        }
-    }
 }
 
 #[cfg(test)]

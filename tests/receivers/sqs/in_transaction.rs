@@ -413,3 +413,83 @@ async fn a_message_left_while_its_key_is_held_elsewhere_runs_once_the_holder_rol
     let letters = super::take_dead_within(&c, &dead, Duration::from_secs(1)).await;
     assert!(letters.is_empty(), "dead-lettered: {letters:?}");
 }
+
+/// Three copies of one payment (a producer's resends) arrive together
+/// while the bank is down: each copy's run fails once (`max_deliveries`
+/// 3). The failures were seen to end, so they count as failures of each
+/// copy, never as crashes summed over the key: the payment runs once the
+/// bank is back, and nothing is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_of_a_key_that_each_failed_once_are_not_dead_lettered() {
+    let c = client();
+    let url = create_queue(&c, "tx-copies").await;
+    let dead = create_queue(&c, "tx-copies-dead").await;
+    send_all(&c, &url, messages(std::iter::repeat_n("dup".to_owned(), 3))).await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    let consumer = consumer_of(c.clone(), &url, store)
+        .max_deliveries(3)
+        .dead_letter(dead.clone());
+    let runs = Arc::new(AtomicU64::new(0));
+    let l = ledger.clone();
+    let handler = move |message: SqsMessage, tx: PgTx| {
+        let (ledger, runs) = (l.clone(), runs.clone());
+        async move {
+            if runs.fetch_add(1, Ordering::SeqCst) < 3 {
+                return Err::<(), BoxError>("the bank is down".into());
+            }
+            ledger.insert(&tx, &id_of(&message)?, message.fence).await?;
+            Ok(())
+        }
+    };
+    run_until_done(&consumer, handler, &url, &ledger, 1).await;
+    let letters = super::take_dead_within(&c, &dead, Duration::from_secs(1)).await;
+    assert!(letters.is_empty(), "dead-lettered: {letters:?}");
+}
+
+/// The connection of a message's transaction is lost after its handler
+/// ran (the server terminates the backend: a failover, a network cut), on
+/// its first three runs: nothing is kept and the message is left for
+/// redelivery. Those runs were seen to end, so they are not counted as
+/// crashes: the fourth run, on a sound database, commits, and nothing is
+/// dead-lettered (`max_deliveries` 3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_connection_was_lost_mid_transaction_runs_once_the_database_is_sound() {
+    let c = client();
+    let url = create_queue(&c, "tx-lost-conn").await;
+    let dead = create_queue(&c, "tx-lost-conn-dead").await;
+    send_all(&c, &url, messages(["blip".to_owned()])).await;
+    let store = pg_store(4).await;
+    let ledger = Ledger::create(store.pool(), "sqs_tx").await;
+    let consumer = consumer_of(c.clone(), &url, store.clone())
+        .max_deliveries(3)
+        .dead_letter(dead.clone());
+    let runs = Arc::new(AtomicU64::new(0));
+    let (l, pool) = (ledger.clone(), store.pool().clone());
+    let handler = move |message: SqsMessage, tx: PgTx| {
+        let (ledger, runs, pool) = (l.clone(), runs.clone(), pool.clone());
+        async move {
+            ledger.insert(&tx, &id_of(&message)?, message.fence).await?;
+            if runs.fetch_add(1, Ordering::SeqCst) < 3 {
+                let pid: i32 = {
+                    let mut guard = tx.lock().await?;
+                    sqlx::query_scalar("SELECT pg_backend_pid()")
+                        .fetch_one(&mut *guard)
+                        .await?
+                };
+                sqlx::query("SELECT pg_terminate_backend($1)")
+                    .bind(pid)
+                    .execute(&pool)
+                    .await?;
+            }
+            Ok::<_, BoxError>(())
+        }
+    };
+    run_until_done(&consumer, handler, &url, &ledger, 1).await;
+    let letters = super::take_dead_within(&c, &dead, Duration::from_secs(1)).await;
+    assert!(letters.is_empty(), "dead-lettered: {letters:?}");
+    assert!(
+        ledger.runs() >= 4,
+        "three runs lost their connection, the fourth committed"
+    );
+}

@@ -243,3 +243,44 @@ async fn sixty_four_copies_on_two_consumers_and_a_pool_of_eight_commit_one_row()
     );
     assert_eq!(ledger.rows("same").await, 1);
 }
+
+/// Handlers that hold their transaction open far longer than `claim_idle`
+/// (1.5 s against 200 ms), on two consumers: the keeper keeps each entry in
+/// flight from the other consumer, and an entry reclaimed anyway waits on
+/// the key in the database, then replays: one row per entry, nothing
+/// pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transactions_longer_than_claim_idle_on_two_consumers_commit_once() {
+    let stream = format!("tx-long-{:08x}", fastrand::u32(..));
+    let store = pg_store(8).await;
+    let ledger = Ledger::create(store.pool(), "streams_tx").await;
+    let a = consumer(&stream, "a", store.clone())
+        .await
+        .claim_idle(Duration::from_millis(200))
+        .transaction_wait(Duration::from_millis(300))
+        .concurrency(4);
+    let b = consumer(&stream, "b", store.clone())
+        .await
+        .claim_idle(Duration::from_millis(200))
+        .transaction_wait(Duration::from_millis(300))
+        .concurrency(4);
+    for i in 0..8 {
+        xadd(&stream, &[("message_id", &format!("l-{i}"))]).await;
+        xadd(&stream, &[("message_id", &format!("l-{i}"))]).await;
+    }
+    let l = ledger.clone();
+    let slow = move |entry: StreamEntry, tx: PgTx| {
+        let ledger = l.clone();
+        async move {
+            ledger.insert(&tx, &id_of(&entry)?, entry.fence).await?;
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+            Ok::<_, BoxError>(())
+        }
+    };
+    run_until_done(&[a, b], slow, done(&stream, &ledger, 8)).await;
+    assert!(
+        ledger.doubles().await.is_empty(),
+        "{:?}",
+        ledger.doubles().await
+    );
+}
