@@ -208,6 +208,8 @@ async fn postgres_rates(args: &Args, url: &str, stream: &str) -> Result<(), BoxE
                     Idempotency::new(store),
                 )
                 .await?
+                // A scope per run: each runs every key.
+                .scope(format!("stream-rate.{group}"))?
                 .key_field("message_id")
                 .batch(args.batch)
                 .concurrency(concurrency)
