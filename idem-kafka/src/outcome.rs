@@ -111,7 +111,7 @@ where
                 Settle::Finish(u)
             }
             Err(IdemError::Handler(Run::TooManyAttempts(n))) => Settle::Dead(format!(
-                "acquired {n} times (max_deliveries {}): its earlier runs were cut off, their consumer died",
+                "acquired {n} times (max_deliveries {}): its earlier runs were cut off (their consumer died, or lost the store mid-run for longer than it waited)",
                 self.max_deliveries
             )),
             Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {

@@ -77,7 +77,7 @@ impl<E: fmt::Display> fmt::Display for Run<E> {
             Run::Handler(e) => e.fmt(f),
             Run::TooManyAttempts(n) => write!(
                 f,
-                "acquired {n} times: the earlier runs were cut off (their process died)"
+                "acquired {n} times: the earlier runs were cut off (their process died, or lost the store mid-run for longer than it waited)"
             ),
         }
     }

@@ -550,3 +550,136 @@ async fn the_attempt_counts_the_runs_cut_off_by_a_crash_until_one_is_seen_to_end
     );
     assert_eq!(ledger.rows("starts").await, 1);
 }
+
+/// A run that fails while a run of another process waits for its key:
+/// its count is released before its rollback lets the key go, so the
+/// waiting run does not count it (attempt 1); and that release, late (the
+/// proxy holds it back 1.5 s), is made with the run's own token, so it
+/// never erases the count of the waiting run, which crashes: the next run
+/// sees one run cut off (attempt 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_release_of_a_failed_run_neither_counts_it_nor_erases_a_crash_after_it() {
+    let (store, idem, _ledger) = setup(4).await;
+    let (proxy, proxied) = support::pg::proxied().await;
+    let through = Idempotency::new(PgStore::new(support::pg::pool(&proxied, 4).await));
+    let k = key("late-release");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (started_tx, started) = tokio::sync::oneshot::channel::<()>();
+    let (fail_tx, fail) = tokio::sync::oneshot::channel::<()>();
+    let first = {
+        let (k, s) = (k.clone(), seen.clone());
+        tokio::spawn(async move {
+            TxRunner::new()
+                .process_one(
+                    &through,
+                    &k,
+                    None,
+                    move |context: Context, _tx: PgTx| async move {
+                        s.lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .push(context.attempt);
+                        let _ = started_tx.send(());
+                        let _ = fail.await;
+                        Err::<u64, BoxError>("the bank is down".into())
+                    },
+                )
+                .await
+        })
+    };
+    started.await.unwrap_or_else(|e| panic!("{e}"));
+    // The first run's release (its first DELETE through the proxy) is late.
+    proxy.delay_requests_to(b"DELETE FROM", Duration::from_millis(1500));
+    let crashed = {
+        let (k, s) = (k.clone(), seen.clone());
+        tokio::task::spawn_blocking(move || crash(&k, &s))
+    };
+    support::pg::until_waiting_on_locks(store.pool(), 1).await;
+    let _ = fail_tx.send(());
+    crashed.await.unwrap_or_else(|e| panic!("{e}"));
+    let out = first.await.unwrap_or_else(|e| panic!("{e}"));
+    assert!(matches!(out, Err(IdemError::Handler(_))), "{out:?}");
+    let s = seen.clone();
+    let ran = TxRunner::new()
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, _tx: PgTx| async move {
+                s.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(context.attempt);
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+    assert_eq!(
+        *seen.lock().unwrap_or_else(|p| p.into_inner()),
+        [1, 1, 2],
+        "a failure seen to end, a run cut off by a crash, then a run after one crash"
+    );
+}
+
+/// Three runs, each of another process, lose their transaction to a
+/// failover (the proxy cut for 1 s, shorter than the runner's wait): the
+/// commit fails, and the release of their count is tried again until the
+/// store is back, so none of them counts as a run cut off: the next run,
+/// on a sound database, is attempt 1 and commits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_whose_transactions_a_short_failover_lost_do_not_count_as_cut_off() {
+    let (_store, idem, ledger) = setup(4).await;
+    let (proxy, proxied) = support::pg::proxied().await;
+    let proxy = Arc::new(proxy);
+    let k = key("failover");
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    for _ in 0..3 {
+        let through = Idempotency::new(PgStore::new(support::pg::pool(&proxied, 4).await));
+        let (s, l, p) = (seen.clone(), ledger.clone(), proxy.clone());
+        let out = TxRunner::new()
+            .process_one(
+                &through,
+                &k,
+                None,
+                move |context: Context, tx: PgTx| async move {
+                    s.lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(context.attempt);
+                    l.insert(&tx, "failover", context.fence).await?;
+                    // The failover: every connection cut, back after 1 s.
+                    p.cut(true);
+                    let back = p.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        back.cut(false);
+                    });
+                    Ok::<u64, BoxError>(context.fence)
+                },
+            )
+            .await;
+        assert!(matches!(out, Err(IdemError::Store(_))), "{out:?}");
+    }
+    let s = seen.clone();
+    let ran = TxRunner::new()
+        .process_one(
+            &idem,
+            &k,
+            None,
+            move |context: Context, _tx: PgTx| async move {
+                s.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(context.attempt);
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+    assert_eq!(
+        *seen.lock().unwrap_or_else(|p| p.into_inner()),
+        [1, 1, 1, 1]
+    );
+    assert_eq!(
+        ledger.rows("failover").await,
+        0,
+        "no lost transaction kept its row"
+    );
+}

@@ -380,9 +380,13 @@ where
 /// which a receiver compares with its `max_deliveries` to stop a message
 /// that kills every consumer. A failure seen to end (the handler's `Err`,
 /// a panic, a lost connection, a refused commit) is the receiver's to
-/// count; a wait for a key held elsewhere, or a store that is away,
-/// starts nothing; [`Runner::forget`] (a message dead-lettered) starts
-/// the count again.
+/// count: its count is released (with the run's own token, before the
+/// rollback lets the claim go, tried again for up to [`wait`](Self::wait),
+/// at most a minute, while the store is away); a wait for a key held elsewhere, or a store
+/// that is away before the claim, starts nothing; [`Runner::forget`] (a
+/// message dead-lettered) starts the count again. What is left: a run
+/// whose store stays away for longer than the wait after its transaction
+/// was lost counts, for the other consumers, as a run cut off.
 #[derive(Debug, Clone)]
 pub struct TxRunner {
     wait: Duration,
@@ -540,6 +544,41 @@ impl TxRunner {
         }
     }
 
+    /// Forgets the count a run took (`start`, the counter's lease), once
+    /// it is seen to end: released with the run's own token, so a late
+    /// forget never erases a later run's count; one that fails is deleted
+    /// before this runner's next count of the key.
+    async fn forget_run<S: IdempotencyStore + ?Sized>(
+        &self,
+        store: &S,
+        counter: Option<&IdempotencyKey>,
+        start: Option<&Lease>,
+    ) {
+        let (Some(counter), Some(start)) = (counter, start) else {
+            return;
+        };
+        // Tried again for up to the runner's wait (at most a minute) while
+        // the store is away (a failover): a count left behind is a run cut
+        // off for every other consumer of the key.
+        let until = tokio::time::Instant::now() + self.wait.min(Duration::from_secs(60));
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match store.release(start).await {
+                // Released, or taken over since: that count is another run's.
+                Ok(()) | Err(StoreError::LeaseLost) => return,
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() + pause < until => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "in-transaction run: its start count could not be forgotten (it is, before this runner's next count; another consumer counts it as a run cut off)");
+                    lock(&self.unforgotten).insert(counter.clone());
+                    return;
+                }
+            }
+        }
+    }
+
     /// Whether `counter` may count: not waiting to be deleted, or deleted
     /// now.
     async fn forgotten<S: IdempotencyStore + ?Sized>(
@@ -630,11 +669,13 @@ impl TxRunner {
         // the count: failures and outages are the receivers' to count.
         let counter = start_counter(&key);
         let mut context = Context::of(&lease);
+        let mut started = None;
         if let Some(counter) = &counter {
             if self.forgotten(&*store, counter).await {
                 match store.acquire(counter, None, Duration::from_millis(1)).await {
                     Ok(Acquisition::Acquired(start)) => {
-                        context.attempt = context.attempt.max(start.attempt)
+                        context.attempt = context.attempt.max(start.attempt);
+                        started = Some(start);
                     }
                     Ok(Acquisition::InProgress { attempt, .. }) => {
                         context.attempt = context.attempt.max(attempt.saturating_add(1))
@@ -648,18 +689,16 @@ impl TxRunner {
         }
         tracing::Span::current().record("attempt", context.attempt);
         tracing::Span::current().record("fence", lease.fence);
-        let (result, seen_to_end) = self
-            .claimed(idem, &key, fingerprint, lease, tx, handler, context)
-            .await;
-        if seen_to_end {
-            self.forget_starts(&*store, counter.as_ref()).await;
-        }
-        result
+        let count = (counter.as_ref(), started.as_ref());
+        self.claimed(idem, &key, fingerprint, lease, tx, handler, context, count)
+            .await
     }
 
-    /// A claimed key, from its handler to the commit; whether the run was
-    /// seen to end (anything but a cancellation: the runtime shutting
-    /// down under it, as a crash).
+    /// A claimed key, from its handler to the commit. A run seen to end
+    /// (anything but a cancellation: the runtime shutting down under it,
+    /// as a crash) forgets its `count` (the counter and the lease its start
+    /// took), before its rollback lets the claim go when it rolls back, so
+    /// that the next run of the key never counts it.
     #[allow(clippy::too_many_arguments)]
     async fn claimed<S, C, T, E, F, Fut>(
         &self,
@@ -670,7 +709,8 @@ impl TxRunner {
         tx: S::Tx,
         handler: F,
         context: Context,
-    ) -> (Result<Processed<T>, IdemError<E>>, bool)
+        (counter, started): (Option<&IdempotencyKey>, Option<&Lease>),
+    ) -> Result<Processed<T>, IdemError<E>>
     where
         S: TransactionalStore + ?Sized,
         C: Codec,
@@ -680,6 +720,7 @@ impl TxRunner {
     {
         let store = idem.store.clone();
         let scope = key.scope();
+        let forget = || self.forget_run(&*store, counter, started);
         let shared = SharedTx::new(tx);
         let given = shared.clone();
         let outcome = run_handler(move |context| handler(context, given), context).await;
@@ -687,40 +728,36 @@ impl TxRunner {
             HandlerOutcome::Ok(value) => value,
             // Rolled back: nothing of the handler is kept.
             HandlerOutcome::Err(e) => {
+                forget().await;
                 if let Some(tx) = shared.take(self.wait).await {
                     store.rollback(tx).await;
                 }
-                return (Err(IdemError::Handler(e)), true);
+                return Err(IdemError::Handler(e));
             }
             HandlerOutcome::Panicked(message) => {
+                forget().await;
                 if let Some(tx) = shared.take(self.wait).await {
                     store.rollback(tx).await;
                 }
-                return (Err(IdemError::Panicked { message }), true);
+                return Err(IdemError::Panicked { message });
             }
             // The runtime shutting down under the run: as a crash.
-            HandlerOutcome::Cancelled(message) => {
-                return (Err(IdemError::Panicked { message }), false)
-            }
+            HandlerOutcome::Cancelled(message) => return Err(IdemError::Panicked { message }),
             HandlerOutcome::NotStarted => {
-                return (
-                    Err(IdemError::InProgress {
-                        retry_after: Duration::ZERO,
-                        attempt: lease.attempt,
-                    }),
-                    true,
-                )
+                forget().await;
+                return Err(IdemError::InProgress {
+                    retry_after: Duration::ZERO,
+                    attempt: lease.attempt,
+                });
             }
         };
         let Some(mut tx) = shared.take(self.wait).await else {
             // Rolled back when the handler's guard goes.
             tracing::error!(key = %key, "in-transaction run: the handler still holds its transaction after it returned; rolled back");
-            return (
-                Err(IdemError::Store(StoreError::backend(
-                    "the handler still held its transaction after it returned: nothing was kept",
-                ))),
-                true,
-            );
+            forget().await;
+            return Err(IdemError::Store(StoreError::backend(
+                "the handler still held its transaction after it returned: nothing was kept",
+            )));
         };
         let retention = idem.retention;
         let mut not_replayable = None;
@@ -748,15 +785,23 @@ impl TxRunner {
             // replayable" in a new transaction, never run again.
             Err(StoreError::LeaseLost) => {
                 drop(tx);
-                return (self.mark_ran(idem, key, fingerprint, value).await, true);
+                let marked = self.mark_ran(idem, key, fingerprint, value).await;
+                forget().await;
+                return marked;
             }
             Err(e) => {
+                forget().await;
                 store.rollback(tx).await;
-                return (Err(IdemError::Store(e)), true);
+                return Err(IdemError::Store(e));
             }
         }
-        if let Err(e) = store.commit(tx).await {
-            return (Err(IdemError::Store(e)), true);
+        // Forgotten after the commit: committed, the key replays and is
+        // never counted again; not committed (its connection lost), the
+        // claim went with it.
+        let committed = store.commit(tx).await;
+        forget().await;
+        if let Err(e) = committed {
+            return Err(IdemError::Store(e));
         }
         let done = match not_replayable {
             None => Processed::Executed(value),
@@ -766,7 +811,7 @@ impl TxRunner {
                 Processed::ExecutedNotReplayable { value, reason }
             }
         };
-        (Ok(done), true)
+        Ok(done)
     }
 
     /// After a handler ended its transaction itself: claims the key again

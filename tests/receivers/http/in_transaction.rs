@@ -500,6 +500,16 @@ async fn sixty_four_duplicates_on_a_pool_of_eight_neither_deadlock_nor_hold_the_
     let scope = scope();
     let (url, app) = tx_server(store.clone(), &scope, &ledger, None).await;
     let body = json!({ "id": "p-64" });
+    // The setup's connections (the migration, the ledger) back in the
+    // pool first: the count below is of the requests' connections.
+    let pool = store.pool();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while pool.size() as usize != pool.num_idle() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("the setup's connections never went back to the pool"));
     let inserted = app.inserted.notified();
     let mut requests = Vec::new();
     for _ in 0..64 {
