@@ -78,6 +78,15 @@ impl IdempotencyKey {
         Self::new(scope, id)
     }
 
+    /// The key, in `scope`, of a counter kept about this key (a receiver's
+    /// count of failed or cut-off runs): a SHA-256 of this key's scope and
+    /// ID, so that no two keys share a counter. `None` when `scope` is not
+    /// a valid scope.
+    pub fn counter_of(&self, scope: &str) -> Option<IdempotencyKey> {
+        let id = Fingerprint::of_bytes(format!("{}\u{0}{}", self.scope, self.id).as_bytes());
+        IdempotencyKey::new(scope, id.to_hex()).ok()
+    }
+
     /// A natural key made of several parts (`["order-17", "line-3"]`),
     /// joined so that different part lists never give the same id: each part
     /// has `%` and `/` percent-escaped, and parts are joined with `/`.

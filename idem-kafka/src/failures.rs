@@ -4,14 +4,13 @@
 
 use std::time::Duration;
 
-use idem_core::{Codec, Fingerprint, IdempotencyKey, IdempotencyStore};
+use idem_core::{Codec, IdempotencyKey, IdempotencyStore};
 
 use crate::work::Work;
 
 /// The key of the counter of `key`'s failed runs.
 pub(crate) fn failure_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
-    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
-    IdempotencyKey::new("idem.failures", id).ok()
+    key.counter_of("idem.failures")
 }
 
 impl<S, C, F, M> Work<S, C, F, M>

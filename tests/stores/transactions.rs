@@ -464,10 +464,52 @@ async fn waits_of_zero_and_duration_max_run_and_replay() {
     }
 }
 
+/// The attempts the handlers of a test saw, in order.
+type Seen = Arc<std::sync::Mutex<Vec<u32>>>;
+
+/// A handler that notes its attempt and fails.
+fn fails(
+    seen: &Seen,
+) -> impl FnOnce(Context, PgTx) -> futures::future::BoxFuture<'static, Result<u64, BoxError>> {
+    let seen = seen.clone();
+    move |context: Context, _tx: PgTx| {
+        Box::pin(async move {
+            seen.lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(context.attempt);
+            Err::<u64, BoxError>("fails".into())
+        })
+    }
+}
+
+/// Runs `key` on a new runner with a handler that notes its attempt and
+/// commits.
+async fn commits_noting_its_attempt(
+    idem: &Idempotency<PgStore>,
+    key: &IdempotencyKey,
+    seen: &Seen,
+) {
+    let seen = seen.clone();
+    let ran = TxRunner::new()
+        .process_one(
+            idem,
+            key,
+            None,
+            move |context: Context, _tx: PgTx| async move {
+                seen.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(context.attempt);
+                Ok::<u64, BoxError>(context.fence)
+            },
+        )
+        .await;
+    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+}
+
 /// Runs `key` in a runtime of its own (a process of its own, with its own
 /// pool) whose handler says its attempt and hangs, then drops that
 /// runtime under it: a consumer that dies mid-transaction.
-fn crash(key: &IdempotencyKey, seen: &Arc<std::sync::Mutex<Vec<u32>>>) {
+fn crash(key: &IdempotencyKey, seen: &Seen) {
     let (key, seen) = (key.clone(), seen.clone());
     std::thread::spawn(move || {
         let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -509,15 +551,6 @@ async fn the_attempt_counts_the_runs_cut_off_by_a_crash_until_one_is_seen_to_end
     let runner = TxRunner::new();
     let k = key("starts");
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let fails = |seen: &Arc<std::sync::Mutex<Vec<u32>>>| {
-        let seen = seen.clone();
-        move |context: Context, _tx: PgTx| async move {
-            seen.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push(context.attempt);
-            Err::<u64, BoxError>("fails".into())
-        }
-    };
     crash(&k, &seen);
     crash(&k, &seen);
     for _ in 0..2 {
@@ -598,21 +631,7 @@ async fn a_late_release_of_a_failed_run_neither_counts_it_nor_erases_a_crash_aft
     crashed.await.unwrap_or_else(|e| panic!("{e}"));
     let out = first.await.unwrap_or_else(|e| panic!("{e}"));
     assert!(matches!(out, Err(IdemError::Handler(_))), "{out:?}");
-    let s = seen.clone();
-    let ran = TxRunner::new()
-        .process_one(
-            &idem,
-            &k,
-            None,
-            move |context: Context, _tx: PgTx| async move {
-                s.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(context.attempt);
-                Ok::<u64, BoxError>(context.fence)
-            },
-        )
-        .await;
-    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+    commits_noting_its_attempt(&idem, &k, &seen).await;
     assert_eq!(
         *seen.lock().unwrap_or_else(|p| p.into_inner()),
         [1, 1, 2],
@@ -658,21 +677,7 @@ async fn runs_whose_transactions_a_short_failover_lost_do_not_count_as_cut_off()
             .await;
         assert!(matches!(out, Err(IdemError::Store(_))), "{out:?}");
     }
-    let s = seen.clone();
-    let ran = TxRunner::new()
-        .process_one(
-            &idem,
-            &k,
-            None,
-            move |context: Context, _tx: PgTx| async move {
-                s.lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push(context.attempt);
-                Ok::<u64, BoxError>(context.fence)
-            },
-        )
-        .await;
-    assert!(matches!(ran, Ok(Processed::Executed(_))), "{ran:?}");
+    commits_noting_its_attempt(&idem, &k, &seen).await;
     assert_eq!(
         *seen.lock().unwrap_or_else(|p| p.into_inner()),
         [1, 1, 1, 1]

@@ -36,6 +36,11 @@ use crate::store::IdempotencyStore;
 /// its key (then the message is "in progress" and tried again later).
 pub const DEFAULT_TRANSACTION_WAIT: Duration = Duration::from_secs(10);
 
+/// The scope of [`TxRunner`]'s counters of the runs of a key cut off by
+/// a crash (records taken over at each start, never completed, deleted
+/// when a run is seen to end).
+const START_COUNTER: &str = "idem.starts";
+
 /// A store that can hold a key inside a transaction of the database the
 /// handler writes in (`PgStore`: a PostgreSQL transaction), for the
 /// receivers' in-transaction form ([`TxRunner`]).
@@ -467,7 +472,7 @@ where
     }
 
     async fn forget(&self, idem: &Idempotency<S, C>, key: &IdempotencyKey) {
-        self.forget_starts(&**idem.store(), start_counter(key).as_ref())
+        self.forget_starts(&**idem.store(), key.counter_of(START_COUNTER).as_ref())
             .await;
     }
 
@@ -667,7 +672,7 @@ impl TxRunner {
         // this count, so that a receiver stops a message that kills every
         // consumer. A run seen to end (committed, failed, refused) forgets
         // the count: failures and outages are the receivers' to count.
-        let counter = start_counter(&key);
+        let counter = key.counter_of(START_COUNTER);
         let mut context = Context::of(&lease);
         let mut started = None;
         if let Some(counter) = &counter {
@@ -865,15 +870,6 @@ impl TxRunner {
             }
         }
     }
-}
-
-/// The key of the counter of the runs of `key` started in a transaction
-/// (scope `idem.starts`, a hash of the key as ID): a record taken over
-/// at each start (a 1 ms lease, never completed), whose attempt is the
-/// count; deleted once a run committed.
-fn start_counter(key: &IdempotencyKey) -> Option<IdempotencyKey> {
-    let id = Fingerprint::of_bytes(format!("{}\u{0}{}", key.scope(), key.id()).as_bytes()).to_hex();
-    IdempotencyKey::new("idem.starts", id).ok()
 }
 
 #[cfg(test)]

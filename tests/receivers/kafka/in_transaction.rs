@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idemkit::kafka::{KafkaConsumer, KafkaRecord};
+use idemkit::kafka::{ConsumerStats, KafkaConsumer, KafkaRecord};
 use idemkit::postgres::{PgStore, PgTx};
 use idemkit::Idempotency;
 
@@ -52,7 +52,7 @@ fn pays(
 
 /// Runs `consumer` in its in-transaction form with `handler` until the
 /// ledger holds `rows` rows and the group committed up to `ends` (360 s at
-/// most: group joins take seconds on a busy machine).
+/// most: group joins take seconds on a busy machine); what `run` returned.
 async fn run_until_done<F, Fut>(
     consumer: &KafkaConsumer<PgStore>,
     handler: F,
@@ -60,7 +60,8 @@ async fn run_until_done<F, Fut>(
     ledger: &Ledger,
     rows: i64,
     ends: &Ends,
-) where
+) -> ConsumerStats
+where
     F: Fn(KafkaRecord, PgTx) -> Fut + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<u64, BoxError>> + Send + 'static,
 {
@@ -75,13 +76,14 @@ async fn run_until_done<F, Fut>(
         finished
     };
     let (stats, finished) = tokio::join!(run, watch);
-    stats.unwrap_or_else(|e| panic!("{e}"));
+    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
     assert!(
         finished,
-        "not done in 360 s: {} of {rows} rows, committed up to the ends: {}",
+        "not done in 360 s: {} of {rows} rows, committed up to the ends: {}; {stats:?}",
         ledger.total().await,
         all_committed(group, topic, ends).await
     );
+    stats
 }
 
 /// The killed member, in a child process: runs every record, but holds
@@ -351,21 +353,15 @@ async fn a_record_that_kills_its_members_is_dead_lettered_after_max_deliveries()
     let consumer = member(&group, &topic, store.clone())
         .dead_letter(dead.clone())
         .max_deliveries(3);
-    let done = Arc::new(AtomicBool::new(false));
-    let watch = async {
-        let finished = wait_for(Duration::from_secs(120), || async {
-            all_committed(&group, &topic, &ends).await
-        })
-        .await;
-        done.store(true, Ordering::SeqCst);
-        finished
-    };
-    let (stats, finished) = tokio::join!(
-        consumer.run_in_transaction(pays(&ledger), once_set(done.clone())),
-        watch
-    );
-    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
-    assert!(finished, "the record was not settled in 120 s: {stats:?}");
+    let stats = run_until_done(
+        &consumer,
+        pays(&ledger),
+        (&group, &topic),
+        &ledger,
+        0,
+        &ends,
+    )
+    .await;
     assert_eq!(ledger.runs(), 0, "a 4th member ran it: {stats:?}");
     assert_eq!(stats.dead_lettered, 1, "{stats:?}");
     assert_eq!(ledger.total().await, 0, "no run committed");
@@ -409,24 +405,22 @@ async fn a_record_retried_while_its_key_is_held_elsewhere_runs_once_the_holder_r
         .dead_letter(dead.clone())
         .max_deliveries(3)
         .transaction_wait(Duration::from_millis(300));
-    let done = Arc::new(AtomicBool::new(false));
-    let watch = async {
+    let holding = async {
         // Held for several retries, then rolled back (its run failed).
         tokio::time::sleep(Duration::from_secs(6)).await;
         holder.rollback().await.unwrap_or_else(|e| panic!("{e}"));
-        let finished = wait_for(Duration::from_secs(120), || async {
-            all_committed(&group, &topic, &ends).await
-        })
-        .await;
-        done.store(true, Ordering::SeqCst);
-        finished
     };
-    let (stats, finished) = tokio::join!(
-        consumer.run_in_transaction(pays(&ledger), once_set(done.clone())),
-        watch
+    let (stats, ()) = tokio::join!(
+        run_until_done(
+            &consumer,
+            pays(&ledger),
+            (&group, &topic),
+            &ledger,
+            1,
+            &ends
+        ),
+        holding
     );
-    let stats = stats.unwrap_or_else(|e| panic!("{e}"));
-    assert!(finished, "the record was not settled in 120 s: {stats:?}");
     assert_eq!(
         ledger.rows("held").await,
         1,
