@@ -33,6 +33,11 @@
 //! store`). `ops` and `ops_per_sec` then count keys, and the latency
 //! percentiles are those of whole batches. A `contended` round delivers the
 //! same N new keys from every task.
+//!
+//! `--batching off` turns off the Redis and PostgreSQL stores' natural
+//! batching (concurrent single calls sent together while one is in
+//! flight); `--batch-in-flight N` lets N batched calls of each kind run at
+//! once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -118,6 +123,14 @@ struct Args {
     /// returns a string whose JSON is that long.
     #[arg(long, default_value_t = 2)]
     response_bytes: usize,
+    /// Natural batching of concurrent single calls in the Redis and
+    /// PostgreSQL stores (on by default).
+    #[arg(long, value_enum, default_value = "on")]
+    batching: Switch,
+    /// Batched calls of each kind in flight at once (default: the
+    /// store's, 1).
+    #[arg(long)]
+    batch_in_flight: Option<usize>,
     /// PgStore's own connections (default: the store's default, 4; the
     /// callers queue for them).
     #[arg(long)]
@@ -138,6 +151,25 @@ struct Args {
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// On or off.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
+}
+
+/// The stores' batching, as the flags ask.
+fn batching(args: &Args) -> idemkit::Batching {
+    let mut batching = match args.batching {
+        Switch::On => idemkit::Batching::default(),
+        Switch::Off => idemkit::Batching::off(),
+    };
+    if let Some(n) = args.batch_in_flight {
+        batching = batching.in_flight(n);
+    }
+    batching
+}
 
 /// What a delivery got.
 #[derive(Debug, Clone, Copy)]
@@ -648,13 +680,21 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         #[cfg(feature = "postgres")]
         Backend::PostgresTx => return Ok(Target::PgTx(pg_store(args).await?)),
         #[cfg(feature = "redis")]
-        Backend::Redis => Arc::new(idemkit::redis::RedisStore::connect(redis_url(args)?).await?),
+        Backend::Redis => Arc::new(
+            idemkit::redis::RedisStore::connect(redis_url(args)?)
+                .await?
+                .batching(batching(args)),
+        ),
         #[cfg(feature = "redis")]
         Backend::RedisCluster => {
             let urls = args.redis_cluster_urls.as_deref().ok_or(
                 "--backend redis-cluster needs --redis-cluster-urls (or IDEM_REDIS_CLUSTER_URLS)",
             )?;
-            Arc::new(idemkit::redis::RedisStore::connect_cluster(urls.split(',')).await?)
+            Arc::new(
+                idemkit::redis::RedisStore::connect_cluster(urls.split(','))
+                    .await?
+                    .batching(batching(args)),
+            )
         }
         #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
         Backend::Tiered => {
@@ -748,7 +788,7 @@ async fn pg_store(args: &Args) -> Result<idemkit::postgres::PgStore, BoxError> {
         .test_before_acquire(false)
         .connect(url)
         .await?;
-    let mut builder = idemkit::postgres::PgStore::builder(pool);
+    let mut builder = idemkit::postgres::PgStore::builder(pool).batching(batching(args));
     if let Some(n) = args.pg_connections {
         builder = builder.connections(n);
     }

@@ -31,6 +31,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod batching;
 mod canonical;
 mod codec;
 mod error;
@@ -49,6 +50,7 @@ mod telemetry;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use batching::{Batcher, Batching, STORE_BATCH_SIZE};
 pub use canonical::canonical_json;
 pub use codec::{Codec, JsonCodec};
 pub use error::{BoxError, CodecError, IdemError, KeyError, StoreError, Unrecorded};

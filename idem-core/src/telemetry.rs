@@ -143,6 +143,11 @@ pub fn describe_metrics() {
         metrics::Unit::Seconds,
         "Latency of one store call made by idem, by backend, operation and outcome (ok, error, or cancelled: dropped before it finished)."
     );
+    metrics::describe_histogram!(
+        crate::batching::STORE_BATCH_SIZE,
+        metrics::Unit::Count,
+        "Single calls served by one batched store call (natural batching), by backend and operation (acquire, complete)."
+    );
     metrics::describe_counter!(
         "idem_tier_hits_total",
         metrics::Unit::Count,

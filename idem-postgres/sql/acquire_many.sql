@@ -8,30 +8,41 @@
 -- twice). Only the plain store sends it (no in-transaction claims: no
 -- transaction tag in the tokens).
 --
--- keylock: the advisory lock of every key, as acquire.sql takes it, in
--- ascending order of the lock's id (a volatile function in the select
--- list is evaluated after the ORDER BY, in output order), so that two
--- batches that share keys queue instead of deadlocking. Then the clock is
--- read: every lease counts from after every wait, and fences are taken
--- after every earlier acquisition of each key committed (the clock in
--- microseconds, raised to {{sequence}}'s next value and to a row's fence
--- + 1, as acquire.sql explains).
+-- keylock: the advisory lock of every key, as acquire.sql takes it, but
+-- tried, never waited for (in ascending order of the lock's id: a
+-- volatile function in the select list is evaluated after the ORDER BY).
+-- A key whose lock is held elsewhere (an in-transaction claim, another
+-- statement acquiring it) comes back `busy`, untouched, and the store
+-- sends it alone with acquire.sql, which waits for it: one held key never
+-- holds up the other keys of a batch (which may be other callers' single
+-- calls batched together). Then the clock is read: every lease counts
+-- from after the locks are held, and fences are taken after every earlier
+-- acquisition of each key committed (the clock in microseconds, raised to
+-- {{sequence}}'s next value and to a row's fence + 1, as acquire.sql
+-- explains).
 --
 -- `fresh`, `taken` and the existing rows are acquire.sql's branches, per
 -- item. An item whose key has no visible row and nothing written (a row
 -- committed after this statement's snapshot) comes back with `acquired`
 -- NULL: the store runs it again, as acquire.sql's empty answer.
--- Column 13 is the item's 1-based position in the arrays.
+-- Column 13 is the item's 1-based position in the arrays; column 14 is
+-- true for a busy item (every other column NULL).
 WITH input AS MATERIALIZED (
     SELECT i.ord, i.scope, i.key, i.fp, i.token
     FROM unnest($1::text[], $2::text[], $3::bytea[], $4::bytea[])
          WITH ORDINALITY AS i(scope, key, fp, token, ord)
 ),
 keylock AS MATERIALIZED (
-    SELECT pg_advisory_xact_lock(l.k1, l.k2)::text AS held
+    SELECT l.k1, l.k2, pg_try_advisory_xact_lock(l.k1, l.k2) AS held
     FROM (SELECT DISTINCT hashtext('{{table}}' || scope) AS k1, hashtext(key) AS k2
           FROM input) l
     ORDER BY l.k1, l.k2
+),
+locked AS MATERIALIZED (
+    SELECT i.ord, i.scope, i.key, i.fp, i.token
+    FROM input i
+    JOIN keylock k ON k.k1 = hashtext('{{table}}' || i.scope) AND k.k2 = hashtext(i.key)
+    WHERE k.held
 ),
 clock AS MATERIALIZED (
     SELECT clock_timestamp() AS now, (SELECT count(*) FROM keylock) AS held
@@ -45,7 +56,7 @@ fresh AS (
            c.now,
            c.now + ($5::int8 + $6::int8) * interval '1 microsecond',
            greatest(nextval('{{sequence}}'), (extract(epoch FROM c.now) * 1000000)::int8)
-    FROM input i, clock c
+    FROM locked i, clock c
     ON CONFLICT (scope, key) DO NOTHING
     RETURNING r.scope, r.key, r.token, r.attempt, r.lease_until, r.expires_at, r.fingerprint,
               r.fence, clock_timestamp() AS written_at
@@ -68,7 +79,7 @@ taken AS (
                      ELSE greatest(nextval('{{sequence}}'),
                                    (extract(epoch FROM c.now) * 1000000)::int8,
                                    r.fence + 1) END
-    FROM input i, clock c
+    FROM locked i, clock c
     WHERE r.scope = i.scope AND r.key = i.key AND r.status IN (1, 2)
       AND ((r.status = 1 AND r.token = i.token AND r.expires_at > c.now)
            OR r.expires_at <= c.now
@@ -92,8 +103,9 @@ SELECT true AS acquired, 1::int2 AS status, w.fingerprint, w.attempt,
        NULL::int8 AS ttl_us,
        w.token,
        false AS mine,
-       i.ord
-FROM input i JOIN written w ON w.scope = i.scope AND w.key = i.key
+       i.ord,
+       false AS busy
+FROM locked i JOIN written w ON w.scope = i.scope AND w.key = i.key
 UNION ALL
 SELECT CASE WHEN r.key IS NOT NULL THEN false END, r.status, r.fingerprint, r.attempt,
        (extract(epoch FROM r.lease_until) * 1000000)::int8,
@@ -107,8 +119,13 @@ SELECT CASE WHEN r.key IS NOT NULL THEN false END, r.status, r.fingerprint, r.at
        (extract(epoch FROM r.expires_at - c.now) * 1000000)::int8,
        r.token,
        false,
-       i.ord
-FROM input i
+       i.ord,
+       false
+FROM locked i
 CROSS JOIN clock c
 LEFT JOIN {{table}} r ON r.scope = i.scope AND r.key = i.key
 WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.scope = i.scope AND w.key = i.key)
+UNION ALL
+SELECT NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, false, i.ord, true
+FROM input i
+WHERE NOT EXISTS (SELECT 1 FROM locked l WHERE l.ord = i.ord)

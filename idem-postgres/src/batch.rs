@@ -26,7 +26,10 @@ impl PgStore {
     /// `batch` of `items` (keys unique), re-run for the items whose answer
     /// was a stale view or a lease a wait shortened, as `acquire_on` does
     /// for one key (the same tokens, the same time rule). Answers per
-    /// item of `batch`, in its order.
+    /// item of `batch`, in its order, and the positions (in `batch`) of
+    /// the items whose key was busy: their lock was held elsewhere, nothing
+    /// was done for them, and their answer is a placeholder; the caller
+    /// sends each alone, to wait for its lock as `acquire` does.
     pub(crate) async fn acquire_many_on(
         &self,
         conn: &mut PgConnection,
@@ -35,8 +38,9 @@ impl PgStore {
         tokens: &[[u8; 16]],
         lease: Duration,
         send_by: Instant,
-    ) -> Result<Vec<Result<Acquisition, StoreError>>, Failure> {
+    ) -> Result<(Vec<Result<Acquisition, StoreError>>, Vec<usize>), Failure> {
         let lease = saturate(lease);
+        let mut busy = Vec::new();
         let lease_us = micros(lease);
         let grace_us = micros(IN_PROGRESS_GRACE);
         let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
@@ -106,6 +110,11 @@ impl PgStore {
                 again[j] = false;
                 let p = pending[j];
                 let item = &items[batch[p]];
+                if row.try_get::<bool, _>(14).unwrap_or(false) {
+                    busy.push(p);
+                    out[p] = Some(Err(StoreError::unavailable("busy: sent alone")));
+                    continue;
+                }
                 // NULL: no visible row and nothing written (a stale view).
                 let acquired: Option<bool> = match column(row, 0, item.key) {
                     Ok(a) => a,
@@ -140,7 +149,7 @@ impl PgStore {
                 .map(|(&p, _)| p)
                 .collect();
         }
-        Ok(out
+        let out = out
             .into_iter()
             .enumerate()
             .map(|(p, outcome)| {
@@ -155,7 +164,8 @@ impl PgStore {
                     ))
                 })
             })
-            .collect())
+            .collect();
+        Ok((out, busy))
     }
 
     /// One statement of `complete_many` on one connection: the items

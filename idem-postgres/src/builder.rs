@@ -4,6 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::{Batcher, Batching};
 #[cfg(doc)]
 use idem_core::{IdempotencyStore, StoreError};
 use sqlx::postgres::PgPool;
@@ -43,6 +44,7 @@ pub struct PgStoreBuilder {
     max_response_bytes: usize,
     connections: Option<usize>,
     batch_statement: usize,
+    batching: Batching,
     pub(crate) failover: Option<Failover>,
 }
 
@@ -61,6 +63,19 @@ impl PgStoreBuilder {
     /// [`complete_many`]: IdempotencyStore::complete_many
     pub fn batch_statement(mut self, items: usize) -> Self {
         self.batch_statement = items.clamp(1, MAX_BATCH_STATEMENT);
+        self
+    }
+
+    /// How concurrent single calls are batched (default
+    /// [`Batching::default`]: on). While an `acquire` (a `complete`) is in
+    /// flight, the ones other tasks make meanwhile wait for it and then go
+    /// together as one `acquire_many` (`complete_many`) statement; each
+    /// caller gets the answer its own call would have got. A call that
+    /// finds nothing in flight goes at once. Each batched call takes one of
+    /// the store's [`connections`](Self::connections) while it runs.
+    /// [`Batching::off`] sends every call alone.
+    pub fn batching(mut self, batching: Batching) -> Self {
+        self.batching = batching;
         self
     }
 
@@ -156,6 +171,7 @@ impl PgStoreBuilder {
             .clamp(1, MAX_CONNECTIONS);
         let timeouts = Timeouts::new(self.call_timeout);
         Ok(PgStore {
+            busy_back: false,
             inner: Arc::new(Inner {
                 conns: Arc::new(ConnectionSet::new(
                     self.pool.clone(),
@@ -172,6 +188,7 @@ impl PgStoreBuilder {
                 timeouts,
                 max_response_bytes: self.max_response_bytes,
                 batch_statement: self.batch_statement,
+                batcher: Batcher::new(self.batching, "postgres"),
             }),
         })
     }
@@ -197,6 +214,7 @@ impl PgStore {
             max_response_bytes: 64 << 20,
             connections: None,
             batch_statement: DEFAULT_BATCH_STATEMENT,
+            batching: Batching::default(),
             failover: None,
         }
     }

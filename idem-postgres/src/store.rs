@@ -26,6 +26,11 @@ use crate::timeouts::Timeouts;
 #[derive(Clone)]
 pub struct PgStore {
     pub(crate) inner: Arc<Inner>,
+    /// Set on the copy a batch of single calls goes through: a batch item
+    /// whose key is busy is handed back to its caller
+    /// ([`idem_core::batching::send_alone`]) rather than waited for, which
+    /// would hold up the other callers.
+    pub(crate) busy_back: bool,
 }
 
 pub(crate) struct Inner {
@@ -38,6 +43,8 @@ pub(crate) struct Inner {
     pub(crate) timeouts: Timeouts,
     pub(crate) max_response_bytes: usize,
     pub(crate) batch_statement: usize,
+    /// The batching of concurrent `acquire`s and `complete`s.
+    pub(crate) batcher: idem_core::Batcher,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -60,6 +67,13 @@ impl PgStore {
     /// The schema-qualified, quoted table name.
     pub fn qualified_table(&self) -> &str {
         &self.inner.qualified
+    }
+
+    /// The batching of this store's calls: its settings, and the calls
+    /// waiting now for the one in flight (see
+    /// [`PgStoreBuilder::batching`](crate::PgStoreBuilder::batching)).
+    pub fn batcher(&self) -> &idem_core::Batcher {
+        &self.inner.batcher
     }
 
     /// The in-transaction mode: reserve, write and complete inside your own

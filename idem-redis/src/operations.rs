@@ -39,43 +39,10 @@ where
         if lease.is_zero() {
             return Err(StoreError::zero_lease());
         }
-        let lease_length = lease;
-        let token = LeaseToken::random();
-        let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
-        let mut cmd = self.evalsha(&self.scripts.acquire, key, 4, 48);
-        cmd.arg(fp)
-            .arg(&token.to_bytes()[..])
-            .arg(millis(lease))
-            .arg(millis(IN_PROGRESS_GRACE));
-        let reply: Value = self.run_script(&self.scripts.acquire, &cmd).await?;
-        let outcome = decode_acquire(reply, key, token)?;
-        // Under WAIT, a replay is of a completion the replicas have: a
-        // completion whose own WAIT failed may be lost in a failover, and
-        // the key run again, after this caller got its result.
-        if let (Acquisition::Completed(_), Some(_)) = (&outcome, self.wait) {
-            self.wait_replicas(&self.redis_key(key), None, true).await?;
-        }
-        if let (Acquisition::Acquired(lease), Some(_)) = (&outcome, self.wait) {
-            let redis_key = self.redis_key(key);
-            if let Err(e) = self
-                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)), false)
-                .await
-            {
-                // Not durable enough, or the lease ended meanwhile: the
-                // caller is told Unavailable and will not run the handler,
-                // so the reservation goes too, or the retry would find the
-                // key in progress for a lease. (A lease taken over answers
-                // LeaseLost: the new holder keeps the key.)
-                if let Err(released) = self.release(lease).await {
-                    tracing::warn!(
-                        key = %redis_key, error = %released,
-                        "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
-                    );
-                }
-                return Err(e);
-            }
-        }
-        Ok(outcome)
+        let alone = self.acquire_alone(key, fingerprint, lease);
+        self.batcher
+            .acquire(self, key, fingerprint, lease, alone)
+            .await
     }
 
     async fn complete(
@@ -90,19 +57,10 @@ where
                 limit: self.max_response_bytes,
             });
         }
-        let mut cmd = self.evalsha(&self.scripts.complete, &lease.key, 3, 32 + response.len());
-        cmd.arg(&lease.token.to_bytes()[..])
-            .arg(response)
-            .arg(millis(retention));
-        let done: i64 = self.run_script(&self.scripts.complete, &cmd).await?;
-        if done != 1 {
-            return Err(StoreError::LeaseLost);
-        }
-        if self.wait.is_some() {
-            self.wait_replicas(&self.redis_key(&lease.key), None, false)
-                .await?;
-        }
-        Ok(())
+        let alone = self.complete_alone(lease, response, retention);
+        self.batcher
+            .complete(self, lease, response, retention, alone)
+            .await
     }
 
     // One script, one round trip, harmless to resend: a release that freed
@@ -271,16 +229,17 @@ where
                         cmd.arg(fp).arg(&tokens[i].to_bytes()[..]);
                     }
                     async move {
-                        let reply: Value =
-                            self.run_script(&self.scripts.acquire_many, &cmd).await?;
-                        Ok::<_, StoreError>((group, reply))
+                        match self.run_script(&self.scripts.acquire_many, &cmd).await {
+                            Ok(reply) => Ok::<(Vec<usize>, Value), _>((group, reply)),
+                            Err(e) => Err((group, e)),
+                        }
                     }
                 });
             let answers = futures_util::future::join_all(calls).await;
             if !per_slot
                 && answers
                     .iter()
-                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+                    .any(|a| matches!(a, Err((_, e)) if is_cross_slot(e)))
             {
                 self.cluster.store(true, Ordering::Relaxed);
                 continue;
@@ -288,8 +247,16 @@ where
             break answers;
         };
         let mut groups = Vec::new();
-        for answer in answers {
-            let (group, reply) = answer?;
+        for answer in answered_groups(answers)? {
+            let (group, reply) = match answer {
+                Ok(answer) => answer,
+                Err((group, e)) => {
+                    for i in group {
+                        out[i] = Some(Err(e.replicate()));
+                    }
+                    continue;
+                }
+            };
             let replies = match reply {
                 Value::Array(replies) if replies.len() == group.len() => replies,
                 other => {
@@ -417,16 +384,17 @@ where
                         cmd.arg(&items[i].0.token.to_bytes()[..]).arg(items[i].1);
                     }
                     async move {
-                        let done: Vec<i64> =
-                            self.run_script(&self.scripts.complete_many, &cmd).await?;
-                        Ok::<_, StoreError>((group, done))
+                        match self.run_script(&self.scripts.complete_many, &cmd).await {
+                            Ok(done) => Ok::<(Vec<usize>, Vec<i64>), _>((group, done)),
+                            Err(e) => Err((group, e)),
+                        }
                     }
                 });
             let answers = futures_util::future::join_all(calls).await;
             if !per_slot
                 && answers
                     .iter()
-                    .any(|a| matches!(a, Err(e) if is_cross_slot(e)))
+                    .any(|a| matches!(a, Err((_, e)) if is_cross_slot(e)))
             {
                 self.cluster.store(true, Ordering::Relaxed);
                 continue;
@@ -434,8 +402,16 @@ where
             break answers;
         };
         let mut groups = Vec::new();
-        for answer in answers {
-            let (group, done) = answer?;
+        for answer in answered_groups(answers)? {
+            let (group, done) = match answer {
+                Ok(answer) => answer,
+                Err((group, e)) => {
+                    for i in group {
+                        out[i] = Some(Err(e.replicate()));
+                    }
+                    continue;
+                }
+            };
             if done.len() != group.len() {
                 return Err(unexpected(format!(
                     "complete_many returned {} answers for {} keys",
@@ -473,4 +449,104 @@ where
         }
         Ok(out)
     }
+}
+
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// `acquire` as one call of its own (`acquire.lua`).
+    pub(crate) async fn acquire_alone(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+    ) -> Result<Acquisition, StoreError> {
+        // Refused here, before the round trip: nothing is written.
+        if lease.is_zero() {
+            return Err(StoreError::zero_lease());
+        }
+        let lease_length = lease;
+        let token = LeaseToken::random();
+        let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
+        let mut cmd = self.evalsha(&self.scripts.acquire, key, 4, 48);
+        cmd.arg(fp)
+            .arg(&token.to_bytes()[..])
+            .arg(millis(lease))
+            .arg(millis(IN_PROGRESS_GRACE));
+        let reply: Value = self.run_script(&self.scripts.acquire, &cmd).await?;
+        let outcome = decode_acquire(reply, key, token)?;
+        // Under WAIT, a replay is of a completion the replicas have: a
+        // completion whose own WAIT failed may be lost in a failover, and
+        // the key run again, after this caller got its result.
+        if let (Acquisition::Completed(_), Some(_)) = (&outcome, self.wait) {
+            self.wait_replicas(&self.redis_key(key), None, true).await?;
+        }
+        if let (Acquisition::Acquired(lease), Some(_)) = (&outcome, self.wait) {
+            let redis_key = self.redis_key(key);
+            if let Err(e) = self
+                .wait_replicas(&redis_key, Some((lease_length, lease.expires_at)), false)
+                .await
+            {
+                // Not durable enough, or the lease ended meanwhile: the
+                // caller is told Unavailable and will not run the handler,
+                // so the reservation goes too, or the retry would find the
+                // key in progress for a lease. (A lease taken over answers
+                // LeaseLost: the new holder keeps the key.)
+                if let Err(released) = self.release(lease).await {
+                    tracing::warn!(
+                        key = %redis_key, error = %released,
+                        "WAIT failed and the reservation could not be released: the key stays in progress until its lease ends"
+                    );
+                }
+                return Err(e);
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// `complete` as one call of its own (`complete.lua`).
+    pub(crate) async fn complete_alone(
+        &self,
+        lease: &Lease,
+        response: &[u8],
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        if !within_response_limit(response, self.max_response_bytes) {
+            return Err(StoreError::ResponseTooLarge {
+                size: response.len(),
+                limit: self.max_response_bytes,
+            });
+        }
+        let mut cmd = self.evalsha(&self.scripts.complete, &lease.key, 3, 32 + response.len());
+        cmd.arg(&lease.token.to_bytes()[..])
+            .arg(response)
+            .arg(millis(retention));
+        let done: i64 = self.run_script(&self.scripts.complete, &cmd).await?;
+        if done != 1 {
+            return Err(StoreError::LeaseLost);
+        }
+        if self.wait.is_some() {
+            self.wait_replicas(&self.redis_key(&lease.key), None, false)
+                .await?;
+        }
+        Ok(())
+    }
+}
+
+/// The answers of a batch's script calls (one per hash slot): the call
+/// fails as a whole only if every one failed (nothing answered); else a
+/// failed one is its own items' error, and the others keep their answers,
+/// as their keys' calls made alone would.
+#[allow(clippy::type_complexity)]
+fn answered_groups<T>(
+    answers: Vec<Result<(Vec<usize>, T), (Vec<usize>, StoreError)>>,
+) -> Result<Vec<Result<(Vec<usize>, T), (Vec<usize>, StoreError)>>, StoreError> {
+    if answers.iter().all(|a| a.is_err()) {
+        if let Some(Err((_, e))) = answers.into_iter().next() {
+            return Err(e);
+        }
+        return Ok(Vec::new());
+    }
+    Ok(answers)
 }

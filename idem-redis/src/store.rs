@@ -6,7 +6,7 @@ use std::time::Duration;
 
 #[cfg(doc)]
 use idem_core::IdempotencyStore;
-use idem_core::{saturate, IdempotencyKey, StoreError};
+use idem_core::{saturate, Batcher, Batching, IdempotencyKey, StoreError};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 
@@ -59,6 +59,9 @@ pub struct RedisStore<C = ConnectionManager> {
     /// Whether the prefix holds whitespace or a control character (see
     /// [`prefix`](Self::prefix)): checked once there, not per call.
     pub(crate) bad_prefix: bool,
+    /// The batching of concurrent `acquire`s and `complete`s (shared by
+    /// clones).
+    pub(crate) batcher: Batcher,
 }
 
 /// The store's connection: one given, or one replaced when it stops
@@ -118,6 +121,7 @@ where
             // does any other connection once Redis answered CROSSSLOT to a
             // batch (a cluster behind a type of the application's own).
             bad_prefix: false,
+            batcher: Batcher::new(Batching::default(), "redis"),
             cluster: Arc::new(AtomicBool::new(
                 std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
             )),
@@ -213,6 +217,25 @@ where
         let prefix = prefix.into();
         check_prefix(&prefix)?;
         Ok(self.prefix(prefix))
+    }
+
+    /// How concurrent single calls are batched (default
+    /// [`Batching::default`]: on). While an `acquire` (a `complete`) is in
+    /// flight, the ones other tasks make meanwhile wait for it and then go
+    /// together as one `acquire_many.lua` (`complete_many.lua`) call, one
+    /// per hash slot on Redis Cluster; each caller gets the answer its own
+    /// call would have got. A call that finds nothing in flight goes at
+    /// once. [`Batching::off`] sends every call alone. Clones made before
+    /// this call keep the batching they had.
+    pub fn batching(mut self, batching: Batching) -> Self {
+        self.batcher = Batcher::new(batching, "redis");
+        self
+    }
+
+    /// The batching of this store's calls: its settings, and the calls
+    /// waiting now for the one in flight.
+    pub fn batcher(&self) -> &Batcher {
+        &self.batcher
     }
 
     /// The longest one call may take before it fails with

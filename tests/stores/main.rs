@@ -15,6 +15,8 @@ mod support;
 mod canonical;
 mod memory;
 
+#[cfg(all(feature = "postgres", feature = "redis"))]
+mod batching;
 #[cfg(feature = "dynamodb")]
 mod dynamodb;
 #[cfg(all(feature = "http", feature = "postgres", feature = "tiered"))]

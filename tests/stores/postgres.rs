@@ -10,7 +10,8 @@ use std::time::Duration;
 use idemkit::postgres::{Claim, MissingTable, PgStore};
 use idemkit::testkit::{self, Harness, Settings};
 use idemkit::{
-    async_trait, AcquireItem, Acquisition, IdemError, IdempotencyKey, IdempotencyStore, StoreError,
+    async_trait, AcquireItem, Acquisition, Batching, IdemError, IdempotencyKey, IdempotencyStore,
+    StoreError,
 };
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
@@ -1485,9 +1486,11 @@ async fn one_transaction_claiming_a_key_twice_gets_the_same_claim() {
 async fn a_restart_with_warm_idle_connections_fails_no_call() {
     let server = pg::PgServer::start();
     let pool = pg::pool(&server.url, 2).await;
+    // Calls alone: eight acquires of one key open eight connections.
     let store = PgStore::builder(pool.clone())
         .connections(8)
         .call_timeout(Duration::from_secs(5))
+        .batching(Batching::off())
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
     store.migrate().await.unwrap_or_else(|e| panic!("{e}"));

@@ -1,0 +1,671 @@
+//! Natural batching on real servers: single calls made while another is in
+//! flight go together as one batched call, counted on the server (Redis's
+//! `INFO commandstats`, PostgreSQL's `pg_stat_statements`), and each
+//! caller gets the answer its own call would have got: fresh, duplicate,
+//! mismatched and in-progress keys in one batch, one key twice, and a
+//! batched call whose reply is lost.
+//!
+//! The call in flight is held on the server (Redis `CLIENT PAUSE`, a
+//! PostgreSQL lock), and the others are let go once the store's batcher
+//! shows them all waiting.
+
+use crate::support;
+
+use std::time::Duration;
+
+use idemkit::postgres::{Claim, PgStore};
+use idemkit::redis::RedisStore;
+use idemkit::{
+    Acquisition, Batcher, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, StoreError,
+};
+use sqlx::PgPool;
+use support::proxy::CountingProxy;
+use support::redis_server::RedisServer;
+use support::{pg, redis_server};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn key(id: &str) -> IdempotencyKey {
+    IdempotencyKey::new("batching.test", id).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Waits (30 s at most) until the batcher holds `acquires` and `completes`
+/// calls waiting for the one in flight.
+async fn until_waiting(batcher: &Batcher, acquires: usize, completes: usize) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (a, c) = batcher.waiting();
+        if a >= acquires && c >= completes {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "waiting: {a} acquires, {c} completes; wanted {acquires}, {completes}"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+fn acquired(got: &Result<Acquisition, StoreError>) -> Lease {
+    match got {
+        Ok(Acquisition::Acquired(lease)) => lease.clone(),
+        other => panic!("not acquired: {other:?}"),
+    }
+}
+
+fn spawn_acquire<S: IdempotencyStore + Clone>(
+    store: &S,
+    key: IdempotencyKey,
+    fingerprint: Option<Fingerprint>,
+    lease: Duration,
+) -> tokio::task::JoinHandle<Result<Acquisition, StoreError>> {
+    let store = store.clone();
+    tokio::spawn(async move { store.acquire(&key, fingerprint.as_ref(), lease).await })
+}
+
+fn spawn_complete<S: IdempotencyStore + Clone>(
+    store: &S,
+    lease: Lease,
+    response: Vec<u8>,
+) -> tokio::task::JoinHandle<Result<(), StoreError>> {
+    let store = store.clone();
+    tokio::spawn(async move { store.complete(&lease, &response, LEASE).await })
+}
+
+async fn joined<T>(task: tokio::task::JoinHandle<T>) -> T {
+    task.await.unwrap_or_else(|e| panic!("task: {e}"))
+}
+
+/// The calls of `command` Redis ran since the last `CONFIG RESETSTAT`
+/// (its `calls` less its `failed_calls`: an `EVALSHA` of a script the
+/// server did not know yet fails, and is sent again after `SCRIPT LOAD`).
+fn redis_calls(server: &RedisServer, command: &str) -> u64 {
+    let stats = server.command("INFO commandstats");
+    let Some(line) = stats
+        .lines()
+        .find_map(|line| line.strip_prefix(&format!("cmdstat_{command}:")))
+    else {
+        return 0;
+    };
+    let field = |name: &str| -> u64 {
+        line.split(',')
+            .find_map(|f| f.trim().strip_prefix(&format!("{name}=")))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    field("calls") - field("failed_calls")
+}
+
+/// Runs `calls` (started one after the other) while Redis holds every
+/// write: the first is sent and held, the others wait in the batcher;
+/// then Redis lets them go.
+async fn under_pause<T>(
+    server: &RedisServer,
+    batcher: &Batcher,
+    waiting: (usize, usize),
+    calls: impl FnOnce() -> Vec<tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    assert!(server.command("CLIENT PAUSE 30000 WRITE").contains("OK"));
+    let tasks = calls();
+    until_waiting(batcher, waiting.0, waiting.1).await;
+    assert!(server.command("CLIENT UNPAUSE").contains("OK"));
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(joined(task).await);
+    }
+    out
+}
+
+mod on_redis {
+    use super::*;
+
+    async fn own_server() -> (RedisServer, RedisStore) {
+        let server = RedisServer::start(&[]);
+        let store = RedisStore::connect(&server.url)
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"));
+        (server, store)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sixty_four_concurrent_callers_cost_two_script_calls_per_operation() {
+        let (server, store) = own_server().await;
+        let keys: Vec<IdempotencyKey> = (0..64).map(|i| key(&format!("k{i}"))).collect();
+        assert!(server.command("CONFIG RESETSTAT").contains("OK"));
+
+        // 64 acquires: the first alone, 63 in one batch.
+        let got = under_pause(&server, store.batcher(), (63, 0), || {
+            keys.iter()
+                .map(|k| spawn_acquire(&store, k.clone(), None, LEASE))
+                .collect()
+        })
+        .await;
+        let leases: Vec<Lease> = got.iter().map(acquired).collect();
+        for (lease, k) in leases.iter().zip(&keys) {
+            assert_eq!(&lease.key, k);
+        }
+        assert_eq!(redis_calls(&server, "evalsha"), 2);
+
+        // 64 completes, each with a response of its own.
+        let done = under_pause(&server, store.batcher(), (0, 63), || {
+            leases
+                .iter()
+                .map(|l| spawn_complete(&store, l.clone(), l.key.id().as_bytes().to_vec()))
+                .collect()
+        })
+        .await;
+        assert!(done.iter().all(Result::is_ok), "{done:?}");
+        assert_eq!(redis_calls(&server, "evalsha"), 4);
+
+        // 64 duplicates: each gets its own key's response back.
+        let replays = under_pause(&server, store.batcher(), (63, 0), || {
+            keys.iter()
+                .map(|k| spawn_acquire(&store, k.clone(), None, LEASE))
+                .collect()
+        })
+        .await;
+        for (replay, k) in replays.iter().zip(&keys) {
+            match replay {
+                Ok(Acquisition::Completed(r)) => assert_eq!(&r.response[..], k.id().as_bytes()),
+                other => panic!("{k}: {other:?}"),
+            }
+        }
+        assert_eq!(redis_calls(&server, "evalsha"), 6);
+        println!(
+            "Redis: 192 single calls by 64 concurrent callers: {} script calls",
+            redis_calls(&server, "evalsha")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_mixing_fresh_duplicate_mismatched_and_held_keys_answers_each_as_alone() {
+        let (server, store) = own_server().await;
+        let (a, b) = (Fingerprint::of_bytes(b"a"), Fingerprint::of_bytes(b"b"));
+        let done = key("done");
+        let lease = acquired(&store.acquire(&done, Some(&a), LEASE).await);
+        store
+            .complete(&lease, b"recorded", LEASE)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let held = key("held");
+        acquired(&store.acquire(&held, Some(&a), LEASE).await);
+        assert!(server.command("CONFIG RESETSTAT").contains("OK"));
+
+        let asked: Vec<(IdempotencyKey, Option<Fingerprint>)> = vec![
+            (key("first"), None),
+            (key("fresh-1"), None),
+            (key("twice"), Some(a)),
+            (done.clone(), Some(a)),
+            (key("twice"), Some(a)),
+            (held.clone(), Some(a)),
+            (held.clone(), Some(b)),
+            (done.clone(), Some(b)),
+            (key("twice"), Some(b)),
+            (key("fresh-2"), None),
+        ];
+        let n = asked.len();
+        let got = under_pause(&server, store.batcher(), (n - 1, 0), || {
+            asked
+                .iter()
+                .map(|(k, fp)| spawn_acquire(&store, k.clone(), *fp, LEASE))
+                .collect()
+        })
+        .await;
+        acquired(&got[0]);
+        acquired(&got[1]);
+        acquired(&got[2]);
+        assert!(
+            matches!(&got[3], Ok(Acquisition::Completed(r)) if &r.response[..] == b"recorded"),
+            "{:?}",
+            got[3]
+        );
+        assert!(
+            matches!(got[4], Ok(Acquisition::InProgress { .. })),
+            "{:?}",
+            got[4]
+        );
+        assert!(
+            matches!(got[5], Ok(Acquisition::InProgress { .. })),
+            "{:?}",
+            got[5]
+        );
+        assert!(matches!(got[6], Ok(Acquisition::Mismatch)), "{:?}", got[6]);
+        assert!(matches!(got[7], Ok(Acquisition::Mismatch)), "{:?}", got[7]);
+        assert!(matches!(got[8], Ok(Acquisition::Mismatch)), "{:?}", got[8]);
+        acquired(&got[9]);
+        // The first alone, the nine others in one script call.
+        assert_eq!(redis_calls(&server, "evalsha"), 2);
+    }
+
+    #[tokio::test]
+    async fn a_batched_call_whose_reply_is_lost_is_each_callers_lost_reply() {
+        let server = RedisServer::start(&[]);
+        let upstream: std::net::SocketAddr = format!("127.0.0.1:{}", server.port)
+            .parse()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let proxy = CountingProxy::start(upstream).await;
+        let store = RedisStore::connect(&format!("redis://{}/", proxy.addr))
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"))
+            .call_timeout(Duration::from_secs(2));
+        let lease = Duration::from_millis(600);
+        // A batch first, so that Redis knows the scripts (a NOSCRIPT
+        // answer runs nothing).
+        let warm = under_pause(&server, store.batcher(), (1, 0), || {
+            ["warm-1", "warm-2"]
+                .iter()
+                .map(|id| spawn_acquire(&store, key(id), None, lease))
+                .collect()
+        })
+        .await;
+        warm.iter().for_each(|w| drop(acquired(w)));
+        // The batch holds `lost-marker`: its reply is lost after Redis ran it.
+        proxy.lose_replies_to(b"lost-marker", 1, 1);
+        let ids = ["first", "lost-marker", "a", "b"];
+        let got = under_pause(&server, store.batcher(), (3, 0), || {
+            ids.iter()
+                .map(|id| spawn_acquire(&store, key(id), None, lease))
+                .collect()
+        })
+        .await;
+        acquired(&got[0]);
+        for (id, g) in ids.iter().zip(&got).skip(1) {
+            assert!(matches!(g, Err(StoreError::Unavailable(_))), "{id}: {g:?}");
+        }
+        assert_eq!(proxy.lost(), 1);
+        // Redis ran the batch: each key is reserved for nobody, as after a
+        // single acquire whose reply was lost; a retry finds it in
+        // progress, and takes it over once its lease is over.
+        for id in &ids[1..] {
+            let again = store.acquire(&key(id), None, lease).await;
+            assert!(
+                matches!(again, Ok(Acquisition::InProgress { .. })),
+                "{id}: {again:?}"
+            );
+        }
+        for id in &ids[1..] {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let taken = loop {
+                match store.acquire(&key(id), None, lease).await {
+                    Ok(Acquisition::Acquired(l)) => break l,
+                    Ok(Acquisition::InProgress { .. }) => {
+                        assert!(std::time::Instant::now() < deadline, "{id} never freed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                    other => panic!("{id}: {other:?}"),
+                }
+            };
+            assert_eq!(taken.attempt, 2, "{id}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn on_a_cluster_a_batch_goes_as_one_script_call_per_hash_slot() {
+        let servers = redis_server::start_cluster_servers();
+        let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
+        let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"));
+        // 32 keys in one slot ({one}), 32 in another ({two}).
+        let keys: Vec<IdempotencyKey> = (0..64)
+            .map(|i| {
+                key(&format!(
+                    "{{{}}}-{i}",
+                    if i % 2 == 0 { "one" } else { "two" }
+                ))
+            })
+            .collect();
+        for s in &servers {
+            assert!(s.command("CONFIG RESETSTAT").contains("OK"));
+            assert!(s.command("CLIENT PAUSE 30000 WRITE").contains("OK"));
+        }
+        let tasks: Vec<_> = keys
+            .iter()
+            .map(|k| spawn_acquire(&store, k.clone(), None, LEASE))
+            .collect();
+        until_waiting(store.batcher(), 63, 0).await;
+        for s in &servers {
+            assert!(s.command("CLIENT UNPAUSE").contains("OK"));
+        }
+        let mut leases = Vec::new();
+        for task in tasks {
+            leases.push(acquired(&joined(task).await));
+        }
+        for (lease, k) in leases.iter().zip(&keys) {
+            assert_eq!(&lease.key, k);
+        }
+        let calls: u64 = servers.iter().map(|s| redis_calls(s, "evalsha")).sum();
+        // The first alone; the batch: one call per slot.
+        assert_eq!(calls, 3);
+    }
+}
+
+mod on_postgres {
+    use super::*;
+
+    /// Receipt type of the claim that holds a key.
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Unit;
+
+    /// The calls PostgreSQL counted of the statement whose text holds
+    /// `marker` since the last reset.
+    async fn pg_calls(monitor: &PgPool, marker: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT coalesce(sum(calls), 0)::int8 FROM pg_stat_statements WHERE query LIKE $1",
+        )
+        .bind(format!("%{marker}%"))
+        .fetch_one(monitor)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    async fn reset(monitor: &PgPool) {
+        sqlx::query("SELECT pg_stat_statements_reset()")
+            .execute(monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
+    /// A server of its own that counts statements, a store on it, and a
+    /// pool to watch it with.
+    async fn own_server() -> (pg::PgServer, PgStore, PgPool) {
+        let server = pg::PgServer::init("-c shared_preload_libraries=pg_stat_statements");
+        server.start_again();
+        let pool = pg::pool(&server.url, 4).await;
+        sqlx::query("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            .execute(&pool)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let store = PgStore::new(pool.clone());
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        (server, store, pool)
+    }
+
+    // What tells the statements apart in their text.
+    const ACQUIRE: &str = "-- acquire: one statement";
+    const ACQUIRE_MANY: &str = "-- acquire_many: ";
+    const COMPLETE: &str = "-- complete: compare-and-set";
+    const COMPLETE_MANY: &str = "-- complete_many: ";
+
+    /// Runs `calls` while `hold` keeps the first of them waiting on a lock:
+    /// the others wait in the batcher; then the hold ends.
+    async fn held_by<T>(
+        store: &PgStore,
+        monitor: &PgPool,
+        hold: sqlx::Transaction<'static, sqlx::Postgres>,
+        waiting: (usize, usize),
+        first: tokio::task::JoinHandle<T>,
+        rest: impl FnOnce() -> Vec<tokio::task::JoinHandle<T>>,
+    ) -> Vec<T> {
+        pg::until_waiting_on_locks(monitor, 1).await;
+        let tasks = rest();
+        until_waiting(store.batcher(), waiting.0, waiting.1).await;
+        hold.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        let mut out = vec![joined(first).await];
+        for task in tasks {
+            out.push(joined(task).await);
+        }
+        out
+    }
+
+    /// A claim of `k` in a transaction: an acquire of `k` waits on it.
+    async fn claimed(
+        store: &PgStore,
+        pool: &PgPool,
+        k: &IdempotencyKey,
+    ) -> sqlx::Transaction<'static, sqlx::Postgres> {
+        let mut tx = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        let Ok(Claim::Acquired(_)) = store
+            .in_transaction()
+            .claim_with::<Unit>(&mut tx, k, None)
+            .await
+        else {
+            panic!("claim")
+        };
+        tx
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sixty_four_concurrent_callers_cost_two_statements_per_operation() {
+        let (_server, store, pool) = own_server().await;
+        let keys: Vec<IdempotencyKey> = (0..64).map(|i| key(&format!("k{i}"))).collect();
+
+        // The first acquire waits on a claim of its key; 63 batch behind it.
+        let hold = claimed(&store, &pool, &keys[0]).await;
+        reset(&pool).await;
+        let first = spawn_acquire(&store, keys[0].clone(), None, LEASE);
+        let got = held_by(&store, &pool, hold, (63, 0), first, || {
+            keys[1..]
+                .iter()
+                .map(|k| spawn_acquire(&store, k.clone(), None, LEASE))
+                .collect()
+        })
+        .await;
+        let leases: Vec<Lease> = got.iter().map(acquired).collect();
+        for (lease, k) in leases.iter().zip(&keys) {
+            assert_eq!(&lease.key, k);
+        }
+        assert_eq!(pg_calls(&pool, ACQUIRE).await, 1);
+        assert_eq!(pg_calls(&pool, ACQUIRE_MANY).await, 1);
+
+        // The first complete waits on a lock of its row; 63 batch behind it.
+        let mut hold = pool.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        sqlx::query("SELECT 1 FROM idem_records WHERE key = $1 FOR UPDATE")
+            .bind(keys[0].id())
+            .execute(&mut *hold)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        reset(&pool).await;
+        let first = spawn_complete(&store, leases[0].clone(), b"k0".to_vec());
+        let done = held_by(&store, &pool, hold, (0, 63), first, || {
+            leases[1..]
+                .iter()
+                .map(|l| spawn_complete(&store, l.clone(), l.key.id().as_bytes().to_vec()))
+                .collect()
+        })
+        .await;
+        assert!(done.iter().all(Result::is_ok), "{done:?}");
+        assert_eq!(pg_calls(&pool, COMPLETE).await, 1);
+        assert_eq!(pg_calls(&pool, COMPLETE_MANY).await, 1);
+        for k in &keys {
+            let record = store.get(k).await.unwrap_or_else(|e| panic!("{e}"));
+            match record.map(|r| r.state) {
+                Some(idemkit::RecordState::Completed { response, .. }) => {
+                    assert_eq!(&response[..], k.id().as_bytes())
+                }
+                other => panic!("{k}: {other:?}"),
+            }
+        }
+        pool.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_batch_mixing_fresh_duplicate_mismatched_and_held_keys_answers_each_as_alone() {
+        let (_server, store, pool) = own_server().await;
+        let (a, b) = (Fingerprint::of_bytes(b"a"), Fingerprint::of_bytes(b"b"));
+        let done = key("done");
+        let lease = acquired(&store.acquire(&done, Some(&a), LEASE).await);
+        store
+            .complete(&lease, b"recorded", LEASE)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let held = key("held");
+        acquired(&store.acquire(&held, Some(&a), LEASE).await);
+
+        let hold = claimed(&store, &pool, &key("first")).await;
+        reset(&pool).await;
+        let first = spawn_acquire(&store, key("first"), None, LEASE);
+        let asked: Vec<(IdempotencyKey, Option<Fingerprint>)> = vec![
+            (key("fresh-1"), None),
+            (key("twice"), Some(a)),
+            (done.clone(), Some(a)),
+            (key("twice"), Some(a)),
+            (held.clone(), Some(a)),
+            (held.clone(), Some(b)),
+            (done.clone(), Some(b)),
+            (key("twice"), Some(b)),
+            (key("fresh-2"), None),
+        ];
+        let n = asked.len();
+        let got = held_by(&store, &pool, hold, (n, 0), first, || {
+            asked
+                .iter()
+                .map(|(k, fp)| spawn_acquire(&store, k.clone(), *fp, LEASE))
+                .collect()
+        })
+        .await;
+        acquired(&got[0]);
+        acquired(&got[1]);
+        acquired(&got[2]);
+        assert!(
+            matches!(&got[3], Ok(Acquisition::Completed(r)) if &r.response[..] == b"recorded"),
+            "{:?}",
+            got[3]
+        );
+        assert!(
+            matches!(got[4], Ok(Acquisition::InProgress { .. })),
+            "{:?}",
+            got[4]
+        );
+        assert!(
+            matches!(got[5], Ok(Acquisition::InProgress { .. })),
+            "{:?}",
+            got[5]
+        );
+        assert!(matches!(got[6], Ok(Acquisition::Mismatch)), "{:?}", got[6]);
+        assert!(matches!(got[7], Ok(Acquisition::Mismatch)), "{:?}", got[7]);
+        assert!(matches!(got[8], Ok(Acquisition::Mismatch)), "{:?}", got[8]);
+        acquired(&got[9]);
+        // `twice` three times: three statements, in order.
+        assert_eq!(pg_calls(&pool, ACQUIRE_MANY).await, 3);
+        pool.close().await;
+    }
+
+    #[tokio::test]
+    async fn a_batched_statement_whose_reply_is_lost_is_resent_and_each_caller_holds_its_key() {
+        let (proxy, url) = pg::proxied().await;
+        let direct = pg::pool(pg::shared_url(), 2).await;
+        let pool = pg::pool(&url, 2).await;
+        let table = format!("batch_lost_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table.clone())
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        // The same table without the proxy, to hold the first key.
+        let direct_store = PgStore::builder(direct.clone())
+            .table(table)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let run = format!("{:08x}", fastrand::u32(..));
+        let ids: Vec<String> = ["first", "lost-marker", "a", "b"]
+            .iter()
+            .map(|id| format!("{id}-{run}"))
+            .collect();
+        let hold = claimed(&direct_store, &direct, &key(&ids[0])).await;
+        let first = spawn_acquire(&store, key(&ids[0]), None, LEASE);
+        proxy.lose_replies_to(ids[1].as_bytes(), 1, 1);
+        let got = held_by(&store, &direct, hold, (3, 0), first, || {
+            ids[1..]
+                .iter()
+                .map(|id| spawn_acquire(&store, key(id), None, LEASE))
+                .collect()
+        })
+        .await;
+        assert_eq!(proxy.lost(), 1);
+        // Resent with the same tokens: each caller holds its own key.
+        for (id, g) in ids.iter().zip(&got) {
+            let lease = acquired(g);
+            assert_eq!(lease.attempt, 1, "{id}");
+            let again = store.acquire(&key(id), None, LEASE).await;
+            assert!(
+                matches!(again, Ok(Acquisition::InProgress { .. })),
+                "{id}: {again:?}"
+            );
+            store
+                .complete(&lease, id.as_bytes(), LEASE)
+                .await
+                .unwrap_or_else(|e| panic!("{id}: {e}"));
+        }
+        pool.close().await;
+        direct.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_held_in_a_transaction_does_not_hold_up_the_other_callers_of_its_batch() {
+        let pool = pg::pool(pg::shared_url(), 4).await;
+        let table = format!("batch_held_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table)
+            .call_timeout(Duration::from_secs(20))
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let held = key("held-in-a-transaction");
+        let kept = claimed(&store, &pool, &held).await;
+        // The first waits on a claim of its own key; three batch behind it,
+        // one of them the key `kept` holds.
+        let hold = claimed(&store, &pool, &key("first")).await;
+        let first = spawn_acquire(&store, key("first"), None, LEASE);
+        pg::until_waiting_on_locks(&pool, 1).await;
+        let waiting_on_held = spawn_acquire(&store, held.clone(), None, LEASE);
+        let free: Vec<_> = ["free-1", "free-2"]
+            .iter()
+            .map(|id| spawn_acquire(&store, key(id), None, LEASE))
+            .collect();
+        until_waiting(store.batcher(), 3, 0).await;
+        hold.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        acquired(&joined(first).await);
+        // The free keys are answered while the held key's transaction is
+        // still open (their batch tried its lock and sent it alone).
+        let answered = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut got = Vec::new();
+            for task in free {
+                got.push(joined(task).await);
+            }
+            got
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the free keys waited for the held one"));
+        answered.iter().for_each(|g| drop(acquired(g)));
+        assert!(!waiting_on_held.is_finished());
+        // The held key's caller waited for its lock, as alone, and then
+        // takes the key the claim gave up.
+        kept.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        acquired(&joined(waiting_on_held).await);
+        pool.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_waiting_for_a_lock_holds_up_the_other_callers_no_longer_than_max_wait() {
+        let pool = pg::pool(pg::shared_url(), 4).await;
+        let table = format!("batch_wait_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table)
+            .call_timeout(Duration::from_secs(20))
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        // The first call waits for a claim that stays open.
+        let hold = claimed(&store, &pool, &key("first")).await;
+        let first = spawn_acquire(&store, key("first"), None, LEASE);
+        pg::until_waiting_on_locks(&pool, 1).await;
+        let others: Vec<_> = (0..8)
+            .map(|i| spawn_acquire(&store, key(&format!("other-{i}")), None, LEASE))
+            .collect();
+        let answered = tokio::time::timeout(Duration::from_secs(5), async {
+            let mut got = Vec::new();
+            for task in others {
+                got.push(joined(task).await);
+            }
+            got
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the other callers waited for the lock"));
+        answered.iter().for_each(|g| drop(acquired(g)));
+        assert!(!first.is_finished());
+        hold.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        acquired(&joined(first).await);
+        pool.close().await;
+    }
+}
