@@ -1,25 +1,27 @@
 -- acquire_many: acquire.sql over arrays, one statement for a batch, one
 -- row per item. $1 scopes (text[]), $2 keys (text[]), $3 fingerprints
 -- (bytea[], NULL elements for none), $4 new tokens (bytea[], one per
--- item), $5 lease in microseconds, $6 in-progress grace in microseconds.
+-- item), $5 lease in microseconds, $6 in-progress grace in microseconds,
+-- $7 whether the keys' locks are only tried (see keylock).
 -- A key appears at most once per statement: the store sends a key's later
 -- items of a batch in later statements, so that each sees the effect of
 -- the earlier ones (and ON CONFLICT / UPDATE ... FROM never meet a row
 -- twice). Only the plain store sends it (no in-transaction claims: no
 -- transaction tag in the tokens).
 --
--- keylock: the advisory lock of every key, as acquire.sql takes it, but
--- tried, never waited for (in ascending order of the lock's id: a
--- volatile function in the select list is evaluated after the ORDER BY).
--- A key whose lock is held elsewhere (an in-transaction claim, another
--- statement acquiring it) comes back `busy`, untouched, and the store
--- sends it alone with acquire.sql, which waits for it: one held key never
--- holds up the other keys of a batch (which may be other callers' single
--- calls batched together). Then the clock is read: every lease counts
--- from after the locks are held, and fences are taken after every earlier
--- acquisition of each key committed (the clock in microseconds, raised to
--- {{sequence}}'s next value and to a row's fence + 1, as acquire.sql
--- explains).
+-- keylock: the advisory lock of every key, as acquire.sql takes it, in
+-- ascending order of the lock's id (a volatile function in the select
+-- list is evaluated after the ORDER BY, in output order), so that two
+-- batches that share keys queue instead of deadlocking. With $7 true (a
+-- batch of other callers' single calls, batched by the store), the locks
+-- are only tried: a key whose lock is held elsewhere (an in-transaction
+-- claim, another statement acquiring it) comes back `busy`, untouched,
+-- and its caller sends it alone with acquire.sql, which waits for it, so
+-- one held key never holds up the other callers. Then the clock is read:
+-- every lease counts from after every wait, and fences are taken after
+-- every earlier acquisition of each key committed (the clock in
+-- microseconds, raised to {{sequence}}'s next value and to a row's fence
+-- + 1, as acquire.sql explains).
 --
 -- `fresh`, `taken` and the existing rows are acquire.sql's branches, per
 -- item. An item whose key has no visible row and nothing written (a row
@@ -33,7 +35,9 @@ WITH input AS MATERIALIZED (
          WITH ORDINALITY AS i(scope, key, fp, token, ord)
 ),
 keylock AS MATERIALIZED (
-    SELECT l.k1, l.k2, pg_try_advisory_xact_lock(l.k1, l.k2) AS held
+    SELECT l.k1, l.k2,
+           CASE WHEN $7::bool THEN pg_try_advisory_xact_lock(l.k1, l.k2)
+                ELSE pg_advisory_xact_lock(l.k1, l.k2)::text IS NOT NULL END AS held
     FROM (SELECT DISTINCT hashtext('{{table}}' || scope) AS k1, hashtext(key) AS k2
           FROM input) l
     ORDER BY l.k1, l.k2

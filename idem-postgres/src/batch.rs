@@ -26,10 +26,12 @@ impl PgStore {
     /// `batch` of `items` (keys unique), re-run for the items whose answer
     /// was a stale view or a lease a wait shortened, as `acquire_on` does
     /// for one key (the same tokens, the same time rule). Answers per
-    /// item of `batch`, in its order, and the positions (in `batch`) of
-    /// the items whose key was busy: their lock was held elsewhere, nothing
-    /// was done for them, and their answer is a placeholder; the caller
-    /// sends each alone, to wait for its lock as `acquire` does.
+    /// item of `batch`, in its order. On the copy of the store that
+    /// batches single calls (`busy_back`), the keys' locks are only tried:
+    /// an item whose key is locked elsewhere is answered
+    /// [`send_alone`](idem_core::batching::send_alone) (nothing was done
+    /// for it), and its caller sends it alone, to wait for its lock as
+    /// `acquire` does.
     pub(crate) async fn acquire_many_on(
         &self,
         conn: &mut PgConnection,
@@ -38,9 +40,8 @@ impl PgStore {
         tokens: &[[u8; 16]],
         lease: Duration,
         send_by: Instant,
-    ) -> Result<(Vec<Result<Acquisition, StoreError>>, Vec<usize>), Failure> {
+    ) -> Result<Vec<Result<Acquisition, StoreError>>, Failure> {
         let lease = saturate(lease);
-        let mut busy = Vec::new();
         let lease_us = micros(lease);
         let grace_us = micros(IN_PROGRESS_GRACE);
         let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
@@ -89,6 +90,7 @@ impl PgStore {
                 .bind(sent_tokens)
                 .bind(lease_us)
                 .bind(grace_us)
+                .bind(self.busy_back)
                 .fetch_all(&mut *conn)
                 .await?;
             let mut again = vec![true; pending.len()];
@@ -111,8 +113,9 @@ impl PgStore {
                 let p = pending[j];
                 let item = &items[batch[p]];
                 if row.try_get::<bool, _>(14).unwrap_or(false) {
-                    busy.push(p);
-                    out[p] = Some(Err(StoreError::unavailable("busy: sent alone")));
+                    out[p] = Some(Err(idem_core::batching::send_alone(
+                        "its key is locked by another transaction",
+                    )));
                     continue;
                 }
                 // NULL: no visible row and nothing written (a stale view).
@@ -165,7 +168,7 @@ impl PgStore {
                 })
             })
             .collect();
-        Ok((out, busy))
+        Ok(out)
     }
 
     /// One statement of `complete_many` on one connection: the items

@@ -326,11 +326,13 @@ impl IdempotencyStore for PgStore {
     /// the first statement fails, the call fails; if a later one does, its
     /// items get the error, the items of the statements after it (not
     /// sent: nothing written) a retryable `Unavailable`, and the items
-    /// before keep their answers. A statement only tries the advisory
-    /// locks of its keys: a key whose lock is held elsewhere (an
-    /// in-transaction claim, another statement acquiring it) is sent alone
-    /// after the statement, waiting for its lock as `acquire` does, so it
-    /// never holds up the other keys of the batch.
+    /// before keep their answers. The advisory locks of a statement's keys are taken
+    /// in one order, so two batches that share keys queue instead of
+    /// deadlocking; a key held in a long transaction (an in-transaction
+    /// claim) holds up its whole statement, up to the server's
+    /// `lock_timeout`. (The store's own batches of single calls, see
+    /// [`PgStoreBuilder::batching`], only try the locks: a held key goes
+    /// back to its caller, which waits for it alone.)
     async fn acquire_many(
         &self,
         items: &[AcquireItem<'_>],
@@ -370,45 +372,9 @@ impl IdempotencyStore for PgStore {
                 })
                 .await;
             match answered {
-                Ok((outcomes, busy)) => {
+                Ok(outcomes) => {
                     for (&i, outcome) in batch.iter().zip(outcomes) {
                         results[i] = Some(outcome);
-                    }
-                    if self.busy_back {
-                        for &p in &busy {
-                            results[batch[p]] = Some(Err(idem_core::batching::send_alone(
-                                "its key is locked by another transaction",
-                            )));
-                        }
-                        continue;
-                    }
-                    // Keys whose lock was held elsewhere: each alone, on a
-                    // connection of its own, waiting for its lock as
-                    // `acquire` does (before the next statement, which may
-                    // hold the same key's later items).
-                    let alone = busy.iter().map(|&p| {
-                        let i = batch[p];
-                        let item = &items[i];
-                        let token = LeaseToken::from_u128(u128::from_be_bytes(tokens[i]));
-                        let send_by = Instant::now() + self.inner.timeouts.send_by;
-                        async move {
-                            let got = self
-                                .call(|conn, _| {
-                                    Box::pin(self.acquire_on(
-                                        conn,
-                                        item.key,
-                                        item.fingerprint,
-                                        lease,
-                                        token,
-                                        Some(send_by),
-                                    ))
-                                })
-                                .await;
-                            (i, got)
-                        }
-                    });
-                    for (i, got) in futures_util::future::join_all(alone).await {
-                        results[i] = Some(got);
                     }
                 }
                 Err(e) if n == 0 => return Err(e),
