@@ -301,6 +301,9 @@ struct State<R, T> {
 struct Waiting<R, T> {
     /// Its number, to find it in the queue.
     number: u64,
+    /// The runtime its caller waits on: its batch is run there (the
+    /// runtime of the call whose end starts it may be idle, or gone).
+    runtime: Option<tokio::runtime::Handle>,
     request: R,
     weight: usize,
     reply: oneshot::Sender<Result<T, StoreError>>,
@@ -352,6 +355,7 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                 state.next = state.next.wrapping_add(1);
                 state.waiting.push_back(Waiting {
                     number,
+                    runtime: tokio::runtime::Handle::try_current().ok(),
                     request: request(),
                     weight,
                     reply,
@@ -451,11 +455,18 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
     where
         S: Clone + Send + Sync + 'static,
     {
-        match tokio::runtime::Handle::try_current() {
+        // On the runtime of a caller that waits for it: that one is
+        // running while its caller waits (several runtimes may share a
+        // store; the current one may be about to stop being driven).
+        let runtime = batch
+            .iter()
+            .find_map(|w| w.runtime.clone())
+            .or_else(|| tokio::runtime::Handle::try_current().ok());
+        match runtime {
             // A runtime shutting down drops the task unpolled: the flight's
             // drop then hands its slot on, and the batch's callers get
             // `no_answer`.
-            Ok(runtime) => {
+            Some(runtime) => {
                 let flight = OwnedFlight {
                     queue: self.clone(),
                     store,
@@ -463,7 +474,7 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                 };
                 runtime.spawn(flight.run(batch));
             }
-            Err(_) => {
+            None => {
                 // No runtime to send on: these calls, and the ones still
                 // waiting, fail; nothing was sent for them.
                 let rest: Vec<_> = {
@@ -1179,6 +1190,105 @@ mod tests {
         store.0.singles_gate.send_replace(true);
         acquired(&joined(stuck).await);
         // And the slots were all given back: a lone call goes alone.
+        acquired(&store.acquire(&key("after"), None, LEASE).await);
+        assert_eq!(store.singles().0, 2);
+    }
+
+    /// A store shared by threads that each drive a runtime of their own
+    /// (a sync facade, tests sharing a static store): a caller queued
+    /// behind a call made on another runtime must be answered even when
+    /// that runtime has nothing more to do once its own call is back.
+    #[test]
+    fn a_caller_queued_behind_a_call_on_another_runtime_is_answered_when_that_runtime_is_idle() {
+        let store = Counted::new(Batching::default());
+        store.close_gate();
+        let rt = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (other, mine) = (rt(), rt());
+        let s = store.clone();
+        // Another thread's call, alone, held at the gate.
+        let other_thread = std::thread::spawn(move || {
+            let got = other.block_on(async { s.acquire(&key("other"), None, LEASE).await });
+            // That runtime stays, idle (its thread's next call has not come).
+            (other, got)
+        });
+        while store.singles().0 < 1 {
+            std::thread::yield_now();
+        }
+        let got = mine.block_on(async {
+            let queued = spawn_acquire(&store, key("mine"), None, LEASE);
+            store.until_waiting(1, 0).await;
+            store.open_gate();
+            tokio::time::timeout(Duration::from_secs(5), queued).await
+        });
+        let (_idle, other_got) = other_thread.join().unwrap_or_else(|_| panic!("thread"));
+        acquired(&other_got);
+        let got = got.unwrap_or_else(|_| {
+            panic!("the queued caller was never answered: its batch went to an idle runtime")
+        });
+        acquired(&got.unwrap_or_else(|e| panic!("task: {e}")));
+    }
+
+    /// The same, with that other runtime shut down: the queued caller
+    /// (whose own runtime runs on) gets its own answer, not an error.
+    #[test]
+    fn a_caller_queued_behind_a_call_on_a_runtime_that_shuts_down_gets_its_own_answer() {
+        let store = Counted::new(Batching::default());
+        store.close_gate();
+        let rt = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let (other, mine) = (rt(), rt());
+        let s = store.clone();
+        let other_thread = std::thread::spawn(move || {
+            let got = other.block_on(async { s.acquire(&key("other"), None, LEASE).await });
+            drop(other);
+            got
+        });
+        while store.singles().0 < 1 {
+            std::thread::yield_now();
+        }
+        let got = mine.block_on(async {
+            let queued = spawn_acquire(&store, key("mine"), None, LEASE);
+            store.until_waiting(1, 0).await;
+            store.open_gate();
+            tokio::time::timeout(Duration::from_secs(5), queued).await
+        });
+        acquired(&other_thread.join().unwrap_or_else(|_| panic!("thread")));
+        let got = got
+            .unwrap_or_else(|_| panic!("never answered"))
+            .unwrap_or_else(|e| panic!("task: {e}"));
+        acquired(&got);
+    }
+
+    #[tokio::test]
+    async fn a_call_in_flight_dropped_by_its_caller_lets_the_waiting_calls_go() {
+        let store = Counted::new(Batching::default().max_wait(Duration::from_secs(3600)));
+        store.0.singles_gate.send_replace(false);
+        let first = spawn_acquire(&store, key("first"), None, LEASE);
+        while store.singles().0 < 1 {
+            tokio::task::yield_now().await;
+        }
+        let a = spawn_acquire(&store, key("a"), None, LEASE);
+        let b = spawn_acquire(&store, key("b"), None, LEASE);
+        store.until_waiting(2, 0).await;
+        first.abort();
+        let _ = first.await;
+        let got = tokio::time::timeout(Duration::from_secs(5), async {
+            (joined(a).await, joined(b).await)
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the waiting calls were left waiting"));
+        acquired(&got.0);
+        acquired(&got.1);
+        store.0.singles_gate.send_replace(true);
         acquired(&store.acquire(&key("after"), None, LEASE).await);
         assert_eq!(store.singles().0, 2);
     }

@@ -26,8 +26,9 @@ impl PgStore {
     /// `batch` of `items` (keys unique), re-run for the items whose answer
     /// was a stale view or a lease a wait shortened, as `acquire_on` does
     /// for one key (the same tokens, the same time rule). Answers per
-    /// item of `batch`, in its order. On the copy of the store that
-    /// batches single calls (`busy_back`), the keys' locks are only tried:
+    /// item of `batch`, in its order. With `try_locks` (the first send of
+    /// a batch of single calls, see `busy_back`), the keys' locks are only
+    /// tried:
     /// an item whose key is locked elsewhere is answered
     /// [`send_alone`](idem_core::batching::send_alone) (nothing was done
     /// for it), and its caller sends it alone, to wait for its lock as
@@ -39,8 +40,9 @@ impl PgStore {
         batch: &[usize],
         tokens: &[[u8; 16]],
         lease: Duration,
-        send_by: Instant,
+        sending: Sending,
     ) -> Result<Vec<Result<Acquisition, StoreError>>, Failure> {
+        let Sending { send_by, try_locks } = sending;
         let lease = saturate(lease);
         let lease_us = micros(lease);
         let grace_us = micros(IN_PROGRESS_GRACE);
@@ -90,7 +92,10 @@ impl PgStore {
                 .bind(sent_tokens)
                 .bind(lease_us)
                 .bind(grace_us)
-                .bind(self.busy_back)
+                // Only the first run: a re-run is for items this
+                // statement may have written (a lease a wait shortened),
+                // which must come back to this call, not go alone.
+                .bind(try_locks && run == 0)
                 .fetch_all(&mut *conn)
                 .await?;
             let mut again = vec![true; pending.len()];
@@ -211,6 +216,15 @@ impl PgStore {
         }
         Ok(completed)
     }
+}
+
+/// How one `acquire_many` statement is sent: re-runs only before
+/// `send_by`; with `try_locks`, its keys' locks only tried (see
+/// [`PgStore::acquire_many_on`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sending {
+    pub(crate) send_by: Instant,
+    pub(crate) try_locks: bool,
 }
 
 /// The error of a batch item whose statement was not sent because an

@@ -1,6 +1,7 @@
 //! The [`IdempotencyStore`] operations of [`PgStore`], and the statements
 //! that run them on one connection (shared with the in-transaction mode).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -11,7 +12,7 @@ use idem_core::{
 use sqlx::PgConnection;
 use tokio::time::Instant;
 
-use crate::batch::{not_sent, plan_statements, BATCH_RESPONSE_BYTES};
+use crate::batch::{not_sent, plan_statements, Sending, BATCH_RESPONSE_BYTES};
 #[cfg(doc)]
 use crate::builder::PgStoreBuilder;
 use crate::decode::{
@@ -366,9 +367,17 @@ impl IdempotencyStore for PgStore {
                 continue;
             }
             let send_by = Instant::now() + self.inner.timeouts.send_by;
+            // A batch of single calls tries its keys' locks on its first
+            // send only: a resend after a lost reply (the same tokens) may
+            // find the reservations the first send made, and must wait for
+            // them to come back to their callers, as a single call's
+            // resend does.
+            let sends = AtomicBool::new(self.busy_back);
             let answered = self
                 .call(|conn, _| {
-                    Box::pin(self.acquire_many_on(conn, items, batch, &tokens, lease, send_by))
+                    let try_locks = sends.swap(false, Ordering::Relaxed);
+                    let sending = Sending { send_by, try_locks };
+                    Box::pin(self.acquire_many_on(conn, items, batch, &tokens, lease, sending))
                 })
                 .await;
             match answered {

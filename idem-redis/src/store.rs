@@ -158,6 +158,15 @@ where
     /// ends.
     pub fn max_response_bytes(mut self, max: usize) -> Self {
         self.max_response_bytes = max;
+        self.own_batcher()
+    }
+
+    /// A batcher of its own, after a setting changed: a batch is sent with
+    /// the settings of the store that starts it, so stores that differ
+    /// (a clone given another prefix, `WAIT`, timeout or response limit)
+    /// never batch together.
+    fn own_batcher(mut self) -> Self {
+        self.batcher = Batcher::new(self.batcher.settings(), "redis");
         self
     }
 
@@ -178,7 +187,7 @@ where
                 }
             }
         }
-        self
+        self.own_batcher()
     }
 
     /// The prefix of every record key (default `idem:`). Give each
@@ -200,7 +209,7 @@ where
             tracing::error!(error = %e, "RedisStore: key prefix refused: every call will fail");
         }
         self.prefix = Arc::from(prefix);
-        self
+        self.own_batcher()
     }
 
     /// [`prefix`](Self::prefix), with a prefix that holds whitespace or a
@@ -226,7 +235,9 @@ where
     /// per hash slot on Redis Cluster; each caller gets the answer its own
     /// call would have got. A call that finds nothing in flight goes at
     /// once. [`Batching::off`] sends every call alone. Clones made before
-    /// this call keep the batching they had.
+    /// this call keep the batching they had (a store changed by any
+    /// setting gets queues of its own: stores that differ never batch
+    /// together).
     pub fn batching(mut self, batching: Batching) -> Self {
         self.batcher = Batcher::new(batching, "redis");
         self
@@ -242,7 +253,7 @@ where
     /// [`StoreError::Unavailable`] (default 2 s).
     pub fn call_timeout(mut self, timeout: Duration) -> Self {
         self.call_timeout = timeout;
-        self
+        self.own_batcher()
     }
 
     /// How long a `delete` call's marker lives: longer than any resend of
@@ -308,7 +319,7 @@ where
     /// `tests/faults/failover/redis/`).
     pub fn wait_for_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
         self.wait = Some((replicas, saturate(timeout).max(Duration::from_millis(1))));
-        self
+        self.own_batcher()
     }
 
     /// The Redis key of a record: `{prefix}{scope}/{id}`. Scopes may hold

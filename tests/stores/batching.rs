@@ -116,6 +116,70 @@ async fn under_pause<T>(
     out
 }
 
+/// 64 concurrent duplicates of each of `rounds` keys through the
+/// executor, waiting while a key is in progress: each key's handler runs
+/// exactly once, and every caller gets that run's result.
+async fn concurrent_duplicates_run_their_handler_once<S>(store: S, run: &str, rounds: usize)
+where
+    S: IdempotencyStore + Clone + 'static,
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use idemkit::{IdemError, Idempotency, InProgressPolicy, Processed};
+
+    #[derive(Debug)]
+    struct Never;
+    impl std::fmt::Display for Never {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("never")
+        }
+    }
+    impl std::error::Error for Never {}
+
+    let idem = Arc::new(
+        Idempotency::new(store).on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(20),
+            poll: Duration::from_millis(5),
+        }),
+    );
+    for round in 0..rounds {
+        let k = key(&format!("dup-{run}-{round}"));
+        let runs = Arc::new(AtomicUsize::new(0));
+        let tasks: Vec<_> = (0..64)
+            .map(|_| {
+                let (idem, k, runs) = (idem.clone(), k.clone(), runs.clone());
+                tokio::spawn(async move {
+                    let got: Result<Processed<u64>, IdemError<Never>> = idem
+                        .process(&k, 7u8, move |_| async move {
+                            let n = runs.fetch_add(1, Ordering::SeqCst);
+                            tokio::task::yield_now().await;
+                            Ok::<u64, Never>(1000 + n as u64)
+                        })
+                        .await;
+                    got
+                })
+            })
+            .collect();
+        let mut values = std::collections::BTreeSet::new();
+        for task in tasks {
+            match joined(task).await {
+                Ok(Processed::Executed(v)) | Ok(Processed::Replayed(v)) => {
+                    values.insert(v);
+                }
+                Ok(other) => panic!("round {round}: {other:?}"),
+                Err(e) => panic!("round {round}: {e:?}"),
+            }
+        }
+        assert_eq!(
+            runs.load(Ordering::SeqCst),
+            1,
+            "round {round}: handler runs"
+        );
+        assert_eq!(values.len(), 1, "round {round}: {values:?}");
+    }
+}
+
 mod on_redis {
     use super::*;
 
@@ -296,6 +360,68 @@ mod on_redis {
                 }
             };
             assert_eq!(taken.attempt, 2, "{id}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sixty_four_concurrent_duplicates_through_the_executor_run_the_handler_once() {
+        let (_server, store) = own_server().await;
+        concurrent_duplicates_run_their_handler_once(store, "redis", 8).await;
+    }
+
+    /// Two clones of one store with prefixes of their own (one per tenant),
+    /// called at once: each call goes to its own store's key space, so each
+    /// tenant's key is acquired exactly once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn clones_with_other_prefixes_called_at_once_keep_to_their_own_keys() {
+        let (server, base) = own_server().await;
+        let a = base.clone().prefix("tenant-a:");
+        let b = base.clone().prefix("tenant-b:");
+        for round in 0..8 {
+            let k = key(&format!("order-{round}"));
+            let tasks: Vec<_> = (0..64)
+                .map(|i| spawn_acquire(if i % 2 == 0 { &a } else { &b }, k.clone(), None, LEASE))
+                .collect();
+            let (mut won_a, mut won_b) = (0, 0);
+            for (i, task) in tasks.into_iter().enumerate() {
+                match joined(task).await {
+                    Ok(Acquisition::Acquired(_)) if i % 2 == 0 => won_a += 1,
+                    Ok(Acquisition::Acquired(_)) => won_b += 1,
+                    Ok(Acquisition::InProgress { .. }) => {}
+                    other => panic!("{k}: {other:?}"),
+                }
+            }
+            assert_eq!((won_a, won_b), (1, 1), "{k}");
+            for store in [&a, &b] {
+                let exists = server.command(&format!("EXISTS {}", store.redis_key(&k)));
+                assert!(exists.contains(":1"), "{}: {exists}", store.redis_key(&k));
+            }
+        }
+    }
+
+    /// A clone that waits for replicas, called at once with one that does
+    /// not: with no replica, every call of the first fails as it would
+    /// alone, and every call of the other succeeds.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_clone_that_waits_for_replicas_called_beside_one_that_does_not_still_waits() {
+        let (_server, base) = own_server().await;
+        let durable = base.clone().wait_for_replicas(1, Duration::from_millis(50));
+        let tasks: Vec<_> = (0..64)
+            .map(|i| {
+                let store = if i % 2 == 0 { &durable } else { &base };
+                spawn_acquire(store, key(&format!("replicated-{i}")), None, LEASE)
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let got = joined(task).await;
+            if i % 2 == 0 {
+                assert!(
+                    matches!(got, Err(StoreError::Unavailable(_))),
+                    "with no replica, a WAIT store's acquire answered {got:?}"
+                );
+            } else {
+                acquired(&got);
+            }
         }
     }
 
@@ -587,6 +713,154 @@ mod on_postgres {
                 .await
                 .unwrap_or_else(|e| panic!("{id}: {e}"));
         }
+        pool.close().await;
+        direct.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sixty_four_concurrent_duplicates_through_the_executor_run_the_handler_once() {
+        let pool = pg::pool(pg::shared_url(), 4).await;
+        let table = format!("batch_dups_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        concurrent_duplicates_run_their_handler_once(store.clone(), "pg", 8).await;
+        let tiered = idemkit::tiered::TieredStore::new(store)
+            .with_cache(idemkit::tiered::MokaCache::new(1_000, 1 << 20));
+        concurrent_duplicates_run_their_handler_once(tiered, "tiered", 8).await;
+        pool.close().await;
+    }
+
+    /// Waits (10 s at most) until a session waits for the advisory lock
+    /// of `k` (pg_locks; other tests' lock waits do not count).
+    async fn until_waiting_on_key_lock(monitor: &PgPool, k: &IdempotencyKey) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+                 AND objid::int8 = (hashtext($1)::int8 & 4294967295)",
+            )
+            .bind(k.id())
+            .fetch_one(monitor)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+            if waiting >= 1 {
+                return;
+            }
+            assert!(std::time::Instant::now() < deadline, "nobody waited on {k}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A batched statement whose reply is lost is resent with the same
+    /// tokens; if its key is locked elsewhere when the resend runs, the
+    /// caller must still end up holding the key its first send reserved,
+    /// as a single call resent (waiting for the lock) would.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_reply_whose_resend_finds_the_key_locked_still_gives_the_caller_its_key() {
+        let (proxy, url) = pg::proxied().await;
+        let direct = pg::pool(pg::shared_url(), 3).await;
+        let pool = pg::pool(&url, 2).await;
+        let table = format!("batch_lost_busy_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table.clone())
+            .call_timeout(Duration::from_secs(20))
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let direct_store = PgStore::builder(direct.clone())
+            .table(table)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let run = format!("{:08x}", fastrand::u32(..));
+        let first_id = format!("first-{run}");
+        let x_id = format!("lost-busy-{run}");
+        let x = key(&x_id);
+        // The first call waits on a claim; `x` waits in the batcher.
+        let hold = claimed(&direct_store, &direct, &key(&first_id)).await;
+        let first = spawn_acquire(&store, key(&first_id), None, LEASE);
+        until_waiting_on_key_lock(&direct, &key(&first_id)).await;
+        // `x`'s statement reaches the server late, runs, and its reply is
+        // lost; its resend reaches the server late too.
+        proxy.lose_replies_to(x_id.as_bytes(), 1, 1);
+        proxy.delay_requests_to(x_id.as_bytes(), Duration::from_millis(1500));
+        let batched = spawn_acquire(&store, x.clone(), None, LEASE);
+        until_waiting(store.batcher(), 1, 0).await;
+        hold.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        acquired(&joined(first).await);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while proxy.lost() < 1 {
+            assert!(std::time::Instant::now() < deadline, "no reply lost");
+            tokio::task::yield_now().await;
+        }
+        // Before the resend arrives: another session locks `x` for a while
+        // (as an in-transaction claim of it does).
+        let mut lock = direct.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1 || $2), hashtext($3))")
+            .bind(direct_store.qualified_table())
+            .bind(x.scope())
+            .bind(x.id())
+            .execute(&mut *lock)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        until_waiting_on_key_lock(&direct, &x).await;
+        lock.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        let got = joined(batched).await;
+        let record = direct_store.get(&x).await;
+        assert!(
+            matches!(&got, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+            "the caller whose batched statement reserved {x} got {got:?}; record: {record:?}"
+        );
+        pool.close().await;
+        direct.close().await;
+    }
+
+    /// The same lost reply and locked resend for a single call sent alone
+    /// (batching off): the caller holds its key.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_lost_reply_whose_resend_finds_the_key_locked_gives_a_lone_caller_its_key() {
+        let (proxy, url) = pg::proxied().await;
+        let direct = pg::pool(pg::shared_url(), 3).await;
+        let pool = pg::pool(&url, 2).await;
+        let table = format!("batch_lost_alone_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table.clone())
+            .call_timeout(Duration::from_secs(20))
+            .batching(idemkit::Batching::off())
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        let direct_store = PgStore::builder(direct.clone())
+            .table(table)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        let x_id = format!("lost-busy-{:08x}", fastrand::u32(..));
+        let x = key(&x_id);
+        proxy.lose_replies_to(x_id.as_bytes(), 1, 1);
+        proxy.delay_requests_to(x_id.as_bytes(), Duration::from_millis(1500));
+        let alone = spawn_acquire(&store, x.clone(), None, LEASE);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while proxy.lost() < 1 {
+            assert!(std::time::Instant::now() < deadline, "no reply lost");
+            tokio::task::yield_now().await;
+        }
+        let mut lock = direct.begin().await.unwrap_or_else(|e| panic!("{e}"));
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext($1 || $2), hashtext($3))")
+            .bind(direct_store.qualified_table())
+            .bind(x.scope())
+            .bind(x.id())
+            .execute(&mut *lock)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        until_waiting_on_key_lock(&direct, &x).await;
+        lock.rollback().await.unwrap_or_else(|e| panic!("{e}"));
+        let got = joined(alone).await;
+        assert!(
+            matches!(&got, Ok(Acquisition::Acquired(l)) if l.attempt == 1),
+            "{got:?}"
+        );
         pool.close().await;
         direct.close().await;
     }

@@ -15,7 +15,7 @@ mod support;
 mod canonical;
 mod memory;
 
-#[cfg(all(feature = "postgres", feature = "redis"))]
+#[cfg(all(feature = "postgres", feature = "redis", feature = "tiered"))]
 mod batching;
 #[cfg(feature = "dynamodb")]
 mod dynamodb;
