@@ -22,6 +22,18 @@ use crate::timeouts::Timeouts;
 /// [`PgStoreBuilder::batch_statement`].
 pub const DEFAULT_BATCH_STATEMENT: usize = 256;
 
+/// The batching a [`PgStore`] starts with: on, at most 2 calls of each
+/// kind in flight before new ones wait to be batched (two statements at
+/// once kept PostgreSQL's two cores busier than one on the machine the
+/// figures of the repository's docs/guide/performance.md come from).
+///
+/// ```
+/// assert_eq!(idem_postgres::default_batching().calls_in_flight(), 2);
+/// ```
+pub fn default_batching() -> Batching {
+    Batching::default().in_flight(2)
+}
+
 /// The largest [`PgStoreBuilder::batch_statement`].
 pub const MAX_BATCH_STATEMENT: usize = 10_000;
 
@@ -67,11 +79,12 @@ impl PgStoreBuilder {
     }
 
     /// How concurrent single calls are batched (default
-    /// [`Batching::default`]: on). While an `acquire` (a `complete`) is in
-    /// flight, the ones other tasks make meanwhile wait for it and then go
-    /// together as one `acquire_many` (`complete_many`) statement; each
-    /// caller gets the answer its own call would have got. A call that
-    /// finds nothing in flight goes at once. Each batched call takes one of
+    /// [`default_batching`]: on, at most 2 calls of each kind in flight
+    /// before new ones wait). While those are in flight, the `acquire`s
+    /// (`complete`s) other tasks make meanwhile wait and then go together
+    /// as one `acquire_many` (`complete_many`) statement; each caller gets
+    /// the answer its own call would have got. A call that finds room goes
+    /// at once. Each batched call takes one of
     /// the store's [`connections`](Self::connections) while it runs.
     /// [`Batching::off`] sends every call alone.
     pub fn batching(mut self, batching: Batching) -> Self {
@@ -214,7 +227,7 @@ impl PgStore {
             max_response_bytes: 64 << 20,
             connections: None,
             batch_statement: DEFAULT_BATCH_STATEMENT,
-            batching: Batching::default(),
+            batching: default_batching(),
             failover: None,
         }
     }

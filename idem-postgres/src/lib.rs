@@ -169,8 +169,8 @@ use idem_core::{IdempotencyStore, StoreError};
 
 pub use admin::{ListedRecord, ScopeCounts, StuckRows};
 pub use builder::{
-    PgStoreBuilder, DEFAULT_BATCH_STATEMENT, DEFAULT_CONNECTIONS, MAX_BATCH_STATEMENT,
-    MAX_CONNECTIONS,
+    default_batching, PgStoreBuilder, DEFAULT_BATCH_STATEMENT, DEFAULT_CONNECTIONS,
+    MAX_BATCH_STATEMENT, MAX_CONNECTIONS,
 };
 pub use connect::{connect, connect_with};
 pub use connection::ConnectionStats;

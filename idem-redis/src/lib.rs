@@ -136,7 +136,7 @@ pub use acl::acl_rules;
 pub use admin::{CountScan, ScannedRecord, StateCounts, StuckScan};
 pub use error::{CallTimeout, Refused, UnexpectedReply};
 pub use heal::STALL_AFTER;
-pub use store::{RedisStore, DEFAULT_MAX_RESPONSE_BYTES};
+pub use store::{default_batching, RedisStore, DEFAULT_MAX_RESPONSE_BYTES};
 #[cfg(feature = "tls")]
 #[cfg_attr(docsrs, doc(cfg(feature = "tls")))]
 pub use tls::{install_crypto_provider, TlsOptions};

@@ -85,6 +85,20 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// The batching a [`RedisStore`] starts with: on, at most 4 calls of each
+/// kind in flight before new ones wait to be batched. With fewer, the
+/// multiplexed connection's own pipelining did better at 64 concurrent
+/// callers (a Lua script costs Redis about as much per key in a batch as
+/// alone); with 4, batches form once calls pile up (measured in the
+/// repository's docs/guide/performance.md).
+///
+/// ```
+/// assert_eq!(idem_redis::default_batching().calls_in_flight(), 4);
+/// ```
+pub fn default_batching() -> Batching {
+    Batching::default().in_flight(4)
+}
+
 /// The default largest response: 64 MiB. A larger one is refused
 /// (`StoreError::ResponseTooLarge`) before anything is written.
 ///
@@ -121,7 +135,7 @@ where
             // does any other connection once Redis answered CROSSSLOT to a
             // batch (a cluster behind a type of the application's own).
             bad_prefix: false,
-            batcher: Batcher::new(Batching::default(), "redis"),
+            batcher: Batcher::new(default_batching(), "redis"),
             cluster: Arc::new(AtomicBool::new(
                 std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
             )),
@@ -228,13 +242,13 @@ where
         Ok(self.prefix(prefix))
     }
 
-    /// How concurrent single calls are batched (default
-    /// [`Batching::default`]: on). While an `acquire` (a `complete`) is in
-    /// flight, the ones other tasks make meanwhile wait for it and then go
+    /// How concurrent single calls are batched (default: on, with up to 4
+    /// calls of each kind in flight before new ones wait; see
+    /// [`default_batching`]). While that many `acquire`s (`complete`s) are
+    /// in flight, the ones other tasks make meanwhile wait and then go
     /// together as one `acquire_many.lua` (`complete_many.lua`) call, one
     /// per hash slot on Redis Cluster; each caller gets the answer its own
-    /// call would have got. A call that finds nothing in flight goes at
-    /// once. [`Batching::off`] sends every call alone. Clones made before
+    /// call would have got. A call that finds room goes at once. [`Batching::off`] sends every call alone. Clones made before
     /// this call keep the batching they had (a store changed by any
     /// setting gets queues of its own: stores that differ never batch
     /// together).

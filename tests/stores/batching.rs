@@ -16,7 +16,8 @@ use std::time::Duration;
 use idemkit::postgres::{Claim, PgStore};
 use idemkit::redis::RedisStore;
 use idemkit::{
-    Acquisition, Batcher, Fingerprint, IdempotencyKey, IdempotencyStore, Lease, StoreError,
+    Acquisition, Batcher, Batching, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
+    StoreError,
 };
 use sqlx::PgPool;
 use support::proxy::CountingProxy;
@@ -185,9 +186,12 @@ mod on_redis {
 
     async fn own_server() -> (RedisServer, RedisStore) {
         let server = RedisServer::start(&[]);
+        // One call in flight before the others wait: the counts below
+        // assume it.
         let store = RedisStore::connect(&server.url)
             .await
-            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"));
+            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"))
+            .batching(Batching::default());
         (server, store)
     }
 
@@ -311,7 +315,8 @@ mod on_redis {
         let store = RedisStore::connect(&format!("redis://{}/", proxy.addr))
             .await
             .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"))
-            .call_timeout(Duration::from_secs(2));
+            .call_timeout(Duration::from_secs(2))
+            .batching(Batching::default());
         let lease = Duration::from_millis(600);
         // A batch first, so that Redis knows the scripts (a NOSCRIPT
         // answer runs nothing).
@@ -431,7 +436,8 @@ mod on_redis {
         let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
         let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
             .await
-            .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"));
+            .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"))
+            .batching(Batching::default());
         // 32 keys in one slot ({one}), 32 in another ({two}).
         let keys: Vec<IdempotencyKey> = (0..64)
             .map(|i| {
@@ -502,7 +508,10 @@ mod on_postgres {
             .execute(&pool)
             .await
             .unwrap_or_else(|e| panic!("{e}"));
-        let store = PgStore::new(pool.clone());
+        let store = PgStore::builder(pool.clone())
+            .batching(Batching::default())
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
         (server, store, pool)
     }
@@ -675,6 +684,7 @@ mod on_postgres {
         let table = format!("batch_lost_{:08x}", fastrand::u32(..));
         let store = PgStore::builder(pool.clone())
             .table(table.clone())
+            .batching(Batching::default())
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
@@ -767,6 +777,7 @@ mod on_postgres {
         let store = PgStore::builder(pool.clone())
             .table(table.clone())
             .call_timeout(Duration::from_secs(20))
+            .batching(Batching::default())
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
@@ -872,6 +883,7 @@ mod on_postgres {
         let store = PgStore::builder(pool.clone())
             .table(table)
             .call_timeout(Duration::from_secs(20))
+            .batching(Batching::default())
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
