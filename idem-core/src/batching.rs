@@ -27,6 +27,7 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use futures::FutureExt;
 use tokio::sync::oneshot;
 
 use crate::error::StoreError;
@@ -301,12 +302,27 @@ struct State<R, T> {
 struct Waiting<R, T> {
     /// Its number, to find it in the queue.
     number: u64,
-    /// The runtime its caller waits on: its batch is run there (the
-    /// runtime of the call whose end starts it may be idle, or gone).
-    runtime: Option<tokio::runtime::Handle>,
     request: R,
     weight: usize,
-    reply: oneshot::Sender<Result<T, StoreError>>,
+    /// Where its batch is handed to it, once taken.
+    reply: oneshot::Sender<Assigned<T>>,
+}
+
+/// The answers of one batched call, one per item, each taken by its
+/// caller; `None` if the call panicked.
+type Answers<T> = Option<Arc<Vec<Mutex<Option<Result<T, StoreError>>>>>>;
+
+/// A batched call in flight. Every caller in it polls it, so it goes on
+/// while any of them waits, on whichever runtime that one runs (several
+/// runtimes may share a store, and one may stop being driven while a batch
+/// of its callers is in flight); when all of them went away, it is
+/// dropped, as their calls made alone would be.
+type InFlight<T> = futures::future::Shared<BoxFuture<Answers<T>>>;
+
+/// A caller's place in a batched call.
+struct Assigned<T> {
+    call: InFlight<T>,
+    index: usize,
 }
 
 impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
@@ -350,28 +366,26 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                 state.in_flight += 1;
                 None
             } else {
-                let (reply, answer) = oneshot::channel();
+                let (reply, assigned) = oneshot::channel();
                 let number = state.next;
                 state.next = state.next.wrapping_add(1);
                 state.waiting.push_back(Waiting {
                     number,
-                    runtime: tokio::runtime::Handle::try_current().ok(),
                     request: request(),
                     weight,
                     reply,
                 });
                 if state.in_flight < self.settings.in_flight {
-                    // A free slot with calls waiting (a flight that ended
-                    // could not start the next batch): this call starts it.
+                    // A free slot with calls waiting: this call starts them.
                     state.in_flight += 1;
                     let batch = self.take(&mut state);
                     drop(state);
                     self.start(store.clone(), send, batch);
                 }
-                Some((number, answer))
+                Some((number, assigned))
             }
         };
-        let Some((number, mut answer)) = waited else {
+        let Some((number, mut assigned)) = waited else {
             // Whether it ends or is dropped, the flight's end starts the
             // calls that waited for it.
             let _flight = Flight {
@@ -381,8 +395,8 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
             };
             return alone.await;
         };
-        let answered = match tokio::time::timeout(self.settings.max_wait, &mut answer).await {
-            Ok(answered) => answered,
+        let assigned = match tokio::time::timeout(self.settings.max_wait, &mut assigned).await {
+            Ok(assigned) => assigned,
             Err(_) => {
                 // The call in flight takes long (a lock wait): if this call
                 // still waits, it and the calls before it go now, beside
@@ -399,14 +413,23 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                 if let Some(batch) = batch {
                     self.start(store.clone(), send, batch);
                 }
-                answer.await
+                assigned.await
             }
         };
-        match answered {
+        let Ok(Assigned { call, index }) = assigned else {
+            return Err(no_answer());
+        };
+        let answer = match call.await {
+            Some(answers) => answers
+                .get(index)
+                .and_then(|slot| slot.lock().unwrap_or_else(|e| e.into_inner()).take())
+                .unwrap_or_else(|| Err(no_answer())),
+            None => Err(no_answer()),
+        };
+        match answer {
             // The batch could not answer it without holding up the others.
-            Ok(Err(e)) if is_send_alone(&e) => alone.await,
-            Ok(answer) => answer,
-            Err(_) => Err(no_answer()),
+            Err(e) if is_send_alone(&e) => alone.await,
+            answer => answer,
         }
     }
 
@@ -449,46 +472,32 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
         self.start(store.clone(), send, batch);
     }
 
-    /// Sends `batch` on a task of its own, holding a slot: the callers
-    /// only wait for their answers, so one that goes away stops nothing.
+    /// Makes `batch` one call holding a slot, and hands it to each of its
+    /// callers, who all poll it. If none of them is there any more, the
+    /// call is dropped unsent and its slot handed on.
     fn start<S>(self: &Arc<Self>, store: S, send: SendFn<S, R, T>, batch: Vec<Waiting<R, T>>)
     where
         S: Clone + Send + Sync + 'static,
     {
-        // On the runtime of a caller that waits for it: that one is
-        // running while its caller waits (several runtimes may share a
-        // store; the current one may be about to stop being driven).
-        let runtime = batch
-            .iter()
-            .find_map(|w| w.runtime.clone())
-            .or_else(|| tokio::runtime::Handle::try_current().ok());
-        match runtime {
-            // A runtime shutting down drops the task unpolled: the flight's
-            // drop then hands its slot on, and the batch's callers get
-            // `no_answer`.
-            Some(runtime) => {
-                let flight = OwnedFlight {
-                    queue: self.clone(),
-                    store,
-                    send,
-                };
-                runtime.spawn(flight.run(batch));
-            }
-            None => {
-                // No runtime to send on: these calls, and the ones still
-                // waiting, fail; nothing was sent for them.
-                let rest: Vec<_> = {
-                    let mut state = self.lock();
-                    state.waiting.drain(..).collect()
-                };
-                for waiting in batch.into_iter().chain(rest) {
-                    let _ = waiting.reply.send(Err(StoreError::unavailable(
-                        "a batched call found no tokio runtime to run on; nothing was sent",
-                    )));
-                }
-                let mut state = self.lock();
-                state.in_flight = state.in_flight.saturating_sub(1);
-            }
+        let mut requests = Vec::with_capacity(batch.len());
+        let mut replies = Vec::with_capacity(batch.len());
+        for waiting in batch {
+            requests.push(waiting.request);
+            replies.push(waiting.reply);
+        }
+        // Made outside the call's future: dropped unpolled, it lands too.
+        let flight = OwnedFlight {
+            queue: self.clone(),
+            store,
+            send,
+        };
+        let call: BoxFuture<Answers<T>> = Box::pin(flight.run(requests));
+        let call = call.shared();
+        for (index, reply) in replies.into_iter().enumerate() {
+            let _ = reply.send(Assigned {
+                call: call.clone(),
+                index,
+            });
         }
     }
 }
@@ -512,7 +521,7 @@ where
     }
 }
 
-/// A batched call, on its own task.
+/// A batched call, polled by its callers.
 struct OwnedFlight<S, R: Send + 'static, T: Send + 'static>
 where
     S: Clone + Send + Sync + 'static,
@@ -526,19 +535,7 @@ impl<S, R: Send + 'static, T: Send + 'static> OwnedFlight<S, R, T>
 where
     S: Clone + Send + Sync + 'static,
 {
-    async fn run(self, batch: Vec<Waiting<R, T>>) {
-        let mut requests = Vec::with_capacity(batch.len());
-        let mut replies = Vec::with_capacity(batch.len());
-        for waiting in batch {
-            // Left out if its caller went away since it was taken.
-            if !waiting.reply.is_closed() {
-                requests.push(waiting.request);
-                replies.push(waiting.reply);
-            }
-        }
-        if requests.is_empty() {
-            return;
-        }
+    async fn run(self, requests: Vec<R>) -> Answers<T> {
         metrics::histogram!(
             STORE_BATCH_SIZE,
             "backend" => self.queue.backend,
@@ -546,21 +543,26 @@ where
         )
         .record(requests.len() as f64);
         let asked = requests.len();
-        let answers = (self.send)(self.store.clone(), requests).await;
-        if answers.len() != asked {
-            for reply in replies {
-                let _ = reply.send(Err(StoreError::backend(format!(
-                    "a batched call answered {} items of {asked}",
-                    answers.len()
-                ))));
-            }
-            return;
-        }
-        for (reply, answer) in replies.into_iter().zip(answers) {
-            // A caller that went away meanwhile drops its answer, as a
-            // single call dropped after it was sent.
-            let _ = reply.send(answer);
-        }
+        // A panic of the store's batch call is each caller's `no_answer`,
+        // not a panic in every caller that polls the call.
+        let call = std::panic::AssertUnwindSafe((self.send)(self.store.clone(), requests));
+        let answers = call.catch_unwind().await.ok()?;
+        let answers: Vec<Result<T, StoreError>> = if answers.len() == asked {
+            answers
+        } else {
+            let got = answers.len();
+            (0..asked)
+                .map(|_| {
+                    Err(StoreError::backend(format!(
+                        "a batched call answered {got} items of {asked}"
+                    )))
+                })
+                .collect()
+        };
+        Some(Arc::new(
+            answers.into_iter().map(|a| Mutex::new(Some(a))).collect(),
+        ))
+        // `self` drops here: its slot goes to the next batch.
     }
 }
 
@@ -600,12 +602,12 @@ impl std::fmt::Display for SendAlone {
 impl std::error::Error for SendAlone {}
 
 /// The answer of a caller whose batched call ended without one (it
-/// panicked, or its runtime shut down): as a lost reply, it may or may not
-/// have been applied; retryable.
+/// panicked): as a lost reply, it may or may not have been applied;
+/// retryable.
 fn no_answer() -> StoreError {
     StoreError::unavailable(
-        "the batched call ended without an answer (it panicked or its runtime shut down): it \
-         may or may not have been applied",
+        "the batched call ended without an answer (it panicked): it may or may not have been \
+         applied",
     )
 }
 
@@ -1291,6 +1293,99 @@ mod tests {
         store.0.singles_gate.send_replace(true);
         acquired(&store.acquire(&key("after"), None, LEASE).await);
         assert_eq!(store.singles().0, 2);
+    }
+
+    /// The batch of `x` (queued first, on another thread's runtime) and
+    /// `y` (queued after it, on this runtime) is run on `x`'s runtime;
+    /// then `x`'s caller stops waiting (its `block_on` ends with a
+    /// cancellation, as a sync facade's timeout does). `ends` gets that
+    /// runtime (kept idle, or dropped). `y` must still get its own answer.
+    fn queued_caller_after_the_one_whose_runtime_runs_the_batch_went_away(
+        ends: impl FnOnce(tokio::runtime::Runtime),
+    ) -> Result<Result<Acquisition, StoreError>, tokio::time::error::Elapsed> {
+        // Only the caller going away lets the waiting calls go.
+        let store = Counted::new(Batching::default().max_wait(Duration::from_secs(3600)));
+        let rt = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap_or_else(|e| panic!("{e}"))
+        };
+        let mine = rt();
+        let (cancel, cancelled) = oneshot::channel::<()>();
+        let (first, other_thread) = mine.block_on(async {
+            store.close_gate();
+            let first = spawn_acquire(&store, key("first"), None, LEASE);
+            while store.singles().0 < 1 {
+                tokio::task::yield_now().await;
+            }
+            let s = store.clone();
+            let other = rt();
+            let other_thread = std::thread::spawn(move || {
+                let x = key("x");
+                let got = other.block_on(async {
+                    tokio::select! {
+                        got = s.acquire(&x, None, LEASE) => Some(got),
+                        _ = cancelled => None,
+                    }
+                });
+                (other, got)
+            });
+            store.until_waiting(1, 0).await;
+            (first, other_thread)
+        });
+        mine.block_on(async {
+            let y = spawn_acquire(&store, key("y"), None, LEASE);
+            store.until_waiting(2, 0).await;
+            // The call in flight goes away: its slot starts the batch
+            // [x, y], on x's runtime, held at the gate.
+            first.abort();
+            let _ = first.await;
+            tokio::time::timeout(Duration::from_secs(10), async {
+                while store.batches().is_empty() {
+                    tokio::task::yield_now().await;
+                }
+            })
+            .await
+            .unwrap_or_else(|_| panic!("the batch never started"));
+            assert_eq!(store.batches(), vec![("acquire", 2)]);
+            // x's caller stops waiting, its thread's block_on returns.
+            let _ = cancel.send(());
+            let (other, got) = other_thread.join().unwrap_or_else(|_| panic!("thread"));
+            assert!(got.is_none(), "{got:?}");
+            ends(other);
+            store.open_gate();
+            tokio::time::timeout(Duration::from_secs(5), y)
+                .await
+                .map(|joined| joined.unwrap_or_else(|e| panic!("task: {e}")))
+        })
+    }
+
+    #[test]
+    fn a_queued_caller_is_answered_when_the_caller_whose_idle_runtime_ran_its_batch_went_away() {
+        let mut idle = None;
+        let got = queued_caller_after_the_one_whose_runtime_runs_the_batch_went_away(|rt| {
+            // That thread's runtime stays, not driven (its next call has
+            // not come).
+            idle = Some(rt);
+        });
+        let got = got.unwrap_or_else(|_| {
+            panic!("y was never answered: its batch sits on an idle runtime of a caller that went away")
+        });
+        acquired(&got);
+    }
+
+    #[test]
+    fn a_queued_caller_gets_its_own_answer_when_the_caller_whose_runtime_ran_its_batch_went_away_and_that_runtime_shut_down(
+    ) {
+        let got = queued_caller_after_the_one_whose_runtime_runs_the_batch_went_away(|rt| {
+            // Shut down on a thread of its own (not from async code).
+            std::thread::spawn(move || drop(rt))
+                .join()
+                .unwrap_or_else(|_| panic!("thread"));
+        });
+        let got = got.unwrap_or_else(|_| panic!("y was never answered"));
+        acquired(&got);
     }
 
     #[test]
