@@ -365,6 +365,26 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
             if state.in_flight < self.settings.in_flight && state.waiting.is_empty() {
                 state.in_flight += 1;
                 None
+            } else if state.in_flight < self.settings.in_flight {
+                // A free slot with calls waiting (rare): this call goes
+                // with them, once the store is cloned outside the lock.
+                drop(state);
+                let owned = store.clone();
+                let (reply, assigned) = oneshot::channel();
+                let mut state = self.lock();
+                let number = state.next;
+                state.next = state.next.wrapping_add(1);
+                state.waiting.push_back(Waiting {
+                    number,
+                    request: request(),
+                    weight,
+                    reply,
+                });
+                state.in_flight += 1;
+                let batch = self.take(&mut state);
+                drop(state);
+                self.start(owned, send, batch);
+                Some((number, assigned))
             } else {
                 let (reply, assigned) = oneshot::channel();
                 let number = state.next;
@@ -375,13 +395,6 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                     weight,
                     reply,
                 });
-                if state.in_flight < self.settings.in_flight {
-                    // A free slot with calls waiting: this call starts them.
-                    state.in_flight += 1;
-                    let batch = self.take(&mut state);
-                    drop(state);
-                    self.start(store.clone(), send, batch);
-                }
                 Some((number, assigned))
             }
         };
@@ -400,10 +413,14 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
             Err(_) => {
                 // The call in flight takes long (a lock wait): if this call
                 // still waits, it and the calls before it go now, beside
-                // the one in flight, on a slot of their own.
+                // the one in flight, on a slot of their own (up to
+                // MAX_IN_FLIGHT slots in all).
+                let owned = store.clone();
                 let batch = {
                     let mut state = self.lock();
-                    if state.waiting.iter().any(|w| w.number == number) {
+                    if state.in_flight < MAX_IN_FLIGHT
+                        && state.waiting.iter().any(|w| w.number == number)
+                    {
                         state.in_flight += 1;
                         Some(self.take(&mut state))
                     } else {
@@ -411,7 +428,7 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
                     }
                 };
                 if let Some(batch) = batch {
-                    self.start(store.clone(), send, batch);
+                    self.start(owned, send, batch);
                 }
                 assigned.await
             }
@@ -460,16 +477,28 @@ impl<R: Send + 'static, T: Send + 'static> Queue<R, T> {
     where
         S: Clone + Send + Sync + 'static,
     {
-        let batch = {
-            let mut state = self.lock();
-            let batch = self.take(&mut state);
-            if batch.is_empty() {
-                state.in_flight = state.in_flight.saturating_sub(1);
-                return;
-            }
-            batch
+        // Cloned first (an `Arc`'s clone, for the idem stores), so that a
+        // clone that panics changes nothing: it runs in a `Drop`, and the
+        // slot must be given back whatever happens.
+        let owned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| store.clone()));
+        let mut state = self.lock();
+        let Ok(owned) = owned else {
+            // Nothing to send the waiting calls with: they end (each gets
+            // a retryable `no_answer`; nothing was sent for them) and the
+            // slot is given back.
+            let gone: Vec<_> = state.waiting.drain(..).collect();
+            state.in_flight = state.in_flight.saturating_sub(1);
+            drop(state);
+            drop(gone);
+            return;
         };
-        self.start(store.clone(), send, batch);
+        let batch = self.take(&mut state);
+        if batch.is_empty() {
+            state.in_flight = state.in_flight.saturating_sub(1);
+            return;
+        }
+        drop(state);
+        self.start(owned, send, batch);
     }
 
     /// Makes `batch` one call holding a slot, and hands it to each of its
@@ -736,8 +765,17 @@ mod tests {
     /// A MemoryStore whose single calls go through a [`Batcher`], with
     /// every call to the "server" counted, and held at a gate while the
     /// gate is closed.
-    #[derive(Clone)]
     struct Counted(Arc<Inner>);
+
+    impl Clone for Counted {
+        fn clone(&self) -> Self {
+            // Armed by a test: the next clone panics (once).
+            if self.0.clone_panics.swap(false, Ordering::SeqCst) {
+                panic!("test: a clone of the store panics");
+            }
+            Counted(self.0.clone())
+        }
+    }
 
     struct Inner {
         memory: MemoryStore,
@@ -750,6 +788,7 @@ mod tests {
         batches: Mutex<Vec<(&'static str, usize)>>,
         down: AtomicBool,
         panics: AtomicBool,
+        clone_panics: AtomicBool,
     }
 
     impl Counted {
@@ -764,6 +803,7 @@ mod tests {
                 batches: Mutex::new(Vec::new()),
                 down: AtomicBool::new(false),
                 panics: AtomicBool::new(false),
+                clone_panics: AtomicBool::new(false),
             }))
         }
 
@@ -1386,6 +1426,112 @@ mod tests {
         });
         let got = got.unwrap_or_else(|_| panic!("y was never answered"));
         acquired(&got);
+    }
+
+    /// `first` goes alone (held), `a` waits behind it; the store's next
+    /// clone panics, which is the one `landed` makes to start `a`'s batch
+    /// when `first` ends. Returns `first`'s and `a`'s outcomes.
+    async fn a_flight_lands_while_the_store_clone_panics(
+        store: &Counted,
+    ) -> (
+        Result<Result<Acquisition, StoreError>, tokio::task::JoinError>,
+        Result<Result<Acquisition, StoreError>, tokio::task::JoinError>,
+    ) {
+        store.0.singles_gate.send_replace(false);
+        let first = spawn_acquire(store, key("first"), None, LEASE);
+        while store.singles().0 < 1 {
+            tokio::task::yield_now().await;
+        }
+        let a = spawn_acquire(store, key("a"), None, LEASE);
+        store.until_waiting(1, 0).await;
+        store.0.clone_panics.store(true, Ordering::SeqCst);
+        store.0.singles_gate.send_replace(true);
+        let first = first.await;
+        let a = a.await;
+        assert!(
+            !store.0.clone_panics.load(Ordering::SeqCst),
+            "the clone was never made"
+        );
+        (first, a)
+    }
+
+    #[tokio::test]
+    async fn a_store_clone_panicking_as_a_flight_lands_does_not_reach_the_caller_whose_call_succeeded(
+    ) {
+        let store = Counted::new(Batching::default().max_wait(Duration::from_secs(3600)));
+        let (first, _a) = a_flight_lands_while_the_store_clone_panics(&store).await;
+        match first {
+            Ok(got) => {
+                acquired(&got);
+            }
+            Err(e) => panic!("first's own call succeeded, its caller got a panic: {e}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_store_clone_panicking_as_a_flight_lands_gives_back_its_in_flight_slot() {
+        let store = Counted::new(Batching::default().max_wait(Duration::from_secs(3600)));
+        let _ = a_flight_lands_while_the_store_clone_panics(&store).await;
+        // Nothing is in flight and nothing waits: a lone call goes at once.
+        let after = tokio::time::timeout(
+            Duration::from_secs(5),
+            store.acquire(&key("after"), None, LEASE),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            panic!(
+                "a lone call never went: the slot of the flight whose landing panicked is never \
+                 given back (waiting: {:?})",
+                store.0.batcher.waiting()
+            )
+        });
+        acquired(&after);
+    }
+
+    /// MAX_IN_FLIGHT: "the most batched calls in flight at once, whatever
+    /// `in_flight` asks for". A slow call in flight and many queued
+    /// callers each past `max_wait` must not put more than that many
+    /// calls in flight.
+    #[tokio::test]
+    async fn queued_callers_past_max_wait_never_put_more_than_max_in_flight_calls_in_flight() {
+        let store = Counted::new(
+            Batching::default()
+                .max_items(1)
+                .max_wait(Duration::from_micros(1)),
+        );
+        store.close_gate();
+        let first = spawn_acquire(&store, key("first"), None, LEASE);
+        while store.singles().0 < 1 {
+            tokio::task::yield_now().await;
+        }
+        let n = MAX_IN_FLIGHT + 100;
+        let tasks: Vec<_> = (0..n)
+            .map(|i| spawn_acquire(&store, key(&format!("k{i}")), None, LEASE))
+            .collect();
+        // Every call is held at the gate: wait until every caller has
+        // either been sent in a batch or sits in the queue.
+        tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                let sent: usize = store.batches().iter().map(|(_, n)| n).sum();
+                if sent + store.0.batcher.waiting().0 >= n || store.batches().len() > MAX_IN_FLIGHT
+                {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .ok();
+        let in_flight = 1 + store.batches().len();
+        store.open_gate();
+        acquired(&joined(first).await);
+        for task in tasks {
+            acquired(&joined(task).await);
+        }
+        assert!(
+            in_flight <= MAX_IN_FLIGHT,
+            "{in_flight} calls in flight at once (MAX_IN_FLIGHT {MAX_IN_FLIGHT})"
+        );
     }
 
     #[test]

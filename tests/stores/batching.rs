@@ -181,6 +181,55 @@ where
     }
 }
 
+/// 256 concurrent callers over 32 keys (8 duplicates of each, interleaved)
+/// through the executor: each key's handler runs exactly once.
+async fn many_callers_over_many_keys_run_each_handler_once<S>(store: S, run: &str)
+where
+    S: IdempotencyStore + Clone + 'static,
+{
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use idemkit::{IdemError, Idempotency, InProgressPolicy, Processed};
+
+    let idem = Arc::new(
+        Idempotency::new(store).on_in_progress(InProgressPolicy::Wait {
+            max_wait: Duration::from_secs(20),
+            poll: Duration::from_millis(5),
+        }),
+    );
+    let runs: Arc<Vec<AtomicUsize>> = Arc::new((0..32).map(|_| AtomicUsize::new(0)).collect());
+    let tasks: Vec<_> = (0..256usize)
+        .map(|i| {
+            let (idem, runs) = (idem.clone(), runs.clone());
+            let k = key(&format!("many-{run}-{}", i % 32));
+            tokio::spawn(async move {
+                let got: Result<Processed<u64>, IdemError<std::io::Error>> = idem
+                    .process(&k, 7u8, move |_| async move {
+                        let n = runs[i % 32].fetch_add(1, Ordering::SeqCst);
+                        tokio::task::yield_now().await;
+                        Ok::<u64, std::io::Error>((i % 32) as u64 * 1000 + n as u64)
+                    })
+                    .await;
+                (i % 32, got)
+            })
+        })
+        .collect();
+    let mut values: Vec<std::collections::BTreeSet<u64>> = vec![Default::default(); 32];
+    for task in tasks {
+        match joined(task).await {
+            (k, Ok(Processed::Executed(v))) | (k, Ok(Processed::Replayed(v))) => {
+                values[k].insert(v);
+            }
+            (k, other) => panic!("key {k}: {other:?}"),
+        }
+    }
+    for k in 0..32 {
+        assert_eq!(runs[k].load(Ordering::SeqCst), 1, "key {k}: handler runs");
+        assert_eq!(values[k].len(), 1, "key {k}: {:?}", values[k]);
+    }
+}
+
 mod on_redis {
     use super::*;
 
@@ -372,6 +421,12 @@ mod on_redis {
     async fn sixty_four_concurrent_duplicates_through_the_executor_run_the_handler_once() {
         let (_server, store) = own_server().await;
         concurrent_duplicates_run_their_handler_once(store, "redis", 8).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_hundred_fifty_six_callers_over_thirty_two_keys_run_each_handler_once() {
+        let (_server, store) = own_server().await;
+        many_callers_over_many_keys_run_each_handler_once(store, "redis").await;
     }
 
     /// Two clones of one store with prefixes of their own (one per tenant),
@@ -740,6 +795,19 @@ mod on_postgres {
         let tiered = idemkit::tiered::TieredStore::new(store)
             .with_cache(idemkit::tiered::MokaCache::new(1_000, 1 << 20));
         concurrent_duplicates_run_their_handler_once(tiered, "tiered", 8).await;
+        pool.close().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_hundred_fifty_six_callers_over_thirty_two_keys_run_each_handler_once() {
+        let pool = pg::pool(pg::shared_url(), 4).await;
+        let table = format!("batch_many_{:08x}", fastrand::u32(..));
+        let store = PgStore::builder(pool.clone())
+            .table(table)
+            .build()
+            .unwrap_or_else(|e| panic!("{e}"));
+        store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
+        many_callers_over_many_keys_run_each_handler_once(store, "pg").await;
         pool.close().await;
     }
 
