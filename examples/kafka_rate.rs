@@ -61,6 +61,19 @@ struct Args {
     /// Stores to measure with idem.
     #[arg(long, value_delimiter = ',', default_value = "redis,postgres,tiered")]
     stores: Vec<String>,
+    /// The stores' natural batching of concurrent single calls: `on`
+    /// (each store's default) or `off`.
+    #[arg(long, default_value = "on")]
+    batching: String,
+}
+
+/// The batching the flags ask for, or the store's own default.
+fn batching(args: &Args, default: idemkit::Batching) -> idemkit::Batching {
+    if args.batching == "off" {
+        idemkit::Batching::off()
+    } else {
+        default
+    }
 }
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -244,12 +257,18 @@ async fn store(
             .max_connections(concurrency.clamp(2, 128) as u32)
             .connect(&args.postgres_url)
             .await?;
-        let store = idemkit::postgres::PgStore::builder(pool).build()?;
+        let store = idemkit::postgres::PgStore::builder(pool)
+            .batching(batching(args, idemkit::postgres::default_batching()))
+            .build()?;
         store.migrate().await?;
         Ok::<_, BoxError>(store)
     };
     Ok(match name {
-        "redis" => Arc::new(idemkit::redis::RedisStore::connect(&args.redis_url).await?),
+        "redis" => Arc::new(
+            idemkit::redis::RedisStore::connect(&args.redis_url)
+                .await?
+                .batching(batching(args, idemkit::redis::default_batching())),
+        ),
         "postgres" => Arc::new(pg().await?),
         "tiered" => {
             use idemkit::tiered::{MokaCache, RedisCache, TieredStore};
