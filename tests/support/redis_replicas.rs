@@ -45,7 +45,25 @@ impl ReplicatedCluster {
     /// Starts 6 nodes with `cluster-node-timeout` `node_timeout`, makes the
     /// cluster, and waits (30 s at most) until it is `cluster_state:ok`
     /// everywhere and every master has an online replica.
+    ///
+    /// Up to three tries, each on new ports: another test's server can take
+    /// a port between its choice and the node's start, and `--cluster
+    /// create` then finds that server ("Node ... is not empty").
     pub fn start(node_timeout: Duration) -> ReplicatedCluster {
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            match Self::try_start(node_timeout) {
+                Ok(cluster) => return cluster,
+                Err(e) => failures.push(e), // its nodes are stopped (dropped)
+            }
+        }
+        panic!(
+            "a replicated cluster did not form in three tries:\n{}",
+            failures.join("\n")
+        );
+    }
+
+    fn try_start(node_timeout: Duration) -> Result<ReplicatedCluster, String> {
         let timeout_ms = node_timeout.as_millis().to_string();
         let mut servers = Vec::new();
         for _ in 0..6 {
@@ -82,18 +100,18 @@ impl ReplicatedCluster {
                 )
             });
         if !out.status.success() {
-            panic!(
+            return Err(format!(
                 "redis-cli --cluster create --cluster-replicas 1 failed:\n{}\n{}",
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
-            );
+            ));
         }
         let cluster = ReplicatedCluster {
             alive: Mutex::new(vec![true; servers.len()]),
             servers,
         };
         cluster.wait_healthy(Duration::from_secs(30));
-        cluster
+        Ok(cluster)
     }
 
     /// The nodes' URLs, as seeds for a cluster client.
