@@ -85,21 +85,21 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The batching a [`RedisStore`] starts with: on, at most 16 calls of
-/// each kind in flight before new ones wait to be batched. Redis's Lua
-/// costs about as much per key in a batch as alone, and the multiplexed
-/// connection already pipelines concurrent calls, so batching pays only
-/// once calls pile up: with 1 or 4 in flight, 64 concurrent callers of
-/// duplicates went 0.72-0.97x as fast as without batching on the machine
-/// of the repository's docs/guide/performance.md; with 16, 0.81-1.09x
-/// (duplicates and fresh keys), and 0.82-1.19x at 256 callers: parity
-/// within the noise of a few runs.
+/// The batching a [`RedisStore`] starts with: **off**. Redis's Lua costs
+/// about as much per key in a batch as alone (6.7 µs per duplicate key
+/// either way, by `INFO commandstats`), and the multiplexed connection
+/// already pipelines concurrent calls, so on the machine of the
+/// repository's docs/guide/performance.md batching did not pay: 64
+/// concurrent store calls of duplicates went 0.64-0.78x as fast with it
+/// (1, 4 or 16 calls in flight before new ones wait), fresh keys 0.81-1.0x;
+/// only at 256 callers did it reach 0.94-1.26x. Turn it on with
+/// [`RedisStore::batching`] where calls pile up more than that.
 ///
 /// ```
-/// assert_eq!(idem_redis::default_batching().calls_in_flight(), 16);
+/// assert!(!idem_redis::default_batching().is_on());
 /// ```
 pub fn default_batching() -> Batching {
-    Batching::default().in_flight(16)
+    Batching::off()
 }
 
 /// The default largest response: 64 MiB. A larger one is refused
@@ -245,16 +245,14 @@ where
         Ok(self.prefix(prefix))
     }
 
-    /// How concurrent single calls are batched (default: on, with up to 16
-    /// calls of each kind in flight before new ones wait; see
-    /// [`default_batching`]). While that many `acquire`s (`complete`s) are
-    /// in flight, the ones other tasks make meanwhile wait and then go
-    /// together as one `acquire_many.lua` (`complete_many.lua`) call, one
-    /// per hash slot on Redis Cluster; each caller gets the answer its own
-    /// call would have got. A call that finds room goes at once. [`Batching::off`] sends every call alone. Clones made before
-    /// this call keep the batching they had (a store changed by any
-    /// setting gets queues of its own: stores that differ never batch
-    /// together).
+    /// How concurrent single calls are batched (default: off, see
+    /// [`default_batching`]). With `Batching::default()`, while an
+    /// `acquire` (a `complete`) is in flight, the ones other tasks make
+    /// meanwhile wait and then go together as one `acquire_many.lua`
+    /// (`complete_many.lua`) call, one per hash slot on Redis Cluster; each
+    /// caller gets the answer its own call would have got. A call that
+    /// finds room goes at once. A store changed by any setting gets queues
+    /// of its own: stores that differ never batch together.
     pub fn batching(mut self, batching: Batching) -> Self {
         self.batcher = Batcher::new(batching, "redis");
         self

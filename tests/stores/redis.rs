@@ -73,6 +73,31 @@ impl Harness for RedisHarness {
 
 idemkit::conformance_tests!(RedisHarness);
 
+/// The same store with its batching of concurrent calls on (off by
+/// default on Redis): the whole suite again, the storm's concurrent calls
+/// batched.
+mod with_batching {
+    use super::*;
+
+    pub(super) struct BatchingRedisHarness;
+
+    #[async_trait]
+    impl Harness for BatchingRedisHarness {
+        type Store = RedisStore;
+        async fn store(&self) -> RedisStore {
+            standalone().await.batching(idemkit::Batching::default())
+        }
+        async fn corrupt(&self, store: &RedisStore, key: &IdempotencyKey) {
+            RedisHarness.corrupt(store, key).await
+        }
+        fn settings(&self) -> Settings {
+            settings()
+        }
+    }
+
+    idemkit::conformance_tests!(BatchingRedisHarness);
+}
+
 mod on_cluster {
     use super::*;
 
