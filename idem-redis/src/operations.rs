@@ -512,12 +512,7 @@ where
         response: &[u8],
         retention: Duration,
     ) -> Result<(), StoreError> {
-        if !within_response_limit(response, self.max_response_bytes) {
-            return Err(StoreError::ResponseTooLarge {
-                size: response.len(),
-                limit: self.max_response_bytes,
-            });
-        }
+        // The size was checked by `complete`, before the batcher.
         let mut cmd = self.evalsha(&self.scripts.complete, &lease.key, 3, 32 + response.len());
         cmd.arg(&lease.token.to_bytes()[..])
             .arg(response)

@@ -230,6 +230,60 @@ where
     }
 }
 
+/// A batch mixing every outcome, in this order: fresh, a fresh key asked
+/// twice then with another fingerprint, a completed key (`done`, recorded
+/// with fingerprint `a`) with `a` then `b`, a held key (`held`, with `a`)
+/// with `a` then `b`, fresh again; led by `first` when `with_first`.
+fn mixed_batch(
+    done: &IdempotencyKey,
+    held: &IdempotencyKey,
+    a: Fingerprint,
+    b: Fingerprint,
+    with_first: bool,
+) -> Vec<(IdempotencyKey, Option<Fingerprint>)> {
+    let mut asked = Vec::new();
+    if with_first {
+        asked.push((key("first"), None));
+    }
+    asked.extend([
+        (key("fresh-1"), None),
+        (key("twice"), Some(a)),
+        (done.clone(), Some(a)),
+        (key("twice"), Some(a)),
+        (held.clone(), Some(a)),
+        (held.clone(), Some(b)),
+        (done.clone(), Some(b)),
+        (key("twice"), Some(b)),
+        (key("fresh-2"), None),
+    ]);
+    asked
+}
+
+/// The answers of `first` and a [`mixed_batch`], each as its call alone
+/// would have got it.
+fn answered_as_alone(got: &[Result<Acquisition, StoreError>]) {
+    assert_eq!(got.len(), 10, "{got:?}");
+    acquired(&got[0]);
+    acquired(&got[1]);
+    acquired(&got[2]);
+    assert!(
+        matches!(&got[3], Ok(Acquisition::Completed(r)) if &r.response[..] == b"recorded"),
+        "{:?}",
+        got[3]
+    );
+    for i in [4, 5] {
+        assert!(
+            matches!(got[i], Ok(Acquisition::InProgress { .. })),
+            "{:?}",
+            got[i]
+        );
+    }
+    for i in [6, 7, 8] {
+        assert!(matches!(got[i], Ok(Acquisition::Mismatch)), "{:?}", got[i]);
+    }
+    acquired(&got[9]);
+}
+
 mod on_redis {
     use super::*;
 
@@ -308,18 +362,7 @@ mod on_redis {
         acquired(&store.acquire(&held, Some(&a), LEASE).await);
         assert!(server.command("CONFIG RESETSTAT").contains("OK"));
 
-        let asked: Vec<(IdempotencyKey, Option<Fingerprint>)> = vec![
-            (key("first"), None),
-            (key("fresh-1"), None),
-            (key("twice"), Some(a)),
-            (done.clone(), Some(a)),
-            (key("twice"), Some(a)),
-            (held.clone(), Some(a)),
-            (held.clone(), Some(b)),
-            (done.clone(), Some(b)),
-            (key("twice"), Some(b)),
-            (key("fresh-2"), None),
-        ];
+        let asked = mixed_batch(&done, &held, a, b, true);
         let n = asked.len();
         let got = under_pause(&server, store.batcher(), (n - 1, 0), || {
             asked
@@ -328,28 +371,7 @@ mod on_redis {
                 .collect()
         })
         .await;
-        acquired(&got[0]);
-        acquired(&got[1]);
-        acquired(&got[2]);
-        assert!(
-            matches!(&got[3], Ok(Acquisition::Completed(r)) if &r.response[..] == b"recorded"),
-            "{:?}",
-            got[3]
-        );
-        assert!(
-            matches!(got[4], Ok(Acquisition::InProgress { .. })),
-            "{:?}",
-            got[4]
-        );
-        assert!(
-            matches!(got[5], Ok(Acquisition::InProgress { .. })),
-            "{:?}",
-            got[5]
-        );
-        assert!(matches!(got[6], Ok(Acquisition::Mismatch)), "{:?}", got[6]);
-        assert!(matches!(got[7], Ok(Acquisition::Mismatch)), "{:?}", got[7]);
-        assert!(matches!(got[8], Ok(Acquisition::Mismatch)), "{:?}", got[8]);
-        acquired(&got[9]);
+        answered_as_alone(&got);
         // The first alone, the nine others in one script call.
         assert_eq!(redis_calls(&server, "evalsha"), 2);
     }
@@ -685,17 +707,7 @@ mod on_postgres {
         let hold = claimed(&store, &pool, &key("first")).await;
         reset(&pool).await;
         let first = spawn_acquire(&store, key("first"), None, LEASE);
-        let asked: Vec<(IdempotencyKey, Option<Fingerprint>)> = vec![
-            (key("fresh-1"), None),
-            (key("twice"), Some(a)),
-            (done.clone(), Some(a)),
-            (key("twice"), Some(a)),
-            (held.clone(), Some(a)),
-            (held.clone(), Some(b)),
-            (done.clone(), Some(b)),
-            (key("twice"), Some(b)),
-            (key("fresh-2"), None),
-        ];
+        let asked = mixed_batch(&done, &held, a, b, false);
         let n = asked.len();
         let got = held_by(&store, &pool, hold, (n, 0), first, || {
             asked
@@ -704,28 +716,7 @@ mod on_postgres {
                 .collect()
         })
         .await;
-        acquired(&got[0]);
-        acquired(&got[1]);
-        acquired(&got[2]);
-        assert!(
-            matches!(&got[3], Ok(Acquisition::Completed(r)) if &r.response[..] == b"recorded"),
-            "{:?}",
-            got[3]
-        );
-        assert!(
-            matches!(got[4], Ok(Acquisition::InProgress { .. })),
-            "{:?}",
-            got[4]
-        );
-        assert!(
-            matches!(got[5], Ok(Acquisition::InProgress { .. })),
-            "{:?}",
-            got[5]
-        );
-        assert!(matches!(got[6], Ok(Acquisition::Mismatch)), "{:?}", got[6]);
-        assert!(matches!(got[7], Ok(Acquisition::Mismatch)), "{:?}", got[7]);
-        assert!(matches!(got[8], Ok(Acquisition::Mismatch)), "{:?}", got[8]);
-        acquired(&got[9]);
+        answered_as_alone(&got);
         // `twice` three times: three statements, in order.
         assert_eq!(pg_calls(&pool, ACQUIRE_MANY).await, 3);
         pool.close().await;
