@@ -1,7 +1,7 @@
 //! Faults and the edges of the guarantee on real servers: redelivery
 //! storms with crashed and zombie workers, server outages, network faults
 //! in a namespace, failover of PostgreSQL and Redis Cluster, and access
-//! (TLS, passwords, ACLs).
+//! (TLS, passwords, ACLs); and the watchdogs that stop the test servers.
 //!
 //! One test binary; each module is an area, gated by the facade features
 //! it needs (`cargo test --all-features --test faults`).
@@ -17,3 +17,4 @@ mod failover;
 mod network;
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 mod storms;
+mod test_servers;

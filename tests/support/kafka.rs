@@ -85,8 +85,8 @@ fn start() -> String {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start {}: {e}: {HOW_TO}", bin.display()));
     super::spawn_watchdog(&format!(
-        "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
-        pid = child.id(),
+        "{kill}; rm -rf '{dir}'",
+        kill = super::kill_if_running(child.id(), "9"),
         dir = dir.display()
     ));
     // Kept for the life of the process; the watchdog stops it.

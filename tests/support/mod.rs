@@ -56,9 +56,17 @@ pub fn temp_dir(tag: &str) -> std::path::PathBuf {
     dir
 }
 
-/// Runs `script` in `sh` detached: it outlives nothing but is told this
-/// process's pid as `$1`, so it can wait for it to exit and clean up.
-pub fn spawn_watchdog(script: &str) {
+/// Runs `cleanup` in `sh`, detached, once this process has exited.
+///
+/// Pids are reused (32768 of them here, and a test run starts thousands
+/// of processes): the wait and every kill in `cleanup` must name a process
+/// by more than its pid (see [`still_running`]), or a watchdog kills
+/// whatever program got the pid of a server that a test already stopped.
+pub fn spawn_watchdog(cleanup: &str) {
+    let script = format!(
+        "while {}; do sleep 0.5; done; {cleanup}",
+        still_running(std::process::id())
+    );
     use std::os::unix::process::CommandExt;
     let spawned = Command::new("sh")
         // A group of its own: scripts/run-tests kills the test's group when
@@ -66,8 +74,6 @@ pub fn spawn_watchdog(script: &str) {
         .process_group(0)
         .arg("-c")
         .arg(script)
-        .arg("watchdog")
-        .arg(std::process::id().to_string())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -75,4 +81,32 @@ pub fn spawn_watchdog(script: &str) {
     if let Err(e) = spawned {
         panic!("cannot start the cleanup watchdog: {e}");
     }
+}
+
+/// A shell test, true while `pid` is still the process it was when this
+/// was called: the same start time in `/proc/<pid>/stat` (its 22nd field,
+/// read after the command name, which may hold spaces). False once that
+/// process is gone, even if another one has its pid now.
+pub fn still_running(pid: u32) -> String {
+    still_running_since(pid, &start_time(pid).unwrap_or_else(|| "gone".into()))
+}
+
+/// [`still_running`] for a process that started at `start`.
+pub fn still_running_since(pid: u32, start: &str) -> String {
+    format!("[ \"$(sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -d' ' -f20)\" = '{start}' ]")
+}
+
+/// `kill -<signal> pid` in shell, sent only while [`still_running`] holds.
+pub fn kill_if_running(pid: u32, signal: &str) -> String {
+    format!(
+        "if {}; then kill -{signal} {pid} 2>/dev/null; fi",
+        still_running(pid)
+    )
+}
+
+/// The start time of `pid` (clock ticks after boot), as `/proc` gives it.
+pub fn start_time(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields = &stat[stat.rfind(") ")? + 2..];
+    fields.split(' ').nth(19).map(str::to_owned)
 }

@@ -60,8 +60,9 @@ impl MotoServer {
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start moto_server: {e}. {HOW_TO}"));
         super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -CONT {pid} 2>/dev/null; kill -9 {pid} 2>/dev/null",
-            pid = child.id(),
+            "{}; {}",
+            super::kill_if_running(child.id(), "CONT"),
+            super::kill_if_running(child.id(), "9")
         ));
         let server = MotoServer {
             port,

@@ -79,8 +79,7 @@ impl Netns {
         };
         ip(&["netns", "add", &name]);
         super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
-             for p in $(ip netns pids {name}); do kill -9 $p; done; \
+            "for p in $(ip netns pids {name}); do kill -9 $p; done; \
              ip netns del {name}; ip link del {host_if} 2>/dev/null"
         ));
         ip(&[

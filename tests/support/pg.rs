@@ -157,9 +157,9 @@ impl PgServer {
         ]));
         // Stop the server and remove its files once this process is gone.
         super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
-             if [ -f '{data}/postmaster.pid' ]; then \
-               pid=$(head -1 '{data}/postmaster.pid'); kill -INT \"$pid\" 2>/dev/null; \
+            "if [ -f '{data}/postmaster.pid' ]; then \
+               pid=$(head -1 '{data}/postmaster.pid'); \
+               tr '\\0' ' ' < /proc/$pid/cmdline 2>/dev/null | grep -qF -- '{data}' && kill -INT \"$pid\"; \
                n=0; while kill -0 \"$pid\" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; \
              fi; rm -rf '{dir}'",
             data = data.display(),

@@ -65,10 +65,10 @@ impl PgReplicaPair {
         };
         // Stop both servers and remove their files once this process is gone.
         super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; \
-             for d in '{p}' '{s}'; do \
+            "for d in '{p}' '{s}'; do \
                if [ -f \"$d/postmaster.pid\" ]; then \
-                 pid=$(head -1 \"$d/postmaster.pid\"); kill -INT \"$pid\" 2>/dev/null; \
+                 pid=$(head -1 \"$d/postmaster.pid\"); \
+                 tr '\\0' ' ' < /proc/$pid/cmdline 2>/dev/null | grep -qF -- \"$d\" && kill -INT \"$pid\"; \
                  n=0; while kill -0 \"$pid\" 2>/dev/null && [ $n -lt 100 ]; do sleep 0.1; n=$((n+1)); done; \
                fi; \
              done; rm -rf '{dir}'",

@@ -137,8 +137,8 @@ pub fn spawn(redis_server: &mut Command, dir: &Path) -> Child {
         .spawn()
         .unwrap_or_else(|e| panic!("cannot start redis-server: {e}. {HOW_TO}"));
     super::spawn_watchdog(&format!(
-        "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; kill -9 {pid} 2>/dev/null; rm -rf '{dir}'",
-        pid = child.id(),
+        "{kill}; rm -rf '{dir}'",
+        kill = super::kill_if_running(child.id(), "9"),
         dir = dir.display()
     ));
     child

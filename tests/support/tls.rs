@@ -49,7 +49,7 @@ pub fn certs() -> &'static Certs {
     CERTS.get_or_init(|| {
         let dir = super::temp_dir("tls");
         super::spawn_watchdog(&format!(
-            "while kill -0 \"$1\" 2>/dev/null; do sleep 0.5; done; rm -rf '{}'",
+            "rm -rf '{}'",
             dir.display()
         ));
         let ext = dir.join("server.ext");
