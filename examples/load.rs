@@ -36,8 +36,9 @@
 //!
 //! `--batching off` turns off the Redis and PostgreSQL stores' natural
 //! batching (concurrent single calls sent together while one is in
-//! flight); `--batch-in-flight N` lets N batched calls of each kind run at
-//! once.
+//! flight), `--batching on` turns it on where the store's default is off
+//! (Redis Cluster); `--batch-in-flight N` lets N batched calls of each kind
+//! run at once.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -124,11 +125,12 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     response_bytes: usize,
     /// Natural batching of concurrent single calls in the Redis and
-    /// PostgreSQL stores (on by default).
-    #[arg(long, value_enum, default_value = "on")]
-    batching: Switch,
+    /// PostgreSQL stores: each store's default (on, but off on Redis
+    /// Cluster), on or off.
+    #[arg(long, value_enum, default_value = "default")]
+    batching: Batch,
     /// Batched calls of each kind in flight at once (default: the
-    /// store's, 1).
+    /// store's: 4 on Redis, 2 on PostgreSQL, 1 on Redis Cluster).
     #[arg(long)]
     batch_in_flight: Option<usize>,
     /// PgStore's own connections (default: the store's default, 4; the
@@ -152,23 +154,30 @@ struct Args {
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// On or off.
+/// A store's batching: its own default, on or off.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Switch {
+enum Batch {
+    Default,
     On,
     Off,
 }
 
-/// The stores' batching, as the flags ask.
-fn batching(args: &Args) -> idemkit::Batching {
-    let mut batching = match args.batching {
-        Switch::On => idemkit::Batching::default(),
-        Switch::Off => idemkit::Batching::off(),
+/// The stores' batching, as the flags ask: the store's own default, or on
+/// (the store's default, `Batching::default()` where that is off), or off;
+/// with `--batch-in-flight`.
+fn batching(args: &Args, default: idemkit::Batching) -> idemkit::Batching {
+    let batching = match args.batching {
+        Batch::Off => return idemkit::Batching::off(),
+        Batch::On if !default.is_on() => idemkit::Batching::default(),
+        Batch::On | Batch::Default => default,
     };
-    if let Some(n) = args.batch_in_flight {
-        batching = batching.in_flight(n);
+    if !batching.is_on() {
+        return batching;
     }
-    batching
+    match args.batch_in_flight {
+        Some(n) => batching.in_flight(n),
+        None => batching,
+    }
 }
 
 /// What a delivery got.
@@ -683,7 +692,7 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
         Backend::Redis => Arc::new(
             idemkit::redis::RedisStore::connect(redis_url(args)?)
                 .await?
-                .batching(batching(args)),
+                .batching(batching(args, idemkit::redis::default_batching())),
         ),
         #[cfg(feature = "redis")]
         Backend::RedisCluster => {
@@ -693,7 +702,7 @@ async fn target(args: &Args) -> Result<Target, BoxError> {
             Arc::new(
                 idemkit::redis::RedisStore::connect_cluster(urls.split(','))
                     .await?
-                    .batching(batching(args)),
+                    .batching(batching(args, idemkit::Batching::off())),
             )
         }
         #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
@@ -788,7 +797,8 @@ async fn pg_store(args: &Args) -> Result<idemkit::postgres::PgStore, BoxError> {
         .test_before_acquire(false)
         .connect(url)
         .await?;
-    let mut builder = idemkit::postgres::PgStore::builder(pool).batching(batching(args));
+    let mut builder = idemkit::postgres::PgStore::builder(pool)
+        .batching(batching(args, idemkit::postgres::default_batching()));
     if let Some(n) = args.pg_connections {
         builder = builder.connections(n);
     }

@@ -3,8 +3,16 @@
 -- KEYS: the records (on Redis Cluster, all in one hash slot).
 -- ARGV: [1] lease ms (1 ..= MAX_MS), [2] in-progress grace ms (0 ..= MAX_MS),
 -- then per key: fingerprint (32 bytes, or ""), new token (16 bytes).
--- Returns one reply per key, each exactly as acquire.lua's; or an error
--- reply "IDEM_INVALID ..." for a bad argument, before any write.
+-- Returns {now_ms, now_us, then one reply per key}, where a key's reply is
+--   the record as stored (a bulk string) for a replay of a completed
+--     record: its time left is its `expires` minus now_ms (the key's
+--     PEXPIREAT is always `expires`);
+--   1 for a key that was absent and is now acquired: attempt 1, lease
+--     until now_ms + lease, fence now_us, the request's fingerprint;
+--   or else a table exactly as acquire.lua's.
+-- The two shortcuts are the common answers, and the cheapest for Redis to
+-- build and send (no PTTL, no table per key). Or an error reply
+-- "IDEM_INVALID ..." for a bad argument, before any write.
 -- The record's format: see acquire.lua.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
 local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
@@ -38,16 +46,17 @@ for i = 1, count do
   if #token ~= 16 then return invalid('token must be 16 bytes') end
 end
 
--- Read once, on the first key that needs it: every write of the batch
--- uses the same instant (time stands still inside a script anyway).
-local now, now_us
-local function clock()
-  if not now then
-    local time = redis.call('TIME')
-    now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
-    now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
-  end
-end
+-- One instant for the whole batch (time stands still inside a script
+-- anyway): every write, lease and time left is computed from it.
+local time = redis.call('TIME')
+local now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
+local now_us = tonumber(time[1]) * 1000000 + tonumber(time[2])
+local until_ms = now + lease
+local absent_until = int(until_ms + grace)
+-- A first acquisition's header after its token: attempt 1, fence now_us,
+-- lease until until_ms, created now, expires with the grace, not completed.
+local FIRST_TAIL = struct.pack('>I4I8I8I8I8I8', 1, now_us, until_ms, now, until_ms + grace, 0)
+local ZEROS = string.rep('\0', 32)
 
 -- Every record read in one MGET. MGET answers nil for a key that holds
 -- something other than a string, so an absent key is written with SET NX
@@ -73,15 +82,11 @@ local function acquire(i, key, fp, token)
   if not v then
     -- Absent as MGET saw it: claimed with SET NX, which refuses a key that
     -- holds another type (MGET's nil too); that one is read with GET below.
-    clock()
-    local until_ms = now + lease
     local has, stored_fp = '1', fp
-    if fp == '' then has, stored_fp = '0', string.rep('\0', 32) end
-    if redis.call('SET', key,
-        struct.pack(HEADER, 'p', has, stored_fp, token, 1, now_us, until_ms, now,
-          until_ms + grace, 0),
-        'NX', 'PXAT', int(until_ms + grace)) then
-      return {'acquired', 1, until_ms, fp, now_us}
+    if fp == '' then has, stored_fp = '0', ZEROS end
+    if redis.call('SET', key, 'p' .. has .. stored_fp .. token .. FIRST_TAIL,
+        'NX', 'PXAT', absent_until) then
+      return 1
     end
     v = redis.pcall('GET', key)
     -- Only a key of another type reads as corrupt / not ours: any other
@@ -94,19 +99,16 @@ local function acquire(i, key, fp, token)
   if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
     local hasfp = string.byte(v, 2)
     if hasfp == 48 or hasfp == 49 then
-      local ttl = redis.call('PTTL', key)
       -- As acquire.lua: a mismatch only of a record with time left.
-      if ttl > 0 then
+      if struct.unpack('>I8', v, 79) > now then
         if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
           return {'mismatch'}
         end
-        return {'completed', v, ttl}
+        return v
       end
     end
   end
 
-  clock()
-  local until_ms = now + lease
   local s, f, t, a, n, l, c, e, d
   if v then
     if #v < HEADER_LEN then
@@ -138,7 +140,7 @@ local function acquire(i, key, fp, token)
   if n and n >= fence then fence = n + 1 end
   local function write(fp_stored, attempt, created)
     local has = '1'
-    if not fp_stored then has, fp_stored = '0', string.rep('\0', 32) end
+    if not fp_stored then has, fp_stored = '0', ZEROS end
     redis.call('SET', key,
       struct.pack(HEADER, 'p', has, fp_stored, token, attempt, fence, until_ms, created,
         until_ms + grace, 0),
@@ -158,7 +160,7 @@ local function acquire(i, key, fp, token)
     return {'mismatch'}
   end
   if s == 'c' then
-    return {'completed', v, e - now}
+    return v
   end
   if l > now then
     return {'in_progress', l, a, now}
@@ -169,8 +171,8 @@ local function acquire(i, key, fp, token)
   return {'acquired', a, until_ms, f or '', fence}
 end
 
-local out = {}
+local out = {now, now_us}
 for i = 1, count do
-  out[i] = acquire(i, KEYS[i], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
+  out[2 + i] = acquire(i, KEYS[i], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
 end
 return out

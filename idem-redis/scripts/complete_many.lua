@@ -7,8 +7,8 @@
 -- error reply "IDEM_INVALID ..." for a bad argument, before any write.
 -- The record's format: see acquire.lua.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
-local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
 local HEADER_LEN = 94
+local NO_LEASE = string.rep('\0', 8)
 
 local count = #KEYS
 if #ARGV ~= 1 + 2 * count then
@@ -52,13 +52,17 @@ for i = 1, count do
   elseif string.byte(v, 1) ~= 112 then
     out[i] = 0
   else
-    local _, hasfp, f, t, a, n, _, c = struct.unpack(HEADER, v)
     if not now then
       local time = redis.call('TIME')
       now = tonumber(time[1]) * 1000 + math.floor(tonumber(time[2]) / 1000)
     end
     local expires = now + retention
-    redis.call('SET', key, struct.pack(HEADER, 'c', hasfp, f, t, a, n, 0, c, expires, now) .. response,
+    -- The header with its status, lease, expiry and completion changed
+    -- (fingerprint, token, attempt, fence and creation kept as they are),
+    -- then the response.
+    redis.call('SET', key,
+      'c' .. string.sub(v, 2, 62) .. NO_LEASE .. string.sub(v, 71, 78)
+        .. struct.pack('>I8I8', expires, now) .. response,
       'PXAT', string.format('%.0f', expires))
     out[i] = 1
   end

@@ -103,22 +103,7 @@ pub(crate) fn decode_acquire(
                 Some(v) => Duration::from_millis(u64::try_from(int(&v, key)?).unwrap_or(0)),
                 None => Duration::ZERO,
             };
-            let stored = format::decode(raw).map_err(|detail| corrupt(key, detail))?;
-            if !stored.completed {
-                return Err(unexpected("acquire replayed a record in progress".into()));
-            }
-            Ok(Acquisition::Completed(
-                CompletedRecord::new(
-                    key.clone(),
-                    stored.response,
-                    stored.fingerprint.map(Fingerprint::from_array),
-                    stored.attempt,
-                    time_ms(stored.completed_ms),
-                    time_ms(stored.expires_ms),
-                )
-                .with_fence(stored.fence)
-                .with_ttl(ttl),
-            ))
+            replay(raw, key, |_| ttl)
         }
         (b"in_progress", 3) => {
             let until_ms = int(&rest[0], key)?;
@@ -145,6 +130,87 @@ pub(crate) fn decode_acquire(
             String::from_utf8_lossy(tag)
         ))),
     }
+}
+
+/// The server's clock as an `acquire_many.lua` reply starts with it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct BatchClock {
+    /// TIME in ms: the batch's leases start there, and a replay's time
+    /// left is its expiry minus this.
+    pub(crate) now_ms: u64,
+    /// TIME in µs: the fence of a key acquired while absent.
+    pub(crate) now_us: u64,
+}
+
+impl BatchClock {
+    /// The first two values of an `acquire_many.lua` reply.
+    pub(crate) fn of(now_ms: &Value, now_us: &Value) -> Result<Self, StoreError> {
+        let n = |v: &Value| match v {
+            Value::Int(n) => u64::try_from(*n).ok(),
+            _ => None,
+        };
+        match (n(now_ms), n(now_us)) {
+            (Some(now_ms), Some(now_us)) => Ok(Self { now_ms, now_us }),
+            _ => Err(unexpected(format!(
+                "acquire_many returned the time {now_ms:?}, {now_us:?}"
+            ))),
+        }
+    }
+}
+
+/// One key's answer in an `acquire_many.lua` reply (see the script): the
+/// bare record of a replay, 1 for a key acquired while absent (attempt 1,
+/// the lease from the batch's clock, the request's fingerprint), or a
+/// table as `acquire.lua`'s.
+pub(crate) fn decode_batch_acquire(
+    reply: Value,
+    key: &IdempotencyKey,
+    token: LeaseToken,
+    fingerprint: Option<&Fingerprint>,
+    lease_ms: u64,
+    clock: BatchClock,
+) -> Result<Acquisition, StoreError> {
+    match reply {
+        Value::BulkString(raw) => replay(Bytes::from(raw), key, |expires_ms| {
+            Duration::from_millis(expires_ms.saturating_sub(clock.now_ms))
+        }),
+        Value::Int(1) => Ok(Acquisition::Acquired(
+            Lease::new(
+                key.clone(),
+                token,
+                1,
+                time_ms(clock.now_ms.saturating_add(lease_ms)),
+            )
+            .with_fence(clock.now_us)
+            .with_fingerprint(fingerprint.copied()),
+        )),
+        other => decode_acquire(other, key, token),
+    }
+}
+
+/// A completed record as stored, replayed with the time `ttl_of` gives it
+/// (from its expiry in ms) by the server's clock.
+pub(crate) fn replay(
+    raw: Bytes,
+    key: &IdempotencyKey,
+    ttl_of: impl FnOnce(u64) -> Duration,
+) -> Result<Acquisition, StoreError> {
+    let stored = format::decode(raw).map_err(|detail| corrupt(key, detail))?;
+    if !stored.completed {
+        return Err(unexpected("acquire replayed a record in progress".into()));
+    }
+    Ok(Acquisition::Completed(
+        CompletedRecord::new(
+            key.clone(),
+            stored.response,
+            stored.fingerprint.map(Fingerprint::from_array),
+            stored.attempt,
+            time_ms(stored.completed_ms),
+            time_ms(stored.expires_ms),
+        )
+        .with_fence(stored.fence)
+        .with_ttl(ttl_of(stored.expires_ms)),
+    ))
 }
 
 pub(crate) fn decode_record(raw: Bytes, key: &IdempotencyKey) -> Result<Record, StoreError> {

@@ -14,7 +14,10 @@ use idem_core::{
 use redis::aio::ConnectionLike;
 use redis::{Cmd, Value};
 
-use crate::decode::{attempt_of, decode_acquire, decode_record, fence_of, int, time_of};
+use crate::decode::{
+    attempt_of, decode_acquire, decode_batch_acquire, decode_record, fence_of, int, time_of,
+    BatchClock,
+};
 use crate::error::{corrupt, is_cross_slot, is_wrong_type, unexpected};
 use crate::scripts::{millis, RecordKey};
 use crate::slots::delete_marker;
@@ -198,6 +201,7 @@ where
             return Err(StoreError::zero_lease());
         }
         let tokens: Vec<LeaseToken> = items.iter().map(|_| LeaseToken::random()).collect();
+        let lease_ms = millis(lease);
         let mut out: Vec<Option<Result<Acquisition, StoreError>>> =
             items.iter().map(|_| None).collect();
         // Per hash slot on a cluster. A single call for every key that
@@ -220,7 +224,7 @@ where
                             key: items[i].key,
                         });
                     }
-                    cmd.arg(millis(lease)).arg(millis(IN_PROGRESS_GRACE));
+                    cmd.arg(lease_ms).arg(millis(IN_PROGRESS_GRACE));
                     for &i in &group {
                         let fp: &[u8] = items[i]
                             .fingerprint
@@ -257,8 +261,12 @@ where
                     continue;
                 }
             };
-            let replies = match reply {
-                Value::Array(replies) if replies.len() == group.len() => replies,
+            let (clock, replies) = match reply {
+                Value::Array(mut replies) if replies.len() == group.len() + 2 => {
+                    let clock = BatchClock::of(&replies[0], &replies[1])?;
+                    replies.drain(..2);
+                    (clock, replies)
+                }
                 other => {
                     return Err(unexpected(format!(
                         "acquire_many returned {other:?} for {} keys",
@@ -267,7 +275,14 @@ where
                 }
             };
             for (&i, reply) in group.iter().zip(replies) {
-                out[i] = Some(decode_acquire(reply, items[i].key, tokens[i]));
+                out[i] = Some(decode_batch_acquire(
+                    reply,
+                    items[i].key,
+                    tokens[i],
+                    items[i].fingerprint,
+                    lease_ms,
+                    clock,
+                ));
             }
             groups.push(group);
         }

@@ -85,21 +85,23 @@ impl<C> std::fmt::Debug for RedisStore<C> {
 
 pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// The batching a [`RedisStore`] starts with: **off**. Redis's Lua costs
-/// about as much per key in a batch as alone (6.7 µs per duplicate key
-/// either way, by `INFO commandstats`), and the multiplexed connection
-/// already pipelines concurrent calls, so on the machine of the
-/// repository's docs/guide/performance.md batching did not pay: 64
-/// concurrent store calls of duplicates went 0.64-0.78x as fast with it
-/// (1, 4 or 16 calls in flight before new ones wait), fresh keys 0.81-1.0x;
-/// only at 256 callers did it reach 0.94-1.26x. Turn it on with
-/// [`RedisStore::batching`] where calls pile up more than that.
+/// The batching a [`RedisStore`] on one Redis server starts with: on, with
+/// at most 4 batched calls of each kind in flight before new calls wait
+/// (and the other limits of [`Batching::default`]). On the machine of the
+/// repository's docs/guide/performance.md, 64 concurrent store calls went
+/// 1.12x as fast with it for duplicates and 1.09x for fresh keys (medians
+/// of 5 runs). A store on a Redis Cluster connection starts with batching
+/// **off**: a batch's keys spread over the hash slots and go as one script
+/// call per slot, which measured 0.6-0.7x; turn it on with
+/// [`RedisStore::batching`] where keys share a hash tag.
 ///
 /// ```
-/// assert!(!idem_redis::default_batching().is_on());
+/// let batching = idem_redis::default_batching();
+/// assert!(batching.is_on());
+/// assert_eq!(batching.calls_in_flight(), 4);
 /// ```
 pub fn default_batching() -> Batching {
-    Batching::off()
+    Batching::default().in_flight(4)
 }
 
 /// The default largest response: 64 MiB. A larger one is refused
@@ -127,6 +129,7 @@ where
     /// longer than those settings, as [`connect`](RedisStore::connect) and
     /// [`connect_cluster`](RedisStore::connect_cluster) do.
     pub fn new(conn: C) -> Self {
+        let cluster = std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>();
         RedisStore {
             conn: Conn::Fixed(conn),
             prefix: Arc::from("idem:"),
@@ -138,10 +141,15 @@ where
             // does any other connection once Redis answered CROSSSLOT to a
             // batch (a cluster behind a type of the application's own).
             bad_prefix: false,
-            batcher: Batcher::new(default_batching(), "redis"),
-            cluster: Arc::new(AtomicBool::new(
-                std::any::TypeId::of::<C>() == std::any::TypeId::of::<ClusterConnection>(),
-            )),
+            batcher: Batcher::new(
+                if cluster {
+                    Batching::off()
+                } else {
+                    default_batching()
+                },
+                "redis",
+            ),
+            cluster: Arc::new(AtomicBool::new(cluster)),
         }
     }
 
@@ -245,8 +253,8 @@ where
         Ok(self.prefix(prefix))
     }
 
-    /// How concurrent single calls are batched (default: off, see
-    /// [`default_batching`]). With `Batching::default()`, while an
+    /// How concurrent single calls are batched (default: on, see
+    /// [`default_batching`]; off on a Redis Cluster connection). With `Batching::default()`, while an
     /// `acquire` (a `complete`) is in flight, the ones other tasks make
     /// meanwhile wait and then go together as one `acquire_many.lua`
     /// (`complete_many.lua`) call, one per hash slot on Redis Cluster; each

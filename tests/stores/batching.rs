@@ -289,12 +289,16 @@ mod on_redis {
 
     async fn own_server() -> (RedisServer, RedisStore) {
         let server = RedisServer::start(&[]);
-        // One call in flight before the others wait: the counts below
-        // assume it.
         let store = RedisStore::connect(&server.url)
             .await
-            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"))
-            .batching(Batching::default());
+            .unwrap_or_else(|e| panic!("cannot connect to Redis: {e}"));
+        // On by default on one server, 4 calls in flight.
+        let defaults = store.batcher().settings();
+        assert!(defaults.is_on());
+        assert_eq!(defaults.calls_in_flight(), 4);
+        // One call in flight before the others wait: the counts below
+        // assume it.
+        let store = store.batching(Batching::default());
         (server, store)
     }
 
@@ -513,8 +517,10 @@ mod on_redis {
         let urls: Vec<String> = servers.iter().map(|s| s.url.clone()).collect();
         let store = RedisStore::connect_cluster(urls.iter().map(String::as_str))
             .await
-            .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"))
-            .batching(Batching::default());
+            .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"));
+        // Off by default on a cluster, where keys spread over the slots.
+        assert!(!store.batcher().settings().is_on());
+        let store = store.batching(Batching::default());
         // 32 keys in one slot ({one}), 32 in another ({two}).
         let keys: Vec<IdempotencyKey> = (0..64)
             .map(|i| {

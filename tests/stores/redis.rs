@@ -73,19 +73,18 @@ impl Harness for RedisHarness {
 
 idemkit::conformance_tests!(RedisHarness);
 
-/// The same store with its batching of concurrent calls on (off by
-/// default on Redis): the whole suite again, the storm's concurrent calls
-/// batched.
-mod with_batching {
+/// The same store with its batching of concurrent calls off (on by
+/// default on one Redis server): the whole suite again, every call alone.
+mod without_batching {
     use super::*;
 
-    pub(super) struct BatchingRedisHarness;
+    pub(super) struct UnbatchedRedisHarness;
 
     #[async_trait]
-    impl Harness for BatchingRedisHarness {
+    impl Harness for UnbatchedRedisHarness {
         type Store = RedisStore;
         async fn store(&self) -> RedisStore {
-            standalone().await.batching(idemkit::Batching::default())
+            standalone().await.batching(idemkit::Batching::off())
         }
         async fn corrupt(&self, store: &RedisStore, key: &IdempotencyKey) {
             RedisHarness.corrupt(store, key).await
@@ -95,7 +94,7 @@ mod with_batching {
         }
     }
 
-    idemkit::conformance_tests!(BatchingRedisHarness);
+    idemkit::conformance_tests!(UnbatchedRedisHarness);
 }
 
 mod on_cluster {

@@ -85,11 +85,28 @@ pub async fn batch_mixed_outcomes<H: Harness>(h: &H) {
     assert_eq!(new.key, fresh);
     assert_eq!(new.attempt, 1);
     assert_eq!(new.fingerprint, Some(fp("x")));
+    // The lease is the one stored: its deadline and fence.
+    let stored = ok(store.get(&fresh).await, "get").unwrap_or_else(|| panic!("record gone"));
+    assert_eq!(stored.fence, new.fence, "fence of a fresh batch item");
+    match stored.state {
+        RecordState::InProgress { lease_expires_at } => assert!(
+            close(lease_expires_at, new.expires_at, Duration::from_millis(2)),
+            "fresh item: stored deadline {lease_expires_at:?}, lease's {:?}",
+            new.expires_at
+        ),
+        other => panic!("fresh item: stored as {other:?}"),
+    }
     match next() {
         Ok(Acquisition::Completed(record)) => {
             assert_eq!(record.key, done);
             assert_eq!(&record.response[..], b"done");
             assert_eq!(record.fingerprint, Some(fp("a")));
+            // Time left of the retention, by the store's clock.
+            assert!(
+                record.ttl <= DAY && record.ttl + Duration::from_secs(60) >= DAY,
+                "replayed item: {:?} left of a {DAY:?} retention",
+                record.ttl
+            );
         }
         other => panic!("completed item: expected Completed, got {other:?}"),
     }
