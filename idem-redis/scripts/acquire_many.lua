@@ -3,16 +3,16 @@
 -- KEYS: the records (on Redis Cluster, all in one hash slot).
 -- ARGV: [1] lease ms (1 ..= MAX_MS), [2] in-progress grace ms (0 ..= MAX_MS),
 -- then per key: fingerprint (32 bytes, or ""), new token (16 bytes).
--- Returns {now_ms, now_us, then one reply per key}, where a key's reply is
---   the record as stored (a bulk string) for a replay of a completed
---     record: its time left is its `expires` minus now_ms (the key's
---     PEXPIREAT is always `expires`);
+-- Returns {now_ms, now_us, then each key's reply}, where a key's reply is
+--   the record as stored (a bulk string) followed by its time left in ms,
+--     for a replay of a completed record (the time left as acquire.lua
+--     gives it: the key's PTTL on the fast path, else `expires` - now);
 --   1 for a key that was absent and is now acquired: attempt 1, lease
 --     until now_ms + lease, fence now_us, the request's fingerprint;
 --   or else a table exactly as acquire.lua's.
--- The two shortcuts are the common answers, and the cheapest for Redis to
--- build and send (no PTTL, no table per key). Or an error reply
--- "IDEM_INVALID ..." for a bad argument, before any write.
+-- The two shortcuts are the common answers, and the cheapest to build,
+-- send and parse (no table per key). Or an error reply "IDEM_INVALID ..."
+-- for a bad argument, before any write.
 -- The record's format: see acquire.lua.
 local MAX_MS = 3153600000000 -- idem_core::MAX_DURATION in ms
 local HEADER = '>c1c1c32c16I4I8I8I8I8I8'
@@ -99,12 +99,15 @@ local function acquire(i, key, fp, token)
   if v and #v >= HEADER_LEN and string.byte(v, 1) == 99 then
     local hasfp = string.byte(v, 2)
     if hasfp == 48 or hasfp == 49 then
-      -- As acquire.lua: a mismatch only of a record with time left.
-      if struct.unpack('>I8', v, 79) > now then
+      -- As acquire.lua, by the key's own time left (an operator's PEXPIRE
+      -- may have moved it from `expires`): a mismatch only of a record
+      -- with time left.
+      local ttl = redis.call('PTTL', key)
+      if ttl > 0 then
         if hasfp == 49 and fp ~= '' and string.sub(v, 3, 34) ~= fp then
           return {'mismatch'}
         end
-        return v
+        return v, ttl
       end
     end
   end
@@ -160,7 +163,7 @@ local function acquire(i, key, fp, token)
     return {'mismatch'}
   end
   if s == 'c' then
-    return v
+    return v, e - now
   end
   if l > now then
     return {'in_progress', l, a, now}
@@ -172,7 +175,14 @@ local function acquire(i, key, fp, token)
 end
 
 local out = {now, now_us}
+local n = 2
 for i = 1, count do
-  out[2 + i] = acquire(i, KEYS[i], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
+  local reply, ttl = acquire(i, KEYS[i], ARGV[1 + 2 * i], ARGV[2 + 2 * i])
+  n = n + 1
+  out[n] = reply
+  if ttl then
+    n = n + 1
+    out[n] = ttl
+  end
 end
 return out

@@ -135,8 +135,7 @@ pub(crate) fn decode_acquire(
 /// The server's clock as an `acquire_many.lua` reply starts with it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct BatchClock {
-    /// TIME in ms: the batch's leases start there, and a replay's time
-    /// left is its expiry minus this.
+    /// TIME in ms: the batch's leases start there.
     pub(crate) now_ms: u64,
     /// TIME in µs: the fence of a key acquired while absent.
     pub(crate) now_us: u64,
@@ -159,11 +158,13 @@ impl BatchClock {
 }
 
 /// One key's answer in an `acquire_many.lua` reply (see the script): the
-/// bare record of a replay, 1 for a key acquired while absent (attempt 1,
-/// the lease from the batch's clock, the request's fingerprint), or a
-/// table as `acquire.lua`'s.
+/// bare record of a replay with its time left (`ttl`, the value after it),
+/// 1 for a key acquired while absent (attempt 1, the lease from the
+/// batch's clock, the request's fingerprint), or a table as
+/// `acquire.lua`'s.
 pub(crate) fn decode_batch_acquire(
     reply: Value,
+    ttl: Option<Value>,
     key: &IdempotencyKey,
     token: LeaseToken,
     fingerprint: Option<&Fingerprint>,
@@ -171,9 +172,17 @@ pub(crate) fn decode_batch_acquire(
     clock: BatchClock,
 ) -> Result<Acquisition, StoreError> {
     match reply {
-        Value::BulkString(raw) => replay(Bytes::from(raw), key, |expires_ms| {
-            Duration::from_millis(expires_ms.saturating_sub(clock.now_ms))
-        }),
+        Value::BulkString(raw) => {
+            let ttl = match ttl {
+                Some(v) => Duration::from_millis(u64::try_from(int(&v, key)?).unwrap_or(0)),
+                None => {
+                    return Err(unexpected(
+                        "acquire_many replayed a record without its time left".into(),
+                    ))
+                }
+            };
+            replay(Bytes::from(raw), key, |_| ttl)
+        }
         Value::Int(1) => Ok(Acquisition::Acquired(
             Lease::new(
                 key.clone(),

@@ -261,10 +261,17 @@ where
                     continue;
                 }
             };
+            // The time, then each key's reply (a replay's followed by its
+            // time left): at least 2 + one value per key, at most 2 + two.
             let (clock, replies) = match reply {
-                Value::Array(mut replies) if replies.len() == group.len() + 2 => {
-                    let clock = BatchClock::of(&replies[0], &replies[1])?;
-                    replies.drain(..2);
+                Value::Array(replies)
+                    if (group.len() + 2..=2 * group.len() + 2).contains(&replies.len()) =>
+                {
+                    let mut replies = replies.into_iter();
+                    let clock = match (replies.next(), replies.next()) {
+                        (Some(ms), Some(us)) => BatchClock::of(&ms, &us)?,
+                        _ => return Err(unexpected("acquire_many returned no time".into())),
+                    };
                     (clock, replies)
                 }
                 other => {
@@ -274,15 +281,34 @@ where
                     )))
                 }
             };
-            for (&i, reply) in group.iter().zip(replies) {
+            let mut replies = replies.peekable();
+            for &i in &group {
+                let Some(reply) = replies.next() else {
+                    return Err(unexpected(format!(
+                        "acquire_many answered fewer than {} keys",
+                        group.len()
+                    )));
+                };
+                let ttl = if matches!(reply, Value::BulkString(_)) {
+                    replies.next()
+                } else {
+                    None
+                };
                 out[i] = Some(decode_batch_acquire(
                     reply,
+                    ttl,
                     items[i].key,
                     tokens[i],
                     items[i].fingerprint,
                     lease_ms,
                     clock,
                 ));
+            }
+            if replies.peek().is_some() {
+                return Err(unexpected(format!(
+                    "acquire_many answered more than {} keys",
+                    group.len()
+                )));
             }
             groups.push(group);
         }
@@ -328,9 +354,20 @@ where
                     None => self.wait_replicas(&redis_key, None, true).await,
                 };
                 if let Err(e) = waited {
-                    let detail = e.to_string();
-                    for &i in &replays {
-                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                    // Alone, a replay waits the whole configured time, not
+                    // one bounded by another key's lease: the replays get
+                    // a WAIT of their own before they fail.
+                    let replayed = match deadline {
+                        Some(_) if !replays.is_empty() => {
+                            let redis_key = self.redis_key(items[replays[0]].key);
+                            self.wait_replicas(&redis_key, None, true).await
+                        }
+                        _ => Err(e.replicate()),
+                    };
+                    if let Err(e) = replayed {
+                        for &i in &replays {
+                            out[i] = Err(e.replicate());
+                        }
                     }
                     for i in held {
                         if let Ok(Acquisition::Acquired(l)) = &out[i] {
@@ -341,7 +378,7 @@ where
                                 );
                             }
                         }
-                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                        out[i] = Err(e.replicate());
                     }
                 }
             }
@@ -455,9 +492,8 @@ where
                 let Some(&first) = done.first() else { continue };
                 let redis_key = self.redis_key(&items[first].0.key);
                 if let Err(e) = self.wait_replicas(&redis_key, None, false).await {
-                    let detail = e.to_string();
                     for i in done {
-                        out[i] = Err(StoreError::unavailable(detail.clone()));
+                        out[i] = Err(e.replicate());
                     }
                 }
             }

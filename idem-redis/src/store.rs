@@ -89,7 +89,7 @@ pub(crate) const DEFAULT_TIMEOUT: Duration = Duration::from_secs(2);
 /// at most 4 batched calls of each kind in flight before new calls wait
 /// (and the other limits of [`Batching::default`]). On the machine of the
 /// repository's docs/guide/performance.md, 64 concurrent store calls went
-/// 1.12x as fast with it for duplicates and 1.09x for fresh keys (medians
+/// 1.22x as fast with it for duplicates and 1.02x for fresh keys (medians
 /// of 5 runs). A store on a Redis Cluster connection starts with batching
 /// **off**: a batch's keys spread over the hash slots and go as one script
 /// call per slot, which measured 0.6-0.7x; turn it on with

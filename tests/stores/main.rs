@@ -31,6 +31,8 @@ mod operator;
 mod postgres;
 #[cfg(feature = "redis")]
 mod redis;
+#[cfg(feature = "redis")]
+mod redis_batch_answers;
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 mod tiered;
 #[cfg(feature = "postgres")]
