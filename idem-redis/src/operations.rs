@@ -250,8 +250,32 @@ where
             }
             break answers;
         };
+        // A script call that Redis refused (an ACL that denies one of its
+        // keys, a write refused at `maxmemory`) failed as a whole for what
+        // may be one key's reason: each of its keys goes alone, with its
+        // token, so each caller gets the answer its own call would have.
+        let mut answers_kept = Vec::with_capacity(answers.len());
+        for answer in answers {
+            match answer {
+                Err((group, StoreError::Backend(_))) if group.len() > 1 => {
+                    let alone = group.iter().map(|&i| {
+                        self.acquire_with_token(
+                            items[i].key,
+                            items[i].fingerprint,
+                            lease,
+                            tokens[i],
+                        )
+                    });
+                    let got = futures_util::future::join_all(alone).await;
+                    for (&i, got) in group.iter().zip(got) {
+                        out[i] = Some(got);
+                    }
+                }
+                other => answers_kept.push(other),
+            }
+        }
         let mut groups = Vec::new();
-        for answer in answered_groups(answers)? {
+        for answer in answered_groups(answers_kept)? {
             let (group, reply) = match answer {
                 Ok(answer) => answer,
                 Err((group, e)) => {
@@ -453,8 +477,25 @@ where
             }
             break answers;
         };
+        // As in `acquire_many`: a script call that Redis refused goes key
+        // by key (completing again with the same token is harmless).
+        let mut answers_kept = Vec::with_capacity(answers.len());
+        for answer in answers {
+            match answer {
+                Err((group, StoreError::Backend(_))) if group.len() > 1 => {
+                    let alone = group
+                        .iter()
+                        .map(|&i| self.complete_alone(items[i].0, items[i].1, retention));
+                    let got = futures_util::future::join_all(alone).await;
+                    for (&i, got) in group.iter().zip(got) {
+                        out[i] = Some(got);
+                    }
+                }
+                other => answers_kept.push(other),
+            }
+        }
         let mut groups = Vec::new();
-        for answer in answered_groups(answers)? {
+        for answer in answered_groups(answers_kept)? {
             let (group, done) = match answer {
                 Ok(answer) => answer,
                 Err((group, e)) => {
@@ -517,8 +558,21 @@ where
         if lease.is_zero() {
             return Err(StoreError::zero_lease());
         }
+        self.acquire_with_token(key, fingerprint, lease, LeaseToken::random())
+            .await
+    }
+
+    /// `acquire` alone with `token`: a resend of a batch's item after its
+    /// script call failed (a key the script reserved for that token before
+    /// it failed answers acquired to it, as a resend does).
+    async fn acquire_with_token(
+        &self,
+        key: &IdempotencyKey,
+        fingerprint: Option<&Fingerprint>,
+        lease: Duration,
+        token: LeaseToken,
+    ) -> Result<Acquisition, StoreError> {
         let lease_length = lease;
-        let token = LeaseToken::random();
         let fp: &[u8] = fingerprint.map(|f| f.as_bytes().as_slice()).unwrap_or(&[]);
         let mut cmd = self.evalsha(&self.scripts.acquire, key, 4, 48);
         cmd.arg(fp)

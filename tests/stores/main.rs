@@ -33,6 +33,8 @@ mod postgres;
 mod redis;
 #[cfg(feature = "redis")]
 mod redis_batch_answers;
+#[cfg(feature = "redis")]
+mod redis_batch_faults;
 #[cfg(all(feature = "tiered", feature = "postgres", feature = "redis"))]
 mod tiered;
 #[cfg(feature = "postgres")]
