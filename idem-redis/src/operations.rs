@@ -254,10 +254,12 @@ where
         // keys, a write refused at `maxmemory`) failed as a whole for what
         // may be one key's reason: each of its keys goes alone, with its
         // token, so each caller gets the answer its own call would have.
+        // (A command the ACL refuses to the scripts fails every batch: its
+        // error stays, for the operator to see.)
         let mut answers_kept = Vec::with_capacity(answers.len());
         for answer in answers {
             match answer {
-                Err((group, StoreError::Backend(_))) if group.len() > 1 => {
+                Err((group, e)) if group.len() > 1 && refused_for_one_key(&e) => {
                     let alone = group.iter().map(|&i| {
                         self.acquire_with_token(
                             items[i].key,
@@ -482,7 +484,7 @@ where
         let mut answers_kept = Vec::with_capacity(answers.len());
         for answer in answers {
             match answer {
-                Err((group, StoreError::Backend(_))) if group.len() > 1 => {
+                Err((group, e)) if group.len() > 1 && refused_for_one_key(&e) => {
                     let alone = group
                         .iter()
                         .map(|&i| self.complete_alone(items[i].0, items[i].1, retention));
@@ -631,6 +633,24 @@ where
                 .await?;
         }
         Ok(())
+    }
+}
+
+/// Whether Redis refused a batch's script call for what may be the reason
+/// of one of its keys: a key the ACL denies, a write refused at
+/// `maxmemory` (any error reply but one that a setting of the store's own
+/// causes, such as a command the scripts run that the ACL refuses, which
+/// would refuse every batch).
+fn refused_for_one_key(e: &StoreError) -> bool {
+    let StoreError::Backend(source) = e else {
+        return false;
+    };
+    match source.downcast_ref::<crate::error::Refused>() {
+        Some(refused) => refused
+            .source
+            .detail()
+            .is_some_and(|d| d.contains("access") && d.contains("key")),
+        None => true,
     }
 }
 

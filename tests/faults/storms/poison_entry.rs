@@ -7,7 +7,9 @@ use super::*;
 /// twice) holds one poison entry whose handler always fails. The consumer
 /// (`max_deliveries(3)`, `claim_idle` 200 ms) runs it 3 times, moves it to
 /// the dead-letter stream with its delivery count and the reason, and
-/// acknowledges everything: 0 pending, every payment charged once.
+/// acknowledges everything: 0 pending, every payment charged once. The
+/// consumer is stopped once the poison is dead-lettered, every entry was
+/// delivered and none is pending.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_streams_consumer() {
     use idemkit::redis::redis;
@@ -73,6 +75,28 @@ async fn redis_streams_consumer() {
             .unwrap_or_else(|e| panic!("{e}"));
         summary.0
     };
+    // Whether the group was handed every entry of the stream: its
+    // last-delivered-id is the stream's last id (XINFO).
+    let all_delivered = |conn: redis::aio::MultiplexedConnection, stream: String| async move {
+        let mut conn = conn;
+        let info: redis::Value = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(&stream)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let groups: Vec<redis::Value> = redis::cmd("XINFO")
+            .arg("GROUPS")
+            .arg(&stream)
+            .query_async(&mut conn)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        let last = info_field(&info, "last-generated-id");
+        last.is_some()
+            && groups
+                .iter()
+                .any(|g| info_field(g, "last-delivered-id") == last)
+    };
     let dead_letter = format!("{stream}:dead");
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let watcher = {
@@ -86,7 +110,10 @@ async fn redis_streams_consumer() {
                     .query_async(&mut c)
                     .await
                     .unwrap_or_else(|e| panic!("{e}"));
-                if dead >= 1 && pending(conn.clone(), stream.clone()).await == 0 {
+                if dead >= 1
+                    && pending(conn.clone(), stream.clone()).await == 0
+                    && all_delivered(conn.clone(), stream.clone()).await
+                {
                     break;
                 }
                 assert!(
@@ -145,4 +172,26 @@ async fn redis_streams_consumer() {
     assert_eq!(left, 0, "entries left pending");
     assert_eq!(stats.acked, entries, "every entry acknowledged");
     assert_eq!(doubled, 0, "payments charged other than once");
+}
+
+/// A field of an `XINFO` reply (name, value pairs, or a map), as text.
+fn info_field(reply: &idemkit::redis::redis::Value, name: &str) -> Option<String> {
+    use idemkit::redis::redis::Value;
+    let text = |v: &Value| match v {
+        Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+        Value::SimpleString(s) => Some(s.clone()),
+        Value::Int(n) => Some(n.to_string()),
+        _ => None,
+    };
+    match reply {
+        Value::Array(items) => items
+            .chunks(2)
+            .find(|pair| text(&pair[0]).as_deref() == Some(name))
+            .and_then(|pair| pair.get(1).and_then(text)),
+        Value::Map(pairs) => pairs
+            .iter()
+            .find(|(k, _)| text(k).as_deref() == Some(name))
+            .and_then(|(_, v)| text(v)),
+        _ => None,
+    }
 }
