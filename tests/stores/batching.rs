@@ -26,6 +26,10 @@ use support::{pg, redis_server};
 
 const LEASE: Duration = Duration::from_secs(30);
 
+/// A `max_wait` for the tests that count server calls: queued calls wait
+/// for the call in flight, not going beside it while the test looks.
+const HOLD: Duration = Duration::from_secs(60);
+
 fn key(id: &str) -> IdempotencyKey {
     IdempotencyKey::new("batching.test", id).unwrap_or_else(|e| panic!("{e}"))
 }
@@ -296,9 +300,10 @@ mod on_redis {
         let defaults = store.batcher().settings();
         assert!(defaults.is_on());
         assert_eq!(defaults.calls_in_flight(), 4);
-        // One call in flight before the others wait: the counts below
-        // assume it.
-        let store = store.batching(Batching::default());
+        // One call in flight before the others wait, however long (no
+        // call goes beside it after `max_wait`): the counts below assume
+        // it, on a machine however loaded.
+        let store = store.batching(Batching::default().max_wait(HOLD));
         (server, store)
     }
 
@@ -520,7 +525,7 @@ mod on_redis {
             .unwrap_or_else(|e| panic!("cannot connect to the Redis Cluster: {e}"));
         // Off by default on a cluster, where keys spread over the slots.
         assert!(!store.batcher().settings().is_on());
-        let store = store.batching(Batching::default());
+        let store = store.batching(Batching::default().max_wait(HOLD));
         // 32 keys in one slot ({one}), 32 in another ({two}).
         let keys: Vec<IdempotencyKey> = (0..64)
             .map(|i| {
@@ -592,7 +597,7 @@ mod on_postgres {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         let store = PgStore::builder(pool.clone())
-            .batching(Batching::default())
+            .batching(Batching::default().max_wait(HOLD))
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
