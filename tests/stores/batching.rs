@@ -953,7 +953,7 @@ mod on_postgres {
         let store = PgStore::builder(pool.clone())
             .table(table)
             .call_timeout(Duration::from_secs(20))
-            .batching(Batching::default())
+            .batching(Batching::default().max_wait(HOLD))
             .build()
             .unwrap_or_else(|e| panic!("{e}"));
         store.migrate().await.unwrap_or_else(|e| panic!("{e}"));
