@@ -263,7 +263,20 @@ async fn storm(
     let store = receiver.store();
     let mut lost_completions = 0;
     for msg in 0..messages {
-        match store.get(&key("faults.storm", &run, msg)).await {
+        // A read the store could not answer yet (a connection the restart
+        // cut, handed out once more) is asked again, 5 s at most: only an
+        // answer counts.
+        let k = key("faults.storm", &run, msg);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            match store.get(&k).await {
+                Err(e) if e.is_retryable() && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                other => break other,
+            }
+        };
+        match got {
             Ok(Some(Record {
                 state: idemkit::RecordState::Completed { .. },
                 ..
