@@ -860,27 +860,6 @@ async fn a_failed_wait_releases_the_reservation() {
     }
 }
 
-/// Waits until `replica` is attached to its primary and caught up.
-fn wait_for_replication(primary: &RedisServer, replica: &RedisServer) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = replica
-            .command("INFO replication")
-            .contains("master_link_status:up");
-        let attached = primary
-            .command("INFO replication")
-            .contains("connected_slaves:1");
-        if up && attached {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the replica did not attach within 30 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// The store's calls are bounded by its own settings, not
 /// by a fixed 2 s response timeout on the connection: with
 /// `call_timeout(10 s)` and `WAIT` for 3 s or more, a replica that lags 3 s
@@ -894,7 +873,7 @@ async fn wait_for_replicas_follows_the_wait_timeout_not_a_fixed_two_seconds() {
         "127.0.0.1",
         &primary.port.to_string(),
     ]));
-    wait_for_replication(&primary, &replica);
+    redis_server::wait_for_replication(&primary, &replica);
     let store = RedisStore::connect(&primary.url)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
@@ -1135,7 +1114,7 @@ async fn a_replay_under_wait_on_a_full_server_is_retryable() {
 async fn under_wait_extensions_and_replays_are_only_of_what_the_replicas_have() {
     let primary = RedisServer::start(&[]);
     let replica = RedisServer::start(&["--replicaof", "127.0.0.1", &primary.port.to_string()]);
-    wait_for_replication(&primary, &replica);
+    redis_server::wait_for_replication(&primary, &replica);
     let store = RedisStore::connect(&primary.url)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
@@ -1178,7 +1157,7 @@ async fn under_wait_extensions_and_replays_are_only_of_what_the_replicas_have() 
     );
 
     replica.signal("CONT");
-    wait_for_replication(&primary, &replica);
+    redis_server::wait_for_replication(&primary, &replica);
     let duplicate = store.acquire(&k, None, Duration::from_secs(30)).await;
     assert!(
         matches!(&duplicate, Ok(Acquisition::Completed(r)) if &r.response[..] == b"once"),
@@ -1443,7 +1422,7 @@ async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
         "127.0.0.1",
         &primary.port.to_string(),
     ]));
-    wait_for_replication(&primary, &replica);
+    redis_server::wait_for_replication(&primary, &replica);
     let store = RedisStore::connect(&primary.url)
         .await
         .unwrap_or_else(|e| panic!("{e}"))
@@ -1488,7 +1467,7 @@ async fn a_wait_longer_than_the_lease_never_hands_out_a_lease_taken_over() {
             "{d:?}"
         );
     }
-    wait_for_replication(&primary, &replica);
+    redis_server::wait_for_replication(&primary, &replica);
     // On a loaded machine the third delivery's WAIT (half its 1 s lease)
     // may run out too: that is Unavailable, nothing ran, retry.
     let mut third = deliver("third").await.unwrap_or_else(|e| panic!("{e}"));

@@ -15,7 +15,7 @@ use idemkit::{
     AcquireItem, Acquisition, Batching, Fingerprint, IdempotencyKey, IdempotencyStore, Lease,
     StoreError,
 };
-use support::redis_server::RedisServer;
+use support::redis_server::{wait_for_replication, RedisServer};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -555,26 +555,6 @@ async fn odd_records_answer_batched_as_alone() {
         diffs.push(format!("list: alone {x}, batched {y}"));
     }
     assert!(diffs.is_empty(), "{diffs:#?}");
-}
-
-fn wait_for_replication(primary: &RedisServer, replica: &RedisServer) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = replica
-            .command("INFO replication")
-            .contains("master_link_status:up");
-        let attached = primary
-            .command("INFO replication")
-            .contains("connected_slaves:1");
-        if up && attached {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the replica did not attach within 30 s"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Under wait_for_replicas(1, 3 s) with a 2 s lease, a replica that lags

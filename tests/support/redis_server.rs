@@ -333,3 +333,24 @@ pub fn command_calls(server: &RedisServer, command: &str) -> u64 {
         .and_then(|n| n.parse().ok())
         .unwrap_or(0)
 }
+
+/// Waits until `replica` is attached to its primary and caught up.
+pub fn wait_for_replication(primary: &RedisServer, replica: &RedisServer) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let up = replica
+            .command("INFO replication")
+            .contains("master_link_status:up");
+        let attached = primary
+            .command("INFO replication")
+            .contains("connected_slaves:1");
+        if up && attached {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replica did not attach within 30 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
