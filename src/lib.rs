@@ -52,3 +52,15 @@ pub use idem_dynamodb as dynamodb;
 #[cfg(feature = "sqs")]
 #[doc(inline)]
 pub use idem_sqs as sqs;
+
+/// The idempotent RabbitMQ consumer (feature `rabbitmq`, crate
+/// `idem-rabbitmq`); its `lapin` re-export is `idemkit::rabbitmq::lapin`.
+#[cfg(feature = "rabbitmq")]
+#[doc(inline)]
+pub use idem_rabbitmq as rabbitmq;
+
+/// The idempotent NATS JetStream consumer (feature `nats`, crate
+/// `idem-nats`); its `async-nats` re-export is `idemkit::nats::async_nats`.
+#[cfg(feature = "nats")]
+#[doc(inline)]
+pub use idem_nats as nats;

@@ -34,6 +34,7 @@
 pub mod batching;
 mod canonical;
 mod codec;
+pub mod delivery;
 mod error;
 mod executor;
 mod fingerprint;

@@ -16,6 +16,10 @@ mod support;
 mod http;
 #[cfg(all(feature = "kafka", feature = "redis"))]
 mod kafka;
+#[cfg(all(feature = "nats", feature = "redis"))]
+mod nats;
+#[cfg(all(feature = "rabbitmq", feature = "redis"))]
+mod rabbitmq;
 #[cfg(feature = "sqs")]
 mod sqs;
 #[cfg(feature = "redis")]

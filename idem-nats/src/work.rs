@@ -1,0 +1,337 @@
+//! The processing of one message: its key, the run through the executor
+//! (or a transaction), then the ack, the hand-back, the dead letter or the
+//! finish that its outcome calls for (`idem_core::delivery`).
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use idem_core::delivery::{is_permanent, settle, Attempted, Done, Settle};
+use idem_core::{
+    Codec, Fingerprint, Finished, Idempotency, IdempotencyKey, IdempotencyStore,
+    PayloadFingerprint, Pauses, Runner, Unrecorded,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tokio::sync::OwnedSemaphorePermit;
+use tracing::Instrument;
+
+use crate::message::fingerprint_of;
+use crate::shared::{lock, Shared};
+use crate::stats::Event;
+use crate::{KeySource, MessageError, NatsMessage};
+
+/// The first and longest pause between two tries of a completion after a
+/// store outage (cut short when the store answers another call).
+const FINISH_PAUSES: (Duration, Duration) = (Duration::from_millis(50), Duration::from_millis(250));
+
+/// What a message task needs: the executor, the handler, the settings.
+pub(crate) struct Work<S: ?Sized, C, F, M> {
+    pub(crate) idem: Idempotency<S, C>,
+    /// How the handler runs: with a lease, or in a transaction.
+    pub(crate) runner: M,
+    pub(crate) handler: Arc<F>,
+    pub(crate) jetstream: jetstream::Context,
+    pub(crate) durable: String,
+    pub(crate) key: KeySource,
+    pub(crate) scope: String,
+    pub(crate) fingerprint: PayloadFingerprint,
+    pub(crate) max_deliveries: u32,
+    pub(crate) retry_delay: Duration,
+    pub(crate) dead_letter: Option<String>,
+    /// Every how long an in-progress ack goes out while a message is held
+    /// (`None`: never).
+    pub(crate) progress_every: Option<Duration>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+/// Aborts the task when dropped.
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<S, C, F, M> Work<S, C, F, M>
+where
+    S: IdempotencyStore + ?Sized,
+    C: Codec,
+    M: Runner<S, C>,
+{
+    /// Handles one delivered message (held in [`Shared::held`] as `id`),
+    /// from its key to its ack, holding `permit` (its room in the
+    /// consumer) until then.
+    pub(crate) async fn handle<Fut, T, E>(
+        self: Arc<Self>,
+        raw: jetstream::Message,
+        id: u64,
+        permit: OwnedSemaphorePermit,
+    ) where
+        F: Fn(NatsMessage, M::With) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let _permit = permit;
+        let message = NatsMessage::read(&raw);
+        let span = tracing::debug_span!(
+            "idem_nats.message",
+            consumer = %self.durable,
+            subject = %message.subject,
+            stream_sequence = message.stream_sequence,
+            delivered = ?message.delivered,
+        );
+        async move {
+            // In-progress acks from the delivery to the ack: the handler's
+            // run, and the finish of an unrecorded result.
+            let progress = self
+                .progress_every
+                .map(|every| AbortOnDrop(tokio::spawn(progress(raw.clone(), every, self.shared.clone()))));
+            let (key, outcome) = self.process(&message).await;
+            let fingerprint = Some(fingerprint_of(&message, &self.fingerprint));
+            match outcome {
+                Settle::Done(done) => {
+                    // The store answered: a finisher pausing tries again.
+                    self.shared.finishing.store_answered();
+                    self.shared.counters.add(
+                        match done {
+                            Done::Executed | Done::ExecutedNotReplayable => Event::Executed,
+                            Done::Replayed | Done::ResultUnavailable => Event::Replayed,
+                        },
+                        1,
+                    );
+                    drop(progress);
+                    self.ack(&raw).await;
+                }
+                Settle::Retry(reason) => {
+                    tracing::debug!(%reason, "handed back");
+                    self.shared.counters.add(Event::InProgress, 1);
+                    drop(progress);
+                    self.hand_back(&raw).await;
+                }
+                Settle::Failed(reason) => {
+                    let spent = match message.delivered {
+                        Some(n) => n >= self.max_deliveries,
+                        None => self.max_deliveries == 1,
+                    };
+                    if spent {
+                        let reason = format!(
+                            "the handler failed on delivery {} (max_deliveries {}): {reason}",
+                            message.delivered.unwrap_or(1),
+                            self.max_deliveries
+                        );
+                        self.dead(key.as_ref(), &raw, &message, &reason, progress)
+                            .await;
+                    } else {
+                        tracing::info!(%reason, "the handler failed: handed back");
+                        drop(progress);
+                        self.hand_back(&raw).await;
+                    }
+                }
+                Settle::Dead(reason) => {
+                    self.dead(key.as_ref(), &raw, &message, &reason, progress)
+                        .await;
+                }
+                Settle::Finish(unrecorded) => {
+                    self.finish(id, &raw, &message, fingerprint, *unrecorded, progress)
+                        .await;
+                }
+                Settle::Fatal(e) => {
+                    tracing::error!(error = %e, "the executor's configuration is refused: the consumer stops");
+                    lock(&self.shared.fatal).get_or_insert(e);
+                    drop(progress);
+                    self.hand_back(&raw).await;
+                }
+            }
+            self.shared.release(id);
+        }
+        .instrument(span)
+        .await;
+    }
+
+    /// The message's key and the outcome of its run.
+    async fn process<Fut, T, E>(&self, message: &NatsMessage) -> (Option<IdempotencyKey>, Settle)
+    where
+        F: Fn(NatsMessage, M::With) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<T, E>> + Send + 'static,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+    {
+        let key = match self.key.key_of(&self.scope, message) {
+            Ok(key) => key,
+            Err(e) => return (None, Settle::Dead(format!("no usable key: {e}"))),
+        };
+        let fingerprint = fingerprint_of(message, &self.fingerprint);
+        // A key this consumer is finishing: the store would hand its
+        // expired lease over and run the handler again.
+        if self.shared.finishing.holds(&key, &fingerprint) {
+            let reason = "its key's completion is being written here".to_owned();
+            return (Some(key), Settle::Retry(reason));
+        }
+        let handler = self.handler.clone();
+        let max_deliveries = self.max_deliveries;
+        let mut copy = message.clone();
+        let result = self
+            .runner
+            .process_one(
+                &self.idem,
+                &key,
+                Some(fingerprint),
+                move |context, with| async move {
+                    Attempted::guard(context, max_deliveries, |context| {
+                        copy.attempt = context.attempt;
+                        copy.fence = context.fence;
+                        handler(copy, with)
+                    })
+                    .await
+                },
+            )
+            .await;
+        let outcome = settle(result, is_permanent::<MessageError, E>, max_deliveries);
+        (Some(key), outcome)
+    }
+
+    /// Acks `raw`; a failure is counted (it comes back and is replayed).
+    async fn ack(&self, raw: &jetstream::Message) {
+        match raw.ack_with(AckKind::Ack).await {
+            Ok(()) => self.shared.counters.add(Event::Acked, 1),
+            Err(e) => {
+                tracing::warn!(error = %e, "ack failed: the message comes back after the ack wait and is replayed");
+                self.shared.counters.add(Event::AckFailures, 1);
+            }
+        }
+    }
+
+    /// Hands `raw` back (`-NAK` with the retry delay).
+    pub(crate) async fn hand_back(&self, raw: &jetstream::Message) {
+        self.shared.counters.add(Event::HandedBack, 1);
+        let delay = (!self.retry_delay.is_zero()).then_some(self.retry_delay);
+        if let Err(e) = raw.ack_with(AckKind::Nak(delay)).await {
+            tracing::warn!(error = %e, "hand-back failed: the message comes back after the ack wait");
+            self.shared.counters.add(Event::AckFailures, 1);
+        }
+    }
+
+    /// Dead-letters `raw` with `reason`, then acks it; handed back when
+    /// the dead letter could not be published.
+    async fn dead(
+        &self,
+        key: Option<&IdempotencyKey>,
+        raw: &jetstream::Message,
+        message: &NatsMessage,
+        reason: &str,
+        progress: Option<AbortOnDrop>,
+    ) {
+        self.shared.counters.add(Event::Poison, 1);
+        let Some(subject) = &self.dead_letter else {
+            tracing::warn!(%reason, "poison message terminated (+TERM; no dead-letter subject set)");
+            drop(progress);
+            if let Some(key) = key {
+                self.runner.forget(&self.idem, key).await;
+            }
+            match raw.ack_with(AckKind::Term).await {
+                Ok(()) => self.shared.counters.add(Event::Acked, 1),
+                Err(e) => {
+                    tracing::warn!(error = %e, "terminating a poison message failed: it comes back and is dead-lettered again");
+                    self.shared.counters.add(Event::AckFailures, 1);
+                }
+            }
+            return;
+        };
+        // The in-progress acks go on while the dead letter is published.
+        match crate::dead_letter::publish(&self.jetstream, subject, &self.durable, message, reason).await {
+            Ok(()) => {
+                tracing::warn!(%reason, dead_letter = %subject, "poison message dead-lettered");
+                self.shared.counters.add(Event::DeadLettered, 1);
+                drop(progress);
+                if let Some(key) = key {
+                    self.runner.forget(&self.idem, key).await;
+                }
+                self.ack(raw).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %reason, "the dead letter could not be published: handed back");
+                self.shared.counters.add(Event::DeadLetterFailures, 1);
+                drop(progress);
+                self.hand_back(raw).await;
+            }
+        }
+    }
+
+    /// A handler that ran while the store was away until its lease ended:
+    /// its key held here and its message kept (in-progress acks) while
+    /// its completion is written with the run's own lease, then acked.
+    async fn finish(
+        &self,
+        id: u64,
+        raw: &jetstream::Message,
+        message: &NatsMessage,
+        fingerprint: Option<Fingerprint>,
+        unrecorded: Unrecorded,
+        progress: Option<AbortOnDrop>,
+    ) {
+        let key = unrecorded.lease().key.clone();
+        let run_fingerprint = unrecorded.lease().fingerprint.or(fingerprint);
+        tracing::warn!(error = %unrecorded.cause(), "the handler ran but its result is not recorded: kept while its completion is written");
+        let guard = self.shared.finishing.hold(key.clone(), run_fingerprint);
+        self.shared.finishing(id, key.clone(), run_fingerprint);
+        let (first, longest) = FINISH_PAUSES;
+        let finished = self
+            .idem
+            .finish_until_woken(
+                &unrecorded,
+                Pauses::new(first, longest),
+                std::future::pending::<()>(),
+                &self.shared.finishing,
+            )
+            .await;
+        match finished {
+            Finished::Recorded => {
+                drop(guard);
+                self.shared.counters.add(Event::Executed, 1);
+                self.shared.counters.add(Event::FinishedLate, 1);
+                drop(progress);
+                self.ack(raw).await;
+            }
+            Finished::TakenOver => {
+                drop(guard);
+                tracing::warn!("unrecorded run taken over by another worker: handed back");
+                drop(progress);
+                self.hand_back(raw).await;
+            }
+            Finished::Refused(e) | Finished::GaveUp(e) => {
+                // Its handler ran: given up before the key is let go, so
+                // the other deliveries of it here are settled, never run.
+                self.shared.finishing.given_up().insert(
+                    key.clone(),
+                    run_fingerprint,
+                    self.idem.retention_period(),
+                );
+                drop(guard);
+                let reason = format!("the handler ran but its result could not be recorded: {e}");
+                self.dead(Some(&key), raw, message, &reason, progress)
+                    .await;
+            }
+        }
+    }
+}
+
+/// Sends an in-progress ack for `raw` every `every`, until aborted.
+async fn progress(raw: jetstream::Message, every: Duration, shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match raw.ack_with(AckKind::Progress).await {
+            Ok(()) => shared.counters.add(Event::ProgressAcks, 1),
+            Err(e) => {
+                tracing::debug!(error = %e, "in-progress ack failed");
+                shared.counters.add(Event::ProgressFailures, 1);
+            }
+        }
+    }
+}
