@@ -112,7 +112,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
     /// `stream`, over a JetStream context you built
     /// (`async_nats::jetstream::new(client)`). Nothing is sent until
     /// [`run`](Self::run), which creates the durable consumer, or updates
-    /// it to these settings.
+    /// it to these settings (give every process that runs it the same
+    /// ones: each `run` updates it to its own).
     ///
     /// Defaults: the key is the `Nats-Msg-Id` header
     /// ([`KeySource::MessageId`]), scope `nats.{stream}.{durable}` (when
@@ -278,9 +279,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
 
     /// The subject poison messages are published to, with the reason in
     /// their headers (default: none, poison is terminated with `+TERM`
-    /// and logged). A stream must capture the subject: the publish waits
-    /// for JetStream's ack, and a dead letter no stream took is handed
-    /// back and tried again on the next delivery. See the
+    /// and logged). A stream must capture the subject (`run` fails when
+    /// none does): the publish waits for JetStream's ack, and a dead
+    /// letter that could not be published is handed back and tried again
+    /// on the next delivery. See the
     /// [crate docs](crate#dead-letters).
     pub fn dead_letter(mut self, subject: impl Into<String>) -> Self {
         self.dead_letter = Some(subject.into());

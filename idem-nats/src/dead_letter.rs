@@ -55,7 +55,9 @@ pub(crate) fn headers(message: &NatsMessage, durable: &str, reason: &str) -> Hea
         );
     }
     headers.insert(REASON_HEADER, header_value(reason, MAX_REASON));
-    let delivered = message.delivered.map_or("unknown".to_owned(), |n| n.to_string());
+    let delivered = message
+        .delivered
+        .map_or("unknown".to_owned(), |n| n.to_string());
     headers.insert(DELIVERED_HEADER, delivered);
     headers.insert(STREAM_HEADER, header_value(&message.stream, 256));
     headers.insert(SEQUENCE_HEADER, message.stream_sequence.to_string());
@@ -96,7 +98,10 @@ mod tests {
         };
         let long = format!("line\r\nInjected: yes {}", "é".repeat(1000));
         let h = headers(&message, "d", &long);
-        let reason = h.get(REASON_HEADER).map(|v| v.as_str().to_owned()).unwrap_or_default();
+        let reason = h
+            .get(REASON_HEADER)
+            .map(|v| v.as_str().to_owned())
+            .unwrap_or_default();
         assert!(reason.starts_with("line  Injected: yes"));
         assert!(reason.len() <= MAX_REASON && !reason.contains('\n'));
         assert_eq!(

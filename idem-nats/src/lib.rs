@@ -119,8 +119,8 @@
 //! # Shutdown
 //!
 //! When `shutdown` completes, `run` stops pulling (a pull in flight is
-//! abandoned: the messages it may have been sent come back after the ack
-//! wait), waits up to [`shutdown_wait`](NatsConsumer::shutdown_wait) for
+//! abandoned: the messages it brought already are handed back, those
+//! still on their way come back after the ack wait), waits up to [`shutdown_wait`](NatsConsumer::shutdown_wait) for
 //! the messages in flight, and returns. A message still held then is
 //! handed back (its handler goes on, detached, and records its result;
 //! the redelivery gets "in progress", then the replay), except one whose

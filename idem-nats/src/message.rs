@@ -233,7 +233,10 @@ mod tests {
         let long = "k".repeat(513);
         let m = message("{", &[("long", long.as_str())]);
         let by = |name: &str| KeySource::Header(name.to_owned()).key_of("s", &m);
-        assert_eq!(by("nope").err(), Some(MessageError::NoHeader("nope".into())));
+        assert_eq!(
+            by("nope").err(),
+            Some(MessageError::NoHeader("nope".into()))
+        );
         assert!(matches!(
             by("long"),
             Err(MessageError::Key(KeyError::IdTooLong { .. }))
@@ -252,7 +255,9 @@ mod tests {
         };
         assert_eq!(binary.text(), Err(MessageError::NotText));
         // An empty payload has a key from its content all the same.
-        assert!(KeySource::Content.key_of("s", &NatsMessage::default()).is_ok());
+        assert!(KeySource::Content
+            .key_of("s", &NatsMessage::default())
+            .is_ok());
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::{pull, AckPolicy, PullConsumer};
-use async_nats::jetstream::context::GetStreamErrorKind;
+use async_nats::jetstream::context::{GetStreamByNameErrorKind, GetStreamErrorKind};
 use async_nats::jetstream::stream::ConsumerErrorKind;
 use futures_util::{FutureExt, StreamExt};
 use idem_core::{
@@ -154,6 +154,22 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
                     format!("the dead-letter subject {dead:?} is in the stream {:?} and read by this consumer: poison would come back", self.stream),
                 ));
             }
+            // A dead letter no stream takes could never be published: the
+            // poison would be handed back for ever.
+            if let Err(e) = self.jetstream.stream_by_subject(dead.clone()).await {
+                let transient = matches!(e.kind(), GetStreamByNameErrorKind::Request);
+                let detail = match e.kind() {
+                    GetStreamByNameErrorKind::NotFound => {
+                        format!("no stream captures the dead-letter subject {dead:?}")
+                    }
+                    _ => e.to_string(),
+                };
+                return Err(NatsError::new(
+                    "find the dead-letter stream",
+                    transient,
+                    detail,
+                ));
+            }
         }
         stream
             .create_consumer(self.consumer_config())
@@ -161,7 +177,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
             .map_err(|e| {
                 let transient = matches!(
                     e.kind(),
-                    ConsumerErrorKind::TimedOut | ConsumerErrorKind::Request | ConsumerErrorKind::Other
+                    ConsumerErrorKind::TimedOut
+                        | ConsumerErrorKind::Request
+                        | ConsumerErrorKind::Other
                 );
                 NatsError::new("create consumer", transient, e)
             })
@@ -183,6 +201,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
     {
         self.check()?;
         let shared = &self.shared;
+        // Messages of an earlier run whose future was dropped: settled or
+        // redelivered since.
+        lock(&shared.held).clear();
         let counters = &shared.counters;
         let shutdown = shutdown.fuse();
         futures_util::pin_mut!(shutdown);
@@ -287,7 +308,14 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
             loop {
                 let next = tokio::select! {
                     biased;
-                    () = &mut shutdown => break 'pulling,
+                    () = &mut shutdown => {
+                        // What this pull brought already is handed back,
+                        // not left to the ack wait.
+                        while let Some(Some(Ok(raw))) = batch.next().now_or_never() {
+                            work.hand_back(&raw).await;
+                        }
+                        break 'pulling;
+                    }
                     () = tokio::time::sleep_until(deadline) => break,
                     next = batch.next() => next,
                 };

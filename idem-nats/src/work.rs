@@ -10,8 +10,8 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use idem_core::delivery::{is_permanent, settle, Attempted, Done, Settle};
 use idem_core::{
-    Codec, Fingerprint, Finished, Idempotency, IdempotencyKey, IdempotencyStore,
-    PayloadFingerprint, Pauses, Runner, Unrecorded,
+    Codec, Fingerprint, Finished, Idempotency, IdempotencyKey, IdempotencyStore, Pauses,
+    PayloadFingerprint, Runner, Unrecorded,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -47,15 +47,6 @@ pub(crate) struct Work<S: ?Sized, C, F, M> {
     pub(crate) shared: Arc<Shared>,
 }
 
-/// Aborts the task when dropped.
-pub(crate) struct AbortOnDrop(pub(crate) tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 impl<S, C, F, M> Work<S, C, F, M>
 where
     S: IdempotencyStore + ?Sized,
@@ -86,12 +77,10 @@ where
             delivered = ?message.delivered,
         );
         async move {
-            // In-progress acks from the delivery to the ack: the handler's
-            // run, and the finish of an unrecorded result.
-            let progress = self
-                .progress_every
-                .map(|every| AbortOnDrop(tokio::spawn(progress(raw.clone(), every, self.shared.clone()))));
-            let (key, outcome) = self.process(&message).await;
+            // In-progress acks while the message is held: its handler's
+            // run, its dead letter's publish, the finish of an unrecorded
+            // result.
+            let (key, outcome) = self.kept(&raw, self.process(&message)).await;
             let fingerprint = Some(fingerprint_of(&message, &self.fingerprint));
             match outcome {
                 Settle::Done(done) => {
@@ -104,13 +93,11 @@ where
                         },
                         1,
                     );
-                    drop(progress);
                     self.ack(&raw).await;
                 }
                 Settle::Retry(reason) => {
                     tracing::debug!(%reason, "handed back");
                     self.shared.counters.add(Event::InProgress, 1);
-                    drop(progress);
                     self.hand_back(&raw).await;
                 }
                 Settle::Failed(reason) => {
@@ -124,26 +111,22 @@ where
                             message.delivered.unwrap_or(1),
                             self.max_deliveries
                         );
-                        self.dead(key.as_ref(), &raw, &message, &reason, progress)
-                            .await;
+                        self.dead(key.as_ref(), &raw, &message, &reason).await;
                     } else {
                         tracing::info!(%reason, "the handler failed: handed back");
-                        drop(progress);
                         self.hand_back(&raw).await;
                     }
                 }
                 Settle::Dead(reason) => {
-                    self.dead(key.as_ref(), &raw, &message, &reason, progress)
-                        .await;
+                    self.dead(key.as_ref(), &raw, &message, &reason).await;
                 }
                 Settle::Finish(unrecorded) => {
-                    self.finish(id, &raw, &message, fingerprint, *unrecorded, progress)
+                    self.finish(id, &raw, &message, fingerprint, *unrecorded)
                         .await;
                 }
                 Settle::Fatal(e) => {
                     tracing::error!(error = %e, "the executor's configuration is refused: the consumer stops");
                     lock(&self.shared.fatal).get_or_insert(e);
-                    drop(progress);
                     self.hand_back(&raw).await;
                 }
             }
@@ -195,6 +178,33 @@ where
         (Some(key), outcome)
     }
 
+    /// Awaits `work`, sending an in-progress ack for `raw` every
+    /// `progress_every` meanwhile (in this task: no task of its own per
+    /// message).
+    async fn kept<T>(&self, raw: &jetstream::Message, work: impl Future<Output = T>) -> T {
+        let Some(every) = self.progress_every else {
+            return work.await;
+        };
+        futures_util::pin_mut!(work);
+        let mut next = tokio::time::Instant::now() + every;
+        loop {
+            tokio::select! {
+                biased;
+                out = &mut work => return out,
+                () = tokio::time::sleep_until(next) => {
+                    match raw.ack_with(AckKind::Progress).await {
+                        Ok(()) => self.shared.counters.add(Event::ProgressAcks, 1),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "in-progress ack failed");
+                            self.shared.counters.add(Event::ProgressFailures, 1);
+                        }
+                    }
+                    next = tokio::time::Instant::now() + every;
+                }
+            }
+        }
+    }
+
     /// Acks `raw`; a failure is counted (it comes back and is replayed).
     async fn ack(&self, raw: &jetstream::Message) {
         match raw.ack_with(AckKind::Ack).await {
@@ -224,12 +234,10 @@ where
         raw: &jetstream::Message,
         message: &NatsMessage,
         reason: &str,
-        progress: Option<AbortOnDrop>,
     ) {
         self.shared.counters.add(Event::Poison, 1);
         let Some(subject) = &self.dead_letter else {
             tracing::warn!(%reason, "poison message terminated (+TERM; no dead-letter subject set)");
-            drop(progress);
             if let Some(key) = key {
                 self.runner.forget(&self.idem, key).await;
             }
@@ -242,12 +250,12 @@ where
             }
             return;
         };
-        // The in-progress acks go on while the dead letter is published.
-        match crate::dead_letter::publish(&self.jetstream, subject, &self.durable, message, reason).await {
+        let publish =
+            crate::dead_letter::publish(&self.jetstream, subject, &self.durable, message, reason);
+        match self.kept(raw, publish).await {
             Ok(()) => {
                 tracing::warn!(%reason, dead_letter = %subject, "poison message dead-lettered");
                 self.shared.counters.add(Event::DeadLettered, 1);
-                drop(progress);
                 if let Some(key) = key {
                     self.runner.forget(&self.idem, key).await;
                 }
@@ -256,7 +264,6 @@ where
             Err(e) => {
                 tracing::warn!(error = %e, %reason, "the dead letter could not be published: handed back");
                 self.shared.counters.add(Event::DeadLetterFailures, 1);
-                drop(progress);
                 self.hand_back(raw).await;
             }
         }
@@ -272,7 +279,6 @@ where
         message: &NatsMessage,
         fingerprint: Option<Fingerprint>,
         unrecorded: Unrecorded,
-        progress: Option<AbortOnDrop>,
     ) {
         let key = unrecorded.lease().key.clone();
         let run_fingerprint = unrecorded.lease().fingerprint.or(fingerprint);
@@ -280,27 +286,23 @@ where
         let guard = self.shared.finishing.hold(key.clone(), run_fingerprint);
         self.shared.finishing(id, key.clone(), run_fingerprint);
         let (first, longest) = FINISH_PAUSES;
-        let finished = self
-            .idem
-            .finish_until_woken(
-                &unrecorded,
-                Pauses::new(first, longest),
-                std::future::pending::<()>(),
-                &self.shared.finishing,
-            )
-            .await;
+        let finishing = self.idem.finish_until_woken(
+            &unrecorded,
+            Pauses::new(first, longest),
+            std::future::pending::<()>(),
+            &self.shared.finishing,
+        );
+        let finished = self.kept(raw, finishing).await;
         match finished {
             Finished::Recorded => {
                 drop(guard);
                 self.shared.counters.add(Event::Executed, 1);
                 self.shared.counters.add(Event::FinishedLate, 1);
-                drop(progress);
                 self.ack(raw).await;
             }
             Finished::TakenOver => {
                 drop(guard);
                 tracing::warn!("unrecorded run taken over by another worker: handed back");
-                drop(progress);
                 self.hand_back(raw).await;
             }
             Finished::Refused(e) | Finished::GaveUp(e) => {
@@ -313,24 +315,7 @@ where
                 );
                 drop(guard);
                 let reason = format!("the handler ran but its result could not be recorded: {e}");
-                self.dead(Some(&key), raw, message, &reason, progress)
-                    .await;
-            }
-        }
-    }
-}
-
-/// Sends an in-progress ack for `raw` every `every`, until aborted.
-async fn progress(raw: jetstream::Message, every: Duration, shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        match raw.ack_with(AckKind::Progress).await {
-            Ok(()) => shared.counters.add(Event::ProgressAcks, 1),
-            Err(e) => {
-                tracing::debug!(error = %e, "in-progress ack failed");
-                shared.counters.add(Event::ProgressFailures, 1);
+                self.dead(Some(&key), raw, message, &reason).await;
             }
         }
     }

@@ -81,13 +81,27 @@ impl NatsServer {
     /// and store directory, and waits until it listens.
     pub fn start_again(&self) {
         let mut slot = self.child.lock().unwrap_or_else(|p| p.into_inner());
-        assert!(slot.is_none(), "the NATS server on {} runs already", self.port);
+        assert!(
+            slot.is_none(),
+            "the NATS server on {} runs already",
+            self.port
+        );
         let bin = server_bin();
-        let log = std::fs::File::create(self.store_dir.join(format!("server-{}.log", fastrand::u32(..))))
-            .map(Stdio::from)
-            .unwrap_or_else(|_| Stdio::null());
+        let log = std::fs::File::create(
+            self.store_dir
+                .join(format!("server-{}.log", fastrand::u32(..))),
+        )
+        .map(Stdio::from)
+        .unwrap_or_else(|_| Stdio::null());
         let child = Command::new(&bin)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
             .arg(self.store_dir.join("jetstream"))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -99,7 +113,10 @@ impl NatsServer {
         let mut child = child;
         while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
             if let Ok(Some(status)) = child.try_wait() {
-                panic!("nats-server exited at start ({status}); its log is in {}. {HOW_TO}", self.store_dir.display());
+                panic!(
+                    "nats-server exited at start ({status}); its log is in {}. {HOW_TO}",
+                    self.store_dir.display()
+                );
             }
             assert!(
                 Instant::now() < deadline,
@@ -124,7 +141,9 @@ impl NatsServer {
         loop {
             match child.try_wait() {
                 Ok(Some(_)) => break,
-                Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(20)),
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
                 _ => {
                     let _ = child.kill();
                     let _ = child.wait();

@@ -13,10 +13,12 @@ use idemkit::{Idempotency, MemoryStore};
 
 use crate::support;
 
-use super::{all_acked, create_stream, jetstream, jetstream_at, name, publish, wait_until, Running};
+use super::{
+    all_acked, create_stream, jetstream, jetstream_at, name, publish, wait_until, Running,
+};
 
-/// Two consumers of a durable consumer with a 1 s ack wait; the handler
-/// runs 3.5 s. The in-progress acks (every third of the ack wait) keep
+/// Two consumers of a durable consumer with a 3 s ack wait; the handler
+/// runs 7 s. The in-progress acks (every third of the ack wait) keep
 /// the message from the other consumer: one delivery, one run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_progress_acks_keep_a_long_handlers_message_from_redelivery() {
@@ -33,7 +35,7 @@ async fn in_progress_acks_keep_a_long_handlers_message_from_redelivery() {
             let runs = runs.clone();
             async move {
                 runs.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(3500)).await;
+                tokio::time::sleep(Duration::from_secs(7)).await;
                 Ok::<_, std::io::Error>(1)
             }
         }
@@ -41,14 +43,15 @@ async fn in_progress_acks_keep_a_long_handlers_message_from_redelivery() {
     let consumer = || {
         NatsConsumer::new(js.clone(), &stream, &durable, idem.clone())
             .key_from_content()
-            .ack_wait(Duration::from_secs(1))
+            .ack_wait(Duration::from_secs(3))
             .pull_wait(Duration::from_millis(500))
     };
     let a = Running::start(consumer(), handler.clone());
     let b = Running::start(consumer(), handler);
     publish(&js, &subject, &[], "long").await;
     wait_until("the message acked", Duration::from_secs(30), || {
-        let (js, stream, durable, runs) = (js.clone(), stream.clone(), durable.clone(), runs.clone());
+        let (js, stream, durable, runs) =
+            (js.clone(), stream.clone(), durable.clone(), runs.clone());
         async move { runs.load(Ordering::SeqCst) > 0 && all_acked(&js, &stream, &durable).await }
     })
     .await;
@@ -60,7 +63,7 @@ async fn in_progress_acks_keep_a_long_handlers_message_from_redelivery() {
 }
 
 /// Without in-progress acks, the ack wait (1 s) runs out while the
-/// handler runs (3 s) at consumer A, which has room for that one message
+/// handler runs (5 s) at consumer A, which has room for that one message
 /// only: JetStream delivers it to consumer B, which finds its key in
 /// progress (A's lease renewed by the heartbeat) and hands it back, again
 /// and again, until A recorded: then the message is acked (by A, or by B
@@ -86,7 +89,7 @@ async fn the_ack_wait_running_out_redelivers_to_the_other_consumer_which_gets_in
             let r = r.clone();
             async move {
                 r.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_secs(3)).await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
                 Ok::<_, std::io::Error>(7)
             }
         },
@@ -115,17 +118,25 @@ async fn the_ack_wait_running_out_redelivers_to_the_other_consumer_which_gets_in
         },
     );
     let bc = b.consumer.clone();
-    wait_until("B got the redelivery, in progress", Duration::from_secs(30), || {
-        let s = bc.stats();
-        async move { s.in_progress >= 1 }
-    })
+    wait_until(
+        "B got the redelivery, in progress",
+        Duration::from_secs(30),
+        || {
+            let s = bc.stats();
+            async move { s.in_progress >= 1 }
+        },
+    )
     .await;
     wait_until("the message acked", Duration::from_secs(30), || {
         all_acked(&js, &stream, &durable)
     })
     .await;
     let (sa, sb) = (a.stop().await, b.stop().await);
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once: {sa:?} {sb:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the effect ran once: {sa:?} {sb:?}"
+    );
     assert_eq!((sa.executed, sb.executed), (1, 0), "{sa:?} {sb:?}");
     assert!(sb.in_progress >= 1 && sb.handed_back >= 1, "{sb:?}");
     assert_eq!(sa.progress_acks + sb.progress_acks, 0);
@@ -169,7 +180,7 @@ async fn an_ack_lost_while_the_handler_runs_gets_in_progress_then_the_replay_els
             async move {
                 runs.fetch_add(1, Ordering::SeqCst);
                 proxy.cut(true);
-                tokio::time::sleep(Duration::from_millis(2500)).await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
                 recorded.fetch_add(1, Ordering::SeqCst);
                 Ok::<_, std::io::Error>(7)
             }
@@ -200,7 +211,11 @@ async fn an_ack_lost_while_the_handler_runs_gets_in_progress_then_the_replay_els
     proxy.cut(false);
     let sb = b.stop().await;
     let sa = a.stop().await;
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the effect ran once: {sa:?} {sb:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "the effect ran once: {sa:?} {sb:?}"
+    );
     assert_eq!(recorded.load(Ordering::SeqCst), 1);
     assert_eq!((sa.executed, sb.executed), (1, 0), "{sa:?} {sb:?}");
     assert!(sb.in_progress >= 1, "B got in progress first: {sb:?}");

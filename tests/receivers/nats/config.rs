@@ -37,12 +37,23 @@ async fn invalid_settings_are_refused_before_any_call() {
         ("an empty consumer", make("S", "")),
         ("a consumer name with a space", make("S", "a b")),
         ("an empty filter subject", make("S", "d").filter_subject("")),
-        ("a filter subject with an empty token", make("S", "d").filter_subject("a..b")),
-        ("an empty dead-letter subject", make("S", "d").dead_letter("")),
-        ("a wildcard dead-letter subject", make("S", "d").dead_letter("dead.*")),
+        (
+            "a filter subject with an empty token",
+            make("S", "d").filter_subject("a..b"),
+        ),
+        (
+            "an empty dead-letter subject",
+            make("S", "d").dead_letter(""),
+        ),
+        (
+            "a wildcard dead-letter subject",
+            make("S", "d").dead_letter("dead.*"),
+        ),
         (
             "a dead-letter subject the consumer reads",
-            make("S", "d").filter_subject("orders.>").dead_letter("orders.dead"),
+            make("S", "d")
+                .filter_subject("orders.>")
+                .dead_letter("orders.dead"),
         ),
         ("an invalid scope", make("S", "d").scope("no spaces here")),
         ("an empty scope", make("S", "d").scope("")),
@@ -59,17 +70,30 @@ async fn invalid_settings_are_refused_before_any_call() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_stream_or_a_dead_letter_subject_read_back_is_refused() {
     let js = jetstream().await;
-    let missing = NatsConsumer::new(js.clone(), name("MISSING"), "d", Idempotency::new(MemoryStore::new()));
+    let missing = NatsConsumer::new(
+        js.clone(),
+        name("MISSING"),
+        "d",
+        Idempotency::new(MemoryStore::new()),
+    );
     match refused(missing).await {
         NatsConsumerError::Nats(e) => assert!(!e.is_transient(), "{e}"),
         other => panic!("{other:?}"),
     }
     let stream = name("LOOP");
     create_stream(&js, &stream, &[&format!("{stream}.>")]).await;
-    let looping = NatsConsumer::new(js.clone(), &stream, "d", Idempotency::new(MemoryStore::new()))
-        .dead_letter(format!("{stream}.dead"));
+    let looping = NatsConsumer::new(
+        js.clone(),
+        &stream,
+        "d",
+        Idempotency::new(MemoryStore::new()),
+    )
+    .dead_letter(format!("{stream}.dead"));
     match refused(looping).await {
-        NatsConsumerError::Nats(e) => assert!(!e.is_transient() && e.to_string().contains("come back"), "{e}"),
+        NatsConsumerError::Nats(e) => assert!(
+            !e.is_transient() && e.to_string().contains("come back"),
+            "{e}"
+        ),
         other => panic!("{other:?}"),
     }
 }
@@ -84,16 +108,21 @@ async fn extreme_settings_are_clamped_and_the_consumer_works() {
     let subject = format!("{stream}.in");
     create_stream(&js, &stream, &[&subject]).await;
     let durable = name("extreme");
-    let huge = NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::new(MemoryStore::new()))
-        .key_from_content()
-        .concurrency(usize::MAX)
-        .max_ack_pending(usize::MAX)
-        .batch(usize::MAX)
-        .ack_wait(Duration::MAX)
-        .pull_wait(Duration::MAX)
-        .retry_delay(Duration::MAX)
-        .shutdown_wait(Duration::MAX)
-        .max_deliveries(u32::MAX);
+    let huge = NatsConsumer::new(
+        js.clone(),
+        &stream,
+        &durable,
+        Idempotency::new(MemoryStore::new()),
+    )
+    .key_from_content()
+    .concurrency(usize::MAX)
+    .max_ack_pending(usize::MAX)
+    .batch(usize::MAX)
+    .ack_wait(Duration::MAX)
+    .pull_wait(Duration::MAX)
+    .retry_delay(Duration::MAX)
+    .shutdown_wait(Duration::MAX)
+    .max_deliveries(u32::MAX);
     let running = Running::start(huge, |m: NatsMessage| async move {
         Ok::<_, std::io::Error>(m.payload.len())
     });
@@ -102,7 +131,13 @@ async fn extreme_settings_are_clamped_and_the_consumer_works() {
         all_acked(&js, &stream, &durable)
     })
     .await;
-    let info = js.get_stream(&stream).await.unwrap().consumer_info(&durable).await.unwrap();
+    let info = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .consumer_info(&durable)
+        .await
+        .unwrap();
     assert_eq!(info.config.ack_wait, MAX_ACK_WAIT);
     assert_eq!(info.config.max_ack_pending, MAX_CONCURRENCY as i64);
     assert_eq!(info.config.max_deliver, -1);
@@ -110,28 +145,66 @@ async fn extreme_settings_are_clamped_and_the_consumer_works() {
     assert_eq!(stats.executed, 1, "{stats:?}");
 
     let durable = name("tiny");
-    let tiny = NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::new(MemoryStore::new()))
-        .key_from_content()
-        .concurrency(0)
-        .max_ack_pending(0)
-        .batch(0)
-        .ack_wait(Duration::ZERO)
-        .pull_wait(Duration::ZERO)
-        .retry_delay(Duration::ZERO)
-        .shutdown_wait(Duration::ZERO)
-        .max_deliveries(0);
+    let tiny = NatsConsumer::new(
+        js.clone(),
+        &stream,
+        &durable,
+        Idempotency::new(MemoryStore::new()),
+    )
+    .key_from_content()
+    .concurrency(0)
+    .max_ack_pending(0)
+    .batch(0)
+    .ack_wait(Duration::ZERO)
+    .pull_wait(Duration::ZERO)
+    .retry_delay(Duration::ZERO)
+    .shutdown_wait(Duration::ZERO)
+    .max_deliveries(0);
     let running = Running::start(tiny, |m: NatsMessage| async move {
         Ok::<_, std::io::Error>(m.payload.len())
     });
-    wait_until("the message acked by the second consumer", Duration::from_secs(30), || {
-        all_acked(&js, &stream, &durable)
-    })
+    wait_until(
+        "the message acked by the second consumer",
+        Duration::from_secs(30),
+        || all_acked(&js, &stream, &durable),
+    )
     .await;
-    let info = js.get_stream(&stream).await.unwrap().consumer_info(&durable).await.unwrap();
+    let info = js
+        .get_stream(&stream)
+        .await
+        .unwrap()
+        .consumer_info(&durable)
+        .await
+        .unwrap();
     assert_eq!(info.config.ack_wait, idemkit::nats::MIN_ACK_WAIT);
     assert_eq!(info.config.max_ack_pending, 1);
     let stats = running.stop().await;
     // The same payload as the first: a duplicate in its own store? No:
     // each consumer has a store of its own, so it ran.
     assert_eq!(stats.executed, 1, "{stats:?}");
+}
+
+/// A dead-letter subject that no stream captures is refused when `run`
+/// binds: its dead letters could never be published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_subject_no_stream_captures_is_refused() {
+    let js = jetstream().await;
+    let stream = name("NODEAD");
+    create_stream(&js, &stream, &[&format!("{stream}.in")]).await;
+    let consumer = NatsConsumer::new(
+        js.clone(),
+        &stream,
+        "d",
+        Idempotency::new(MemoryStore::new()),
+    )
+    .dead_letter(format!("{}.nowhere", name("dead")));
+    match refused(consumer).await {
+        NatsConsumerError::Nats(e) => {
+            assert!(
+                !e.is_transient() && e.to_string().contains("no stream captures"),
+                "{e}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -13,8 +13,8 @@ use idemkit::nats::{MessageError, NatsConsumer, NatsMessage};
 use idemkit::{Idempotency, IdempotencyStore};
 
 use super::{
-    all_acked, create_stream, effect, jetstream, jetstream_at, name, pending, publish,
-    redis_store, wait_until, Effects, Running,
+    all_acked, create_stream, effect, jetstream, jetstream_at, name, pending, publish, redis_store,
+    wait_until, Effects, Running,
 };
 
 /// The variable that tells a child process of this binary to be consumer
@@ -63,7 +63,11 @@ async fn thousand_messages_two_consumers_one_killed_mid_batch_every_effect_once(
             let mut headers = idemkit::nats::async_nats::HeaderMap::new();
             headers.insert("message-id", format!("m-{m}"));
             let ack = js
-                .publish_with_headers(subject.clone(), headers, format!("{{\"amount\":{m}}}").into())
+                .publish_with_headers(
+                    subject.clone(),
+                    headers,
+                    format!("{{\"amount\":{m}}}").into(),
+                )
                 .await
                 .unwrap_or_else(|e| panic!("{e}"));
             acks.push(ack);
@@ -139,10 +143,14 @@ async fn thousand_messages_two_consumers_one_killed_mid_batch_every_effect_once(
         },
     );
     let s = stalled.clone();
-    wait_until("consumer A stalled after 300 effects", Duration::from_secs(120), || {
-        let stalled = s.load(Ordering::SeqCst);
-        async move { stalled }
-    })
+    wait_until(
+        "consumer A stalled after 300 effects",
+        Duration::from_secs(120),
+        || {
+            let stalled = s.load(Ordering::SeqCst);
+            async move { stalled }
+        },
+    )
     .await;
     // Killed once the effects it ran are recorded: a kill between an
     // effect and its record is the at-least-once hazard of any receiver
@@ -167,21 +175,32 @@ async fn thousand_messages_two_consumers_one_killed_mid_batch_every_effect_once(
     a_process.kill();
     let killed_at = started.elapsed();
 
-    wait_until("every effect, and every message acked", Duration::from_secs(300), || {
-        let (js, stream, durable, effects) = (js.clone(), stream.clone(), durable.clone(), effects.clone());
-        async move {
-            let all = effects.lock().unwrap().len() == messages as usize;
-            all && all_acked(&js, &stream, &durable).await
-        }
-    })
+    wait_until(
+        "every effect, and every message acked",
+        Duration::from_secs(300),
+        || {
+            let (js, stream, durable, effects) =
+                (js.clone(), stream.clone(), durable.clone(), effects.clone());
+            async move {
+                let all = effects.lock().unwrap().len() == messages as usize;
+                all && all_acked(&js, &stream, &durable).await
+            }
+        },
+    )
     .await;
     let drained_at = started.elapsed();
     let stats = b.stop().await;
     let effects = effects.lock().unwrap().clone();
     let not_once: Vec<_> = effects.iter().filter(|(_, n)| **n != 1).collect();
-    assert!(not_once.is_empty(), "effects not run exactly once: {not_once:?}");
+    assert!(
+        not_once.is_empty(),
+        "effects not run exactly once: {not_once:?}"
+    );
     assert_eq!(effects.len(), messages as usize);
-    assert!(all_acked(&js, &stream, &durable).await, "nothing left unacked");
+    assert!(
+        all_acked(&js, &stream, &durable).await,
+        "nothing left unacked"
+    );
     let a = a_effects.load(Ordering::SeqCst);
     assert_eq!(a, A_EFFECTS);
     assert_eq!(stats.executed + a, u64::from(messages), "{stats:?}");
@@ -200,12 +219,17 @@ fn consumer<S: idemkit::IdempotencyStore + ?Sized>(
     durable: &str,
     idem: Idempotency<S>,
 ) -> NatsConsumer<S> {
-    NatsConsumer::new(js.clone(), stream, durable, idem.lease(Duration::from_secs(2)))
-        .key_header("message-id")
-        .ack_wait(Duration::from_secs(2))
-        .pull_wait(Duration::from_secs(1))
-        .retry_delay(Duration::from_millis(200))
-        .concurrency(32)
+    NatsConsumer::new(
+        js.clone(),
+        stream,
+        durable,
+        idem.lease(Duration::from_secs(2)),
+    )
+    .key_header("message-id")
+    .ack_wait(Duration::from_secs(2))
+    .pull_wait(Duration::from_secs(1))
+    .retry_delay(Duration::from_millis(200))
+    .concurrency(32)
 }
 
 /// Consumer A of the test above, in its child process: its effects are
@@ -258,15 +282,23 @@ async fn the_default_key_is_the_message_id_and_the_handler_gets_attempt_and_fenc
             let (effects, contexts) = (effects.clone(), contexts.clone());
             async move {
                 effect(&effects, m.header("Nats-Msg-Id").unwrap_or("none"));
-                contexts.lock().unwrap().push((m.attempt, m.fence, m.delivered));
+                contexts
+                    .lock()
+                    .unwrap()
+                    .push((m.attempt, m.fence, m.delivered));
                 Ok::<_, MessageError>(m.text()?.len())
             }
         }
     };
     let a = Running::start(
-        NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::from_arc(store.clone()))
-            .scope("ids")
-            .pull_wait(Duration::from_millis(500)),
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::from_arc(store.clone()),
+        )
+        .scope("ids")
+        .pull_wait(Duration::from_millis(500)),
         handler.clone(),
     );
     publish(&js, &subject, &[("Nats-Msg-Id", "id-1")], "one").await;
@@ -285,9 +317,14 @@ async fn the_default_key_is_the_message_id_and_the_handler_gets_attempt_and_fenc
     publish(&js, &other_subject, &[("Nats-Msg-Id", "id-1")], "one").await;
     let durable_b = name("ids");
     let b = Running::start(
-        NatsConsumer::new(js.clone(), &other, &durable_b, Idempotency::from_arc(store.clone()))
-            .scope("ids")
-            .pull_wait(Duration::from_millis(500)),
+        NatsConsumer::new(
+            js.clone(),
+            &other,
+            &durable_b,
+            Idempotency::from_arc(store.clone()),
+        )
+        .scope("ids")
+        .pull_wait(Duration::from_millis(500)),
         handler,
     );
     wait_until("the copy acked", Duration::from_secs(30), || {

@@ -27,9 +27,9 @@ async fn effects_commit_with_the_claim_once_per_key_and_a_failure_rolls_back() {
     sqlx::query(sqlx::AssertSqlSafe(format!(
         "CREATE TABLE {table} (id TEXT NOT NULL, fence BIGINT NOT NULL)"
     )))
-        .execute(&pool)
-        .await
-        .unwrap();
+    .execute(&pool)
+    .await
+    .unwrap();
     let js = jetstream().await;
     let stream = name("TX");
     let subject = format!("{stream}.in");
@@ -41,7 +41,9 @@ async fn effects_commit_with_the_claim_once_per_key_and_a_failure_rolls_back() {
             total += 1;
         }
     }
-    let failures = Arc::new(std::sync::Mutex::new(std::collections::HashSet::<String>::new()));
+    let failures = Arc::new(std::sync::Mutex::new(
+        std::collections::HashSet::<String>::new(),
+    ));
     let runs = Arc::new(AtomicUsize::new(0));
     let durable = name("tx");
     let handler = {
@@ -55,10 +57,10 @@ async fn effects_commit_with_the_claim_once_per_key_and_a_failure_rolls_back() {
                 sqlx::query(sqlx::AssertSqlSafe(format!(
                     "INSERT INTO {table} (id, fence) VALUES ($1, $2)"
                 )))
-                    .bind(&id)
-                    .bind(m.fence as i64)
-                    .execute(&mut *conn)
-                    .await?;
+                .bind(&id)
+                .bind(m.fence as i64)
+                .execute(&mut *conn)
+                .await?;
                 if failures.lock().unwrap().insert(id.clone()) {
                     return Err::<String, BoxError>("first run fails".into());
                 }
@@ -90,9 +92,9 @@ async fn effects_commit_with_the_claim_once_per_key_and_a_failure_rolls_back() {
     let rows: Vec<(String, i64)> = sqlx::query_as(sqlx::AssertSqlSafe(format!(
         "SELECT id, count(*) FROM {table} GROUP BY id"
     )))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+    .fetch_all(&pool)
+    .await
+    .unwrap();
     assert_eq!(rows.len(), 50, "{stats:?}");
     assert!(rows.iter().all(|(_, n)| *n == 1), "{rows:?}");
     assert_eq!(stats.executed, 50, "{stats:?}");

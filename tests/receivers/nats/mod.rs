@@ -6,7 +6,9 @@
 //! - `delivery`: 1,000 messages with copies through two consumers, one a
 //!   child process killed (SIGKILL) mid-batch; the default key;
 //! - `restart`: the server stopped and started mid-run (same port, same
-//!   store);
+//!   store), and while a handler runs longer than the ack wait;
+//! - `bounds`: `concurrency` and `max_ack_pending` bounding what is in
+//!   flight;
 //! - `ack_wait`: in-progress acks keeping a long handler's message, and
 //!   the ack wait running out without them (the redelivery gets "in
 //!   progress", then the replay); a consumer's acks lost (its connection
@@ -42,6 +44,7 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 
 mod ack_wait;
+mod bounds;
 mod config;
 mod delivery;
 #[cfg(feature = "postgres")]

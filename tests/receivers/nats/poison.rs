@@ -28,7 +28,10 @@ async fn poison_is_dead_lettered_with_its_reason_and_acked() {
     let dead_subject = format!("{dead_stream}.letters");
     create_stream(&js, &stream, &[&subject]).await;
     create_stream(&js, &dead_stream, &[&dead_subject]).await;
-    let runs = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<String, usize>::new()));
+    let runs = Arc::new(std::sync::Mutex::new(std::collections::HashMap::<
+        String,
+        usize,
+    >::new()));
     let handler = {
         let runs = runs.clone();
         move |m: NatsMessage| {
@@ -45,15 +48,26 @@ async fn poison_is_dead_lettered_with_its_reason_and_acked() {
     };
     let durable = name("poison");
     let running = Running::start(
-        NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::new(MemoryStore::new()))
-            .key_header("message-id")
-            .max_deliveries(3)
-            .retry_delay(Duration::from_millis(100))
-            .pull_wait(Duration::from_millis(500))
-            .dead_letter(&dead_subject),
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::new(MemoryStore::new()),
+        )
+        .key_header("message-id")
+        .max_deliveries(3)
+        .retry_delay(Duration::from_millis(100))
+        .pull_wait(Duration::from_millis(500))
+        .dead_letter(&dead_subject),
         handler,
     );
-    publish(&js, &subject, &[("message-id", "fails"), ("trace", "t-1")], "1").await;
+    publish(
+        &js,
+        &subject,
+        &[("message-id", "fails"), ("trace", "t-1")],
+        "1",
+    )
+    .await;
     publish(&js, &subject, &[("trace", "t-2")], "2").await;
     publish(&js, &subject, &[("message-id", "not-json")], "{").await;
     publish(&js, &subject, &[("message-id", "good")], "7").await;
@@ -75,7 +89,10 @@ async fn poison_is_dead_lettered_with_its_reason_and_acked() {
     let by_trace = |t: &str| letters.iter().find(|l| l.header("trace") == Some(t));
     let failed = by_trace("t-1").unwrap();
     let reason = failed.header(REASON_HEADER).unwrap();
-    assert!(reason.contains("max_deliveries 3") && reason.contains("the card processor is down"), "{reason}");
+    assert!(
+        reason.contains("max_deliveries 3") && reason.contains("the card processor is down"),
+        "{reason}"
+    );
     assert_eq!(failed.header("Idem-Delivered"), Some("3"));
     assert_eq!(failed.header("Idem-Stream"), Some(stream.as_str()));
     assert_eq!(failed.header("Idem-Subject"), Some(subject.as_str()));
@@ -84,13 +101,19 @@ async fn poison_is_dead_lettered_with_its_reason_and_acked() {
     assert!(failed.subject == dead_subject);
     let keyless = by_trace("t-2").unwrap();
     let reason = keyless.header(REASON_HEADER).unwrap();
-    assert!(reason.contains("no usable key") && reason.contains("message-id"), "{reason}");
+    assert!(
+        reason.contains("no usable key") && reason.contains("message-id"),
+        "{reason}"
+    );
     assert_eq!(keyless.header("Idem-Delivered"), Some("1"));
     let not_json = letters
         .iter()
         .find(|l| l.header("message-id") == Some("not-json"))
         .unwrap();
-    assert!(not_json.header(REASON_HEADER).unwrap().contains("does not parse"));
+    assert!(not_json
+        .header(REASON_HEADER)
+        .unwrap()
+        .contains("does not parse"));
 }
 
 /// Without a dead-letter subject, a poison message is terminated (`+TERM`)
@@ -106,11 +129,16 @@ async fn poison_without_a_dead_letter_subject_is_terminated() {
     let durable = name("term");
     let r = runs.clone();
     let running = Running::start(
-        NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::new(MemoryStore::new()))
-            .key_from_content()
-            .max_deliveries(2)
-            .retry_delay(Duration::ZERO)
-            .pull_wait(Duration::from_millis(500)),
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::new(MemoryStore::new()),
+        )
+        .key_from_content()
+        .max_deliveries(2)
+        .retry_delay(Duration::ZERO)
+        .pull_wait(Duration::from_millis(500)),
         move |_m: NatsMessage| {
             let r = r.clone();
             async move {
@@ -128,5 +156,9 @@ async fn poison_without_a_dead_letter_subject_is_terminated() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let stats = running.stop().await;
     assert_eq!(runs.load(Ordering::SeqCst), 2, "{stats:?}");
-    assert_eq!((stats.poison, stats.dead_lettered, stats.received), (1, 0, 2), "{stats:?}");
+    assert_eq!(
+        (stats.poison, stats.dead_lettered, stats.received),
+        (1, 0, 2),
+        "{stats:?}"
+    );
 }

@@ -32,7 +32,7 @@ async fn a_message_held_at_shutdown_is_handed_back_and_replayed_elsewhere() {
             let runs = runs.clone();
             async move {
                 runs.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_secs(2)).await;
+                tokio::time::sleep(Duration::from_secs(5)).await;
                 Ok::<_, std::io::Error>(3)
             }
         }
@@ -61,7 +61,11 @@ async fn a_message_held_at_shutdown_is_handed_back_and_replayed_elsewhere() {
     .await;
     let sb = b.stop().await;
     assert_eq!(runs.load(Ordering::SeqCst), 1, "{sa:?} {sb:?}");
-    assert_eq!((sa.abandoned, sa.handed_back, sa.executed), (1, 1, 0), "{sa:?}");
+    assert_eq!(
+        (sa.abandoned, sa.handed_back, sa.executed),
+        (1, 1, 0),
+        "{sa:?}"
+    );
     assert!(sb.in_progress >= 1, "{sb:?}");
     assert_eq!((sb.replayed, sb.executed), (1, 0), "{sb:?}");
 }
@@ -87,7 +91,7 @@ async fn a_key_being_finished_at_shutdown_is_given_up_never_run_again() {
             let (runs, down) = (runs.clone(), down.clone());
             async move {
                 if runs.fetch_add(1, Ordering::SeqCst) == 0 {
-                    support::flaky::outage(&down, Duration::from_secs(4));
+                    support::flaky::outage(&down, Duration::from_secs(8));
                 }
                 Ok::<_, std::io::Error>(7)
             }
@@ -124,7 +128,11 @@ async fn a_key_being_finished_at_shutdown_is_given_up_never_run_again() {
     .await;
     let _ = stop.send(());
     let first = task.await.unwrap().unwrap();
-    assert_eq!((first.abandoned, first.handed_back, first.acked), (1, 0, 0), "{first:?}");
+    assert_eq!(
+        (first.abandoned, first.handed_back, first.acked),
+        (1, 0, 0),
+        "{first:?}"
+    );
     let d = down.clone();
     wait_until("the store back", Duration::from_secs(30), || {
         let up = !d.load(Ordering::SeqCst);

@@ -56,7 +56,7 @@ async fn duplicates_and_failures_commit_one_row_per_message() {
                 let id = message.message_id().unwrap_or_default().to_owned();
                 ledger.insert(&tx, &id, message.fence).await?;
                 let n: u32 = id.trim_start_matches("t-").parse()?;
-                if n % 5 == 0 && message.attempt == 1 && !message.redelivered {
+                if n.is_multiple_of(5) && message.attempt == 1 && !message.redelivered {
                     failures.fetch_add(1, Ordering::SeqCst);
                     return Err::<(), BoxError>(
                         "the first run of every fifth message fails".into(),

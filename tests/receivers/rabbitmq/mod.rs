@@ -18,6 +18,7 @@
 //!
 //! `cargo test --all-features --test receivers rabbitmq::` runs them;
 //! `RUST_LOG=idem_rabbitmq=debug` shows what the consumers did.
+#![allow(clippy::unwrap_used)]
 
 use crate::support;
 
@@ -48,6 +49,9 @@ mod poison;
 mod unrecorded;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A message to publish: its message id (if any), headers and body.
+type Outgoing<'a> = (Option<&'a str>, &'a [(&'a str, &'a str)], &'a [u8]);
 
 /// Effects per message id, counted by the handlers.
 type Effects = Arc<Mutex<HashMap<String, u32>>>;
@@ -107,11 +111,7 @@ async fn declare(channel: &Channel, queue: &str, arguments: &[(&str, &str)]) {
 
 /// Publishes persistent messages to `queue` (through the default exchange),
 /// each (message id, headers, body), and waits for every confirm.
-async fn publish(
-    channel: &Channel,
-    queue: &str,
-    messages: &[(Option<&str>, &[(&str, &str)], &[u8])],
-) {
+async fn publish(channel: &Channel, queue: &str, messages: &[Outgoing<'_>]) {
     let mut confirms = Vec::new();
     for (id, headers, body) in messages {
         let mut table = FieldTable::default();
@@ -148,7 +148,7 @@ async fn publish_ids(channel: &Channel, queue: &str, ids: &[String]) {
         .iter()
         .map(|id| format!("{{\"id\":\"{id}\"}}").into_bytes())
         .collect();
-    let messages: Vec<(Option<&str>, &[(&str, &str)], &[u8])> = ids
+    let messages: Vec<Outgoing<'_>> = ids
         .iter()
         .zip(&bodies)
         .map(|(id, body)| (Some(id.as_str()), &[][..], body.as_slice()))
