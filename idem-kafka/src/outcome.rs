@@ -4,44 +4,16 @@
 use std::fmt;
 use std::sync::atomic::Ordering;
 
+use idem_core::delivery::{self, Done};
 use idem_core::{Codec, IdemError, IdempotencyStore, Processed, StoreError, Unrecorded};
 
 use crate::record::{KafkaRecord, RecordError};
 use crate::work::Work;
 
 /// The handler's error, or the run refused because the key was acquired
-/// more than `max_deliveries` times (its earlier runs were cut off).
-pub(crate) enum Run<E> {
-    Handler(E),
-    TooManyAttempts(u32),
-}
-
-impl<E: fmt::Display> fmt::Display for Run<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Run::Handler(e) => write!(f, "handler failed: {e}"),
-            Run::TooManyAttempts(n) => write!(
-                f,
-                "acquired {n} times: earlier runs were cut off (their consumer died)"
-            ),
-        }
-    }
-}
-
-/// Whether a handler error says the record can never succeed.
-fn is_permanent<E: 'static>(e: &E) -> bool {
-    let any = e as &dyn std::any::Any;
-    if any.is::<RecordError>() {
-        return true;
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>() {
-        return b.is::<RecordError>();
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error>>() {
-        return b.is::<RecordError>();
-    }
-    false
-}
+/// more than `max_deliveries` times (its earlier runs were cut off): the
+/// shared [`Attempted`](idem_core::delivery::Attempted).
+pub(crate) use idem_core::delivery::Attempted as Run;
 
 /// What to do with a record after a run.
 pub(crate) enum Settle {
@@ -66,60 +38,58 @@ where
     S: IdempotencyStore + ?Sized,
     C: Codec,
 {
-    /// What a run's outcome means for its record.
+    /// What a run's outcome means for its record
+    /// ([`idem_core::delivery::settle`], the table every consumer shares),
+    /// counted and logged.
     pub(crate) fn settle_of<T, E: fmt::Display + 'static>(
         &self,
         record: &KafkaRecord,
         result: Result<Processed<T>, IdemError<Run<E>>>,
     ) -> Settle {
         let c = &self.shared.counters;
-        match result {
-            Ok(Processed::Executed(_)) => {
-                c.executed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
-                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, %reason, "the handler ran but its result was not recorded");
-                c.executed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Ok(Processed::Replayed(_)) => {
-                c.replayed.fetch_add(1, Ordering::Relaxed);
-                Settle::Done
-            }
-            Err(IdemError::ResultUnavailable { reason }) => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, %reason, "duplicate of a record whose result was not recorded: settled");
-                c.replayed.fetch_add(1, Ordering::Relaxed);
+        let not_replayable = match &result {
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => Some(reason.clone()),
+            Err(IdemError::ResultUnavailable { reason }) => Some(reason.clone()),
+            _ => None,
+        };
+        match delivery::settle(result, is_permanent::<E>, self.max_deliveries) {
+            delivery::Settle::Done(done) => {
+                match done {
+                    Done::Executed => {}
+                    Done::ExecutedNotReplayable => {
+                        tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, reason = ?not_replayable, "the handler ran but its result was not recorded");
+                    }
+                    Done::ResultUnavailable => {
+                        tracing::warn!(topic = %record.topic, offset = record.offset, reason = ?not_replayable, "duplicate of a record whose result was not recorded: settled");
+                    }
+                    Done::Replayed => {}
+                }
+                let counter = match done {
+                    Done::Executed | Done::ExecutedNotReplayable => &c.executed,
+                    Done::Replayed | Done::ResultUnavailable => &c.replayed,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
                 Settle::Done
             }
             // Held elsewhere (a rebalance moved the partition while its
-            // handler ran there), or our lease was taken over: the holder
-            // records, and the retry gets its replay.
-            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. } | IdemError::LeaseLost) => {
+            // handler ran there), our lease taken over, or the store away:
+            // the holder records, and the retry gets its replay.
+            delivery::Settle::Retry(reason) => {
+                tracing::debug!(topic = %record.topic, offset = record.offset, %reason, "the record is retried");
                 Settle::Retry
             }
-            Err(IdemError::InvalidConfig { detail }) => {
-                Settle::Fatal(StoreError::InvalidArgument { detail })
-            }
-            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Settle::Fatal(e),
-            Err(IdemError::Store(e)) if e.is_retryable() => {
-                tracing::warn!(topic = %record.topic, offset = record.offset, error = %e, "store unavailable: the record is retried");
-                Settle::Retry
-            }
-            Err(IdemError::Unrecorded(u)) => {
+            delivery::Settle::Finish(u) => {
                 tracing::warn!(topic = %record.topic, offset = record.offset, error = %u.cause(), "the handler ran but its result is not recorded yet: finishing it with its lease");
                 Settle::Finish(u)
             }
-            Err(IdemError::Handler(Run::TooManyAttempts(n))) => Settle::Dead(format!(
-                "acquired {n} times (max_deliveries {}): its earlier runs were cut off (their consumer died, or lost the store mid-run for longer than it waited)",
-                self.max_deliveries
-            )),
-            Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {
-                Settle::Dead(format!("handler refused the record: {e}"))
-            }
-            Err(IdemError::Handler(Run::Handler(e))) => Settle::Failed(e.to_string()),
-            Err(e @ IdemError::Panicked { .. }) => Settle::Failed(e.to_string()),
-            Err(e) => Settle::Dead(e.to_string()),
+            delivery::Settle::Dead(reason) => Settle::Dead(reason),
+            delivery::Settle::Failed(reason) => Settle::Failed(reason),
+            delivery::Settle::Fatal(e) => Settle::Fatal(e),
         }
     }
+}
+
+/// Whether a handler error says the record can never succeed.
+fn is_permanent<E: 'static>(e: &E) -> bool {
+    delivery::is_permanent::<RecordError, E>(e)
 }
