@@ -108,13 +108,16 @@
 //!
 //! # The server away
 //!
-//! The client reconnects by itself. Meanwhile pulls fail and are tried
-//! again with a backoff (from 100 ms to 2 s), and the durable consumer is
-//! bound again when the server is back; acks and in-progress acks that
-//! fail are logged and counted ([`ConsumerStats::ack_failures`],
-//! [`ConsumerStats::progress_failures`]): those messages come back after
-//! the ack wait and get the replay, or "in progress" while their handlers
-//! still run.
+//! The client reconnects by itself. Meanwhile a pull ends at its expiry
+//! (plus a second: the server's end of it is lost in a restart), a pull
+//! that fails is tried again with a backoff (from 100 ms to 2 s) and the
+//! durable consumer bound again; acks and in-progress acks are queued by
+//! the client and sent once it is back, and those that fail are logged and
+//! counted ([`ConsumerStats::ack_failures`],
+//! [`ConsumerStats::progress_failures`]). A message whose ack or
+//! in-progress acks did not reach the server comes back after the ack
+//! wait and gets the replay, or "in progress" while its handler still
+//! runs.
 //!
 //! # Shutdown
 //!

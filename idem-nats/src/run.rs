@@ -413,3 +413,17 @@ fn next_backoff(backoff: Duration) -> Duration {
     let (first, longest) = BACKOFF;
     (backoff * 2).clamp(first, longest)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_within_its_bounds() {
+        let (first, longest) = BACKOFF;
+        assert_eq!(next_backoff(Duration::ZERO), first);
+        assert_eq!(next_backoff(first), first * 2);
+        assert_eq!(next_backoff(longest), longest);
+        assert_eq!(next_backoff(Duration::MAX / 4), longest);
+    }
+}

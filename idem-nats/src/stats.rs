@@ -158,3 +158,28 @@ impl Counters {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_event_counts_in_its_own_field() {
+        let counters = Counters::new("d");
+        counters.add(Event::Received, 3);
+        counters.add(Event::Acked, 2);
+        counters.add(Event::Abandoned, 1);
+        counters.add(Event::Poison, 0);
+        let stats = counters.read();
+        assert_eq!(
+            stats,
+            ConsumerStats {
+                received: 3,
+                acked: 2,
+                abandoned: 1,
+                ..ConsumerStats::default()
+            }
+        );
+        assert_eq!(Event::Abandoned as usize, EVENTS - 1);
+    }
+}

@@ -192,10 +192,17 @@ where
                 biased;
                 out = &mut work => return out,
                 () = tokio::time::sleep_until(next) => {
-                    match raw.ack_with(AckKind::Progress).await {
-                        Ok(()) => self.shared.counters.add(Event::ProgressAcks, 1),
-                        Err(e) => {
+                    // Bounded: a client whose queue is full (the server
+                    // away) must not hold `work` up.
+                    let sent = tokio::time::timeout(every, raw.ack_with(AckKind::Progress)).await;
+                    match sent {
+                        Ok(Ok(())) => self.shared.counters.add(Event::ProgressAcks, 1),
+                        Ok(Err(e)) => {
                             tracing::debug!(error = %e, "in-progress ack failed");
+                            self.shared.counters.add(Event::ProgressFailures, 1);
+                        }
+                        Err(_) => {
+                            tracing::debug!("in-progress ack not sent in time");
                             self.shared.counters.add(Event::ProgressFailures, 1);
                         }
                     }

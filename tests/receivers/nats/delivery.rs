@@ -119,11 +119,18 @@ async fn thousand_messages_two_consumers_one_killed_mid_batch_every_effect_once(
             }
         });
     }
+    // B joins once A ran half its effects, so that A reaches 300 with B
+    // pulling beside it (had B started first on a loaded machine, it
+    // could take most messages before A had run 300).
     let a = a_effects.clone();
-    wait_until("consumer A's first effect", Duration::from_secs(60), || {
-        let ran = a.load(Ordering::SeqCst) > 0;
-        async move { ran }
-    })
+    wait_until(
+        "consumer A's first 150 effects",
+        Duration::from_secs(120),
+        || {
+            let ran = a.load(Ordering::SeqCst) >= A_EFFECTS / 2;
+            async move { ran }
+        },
+    )
     .await;
 
     // Consumer B, in this process.

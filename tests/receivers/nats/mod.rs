@@ -21,7 +21,8 @@
 //!   elsewhere, a key being finished given up;
 //! - `config`: configurations `run` refuses, a missing stream, extreme
 //!   settings clamped;
-//! - `in_transaction`: the in-transaction form on PostgreSQL.
+//! - `in_transaction`: the in-transaction form on PostgreSQL;
+//! - `telemetry`: the stats as `metrics` counters.
 //!
 //! `cargo test --features nats,redis,postgres --test receivers nats::`
 //! runs them; `RUST_LOG=idem_nats=debug` shows what the consumers did.
@@ -52,6 +53,7 @@ mod in_transaction;
 mod poison;
 mod restart;
 mod shutdown;
+mod telemetry;
 mod unrecorded;
 
 /// How many times each key's effect ran.
