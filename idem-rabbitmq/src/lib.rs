@@ -33,7 +33,7 @@
 //! | outcome | the message |
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acked |
-//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable | held unacked for [`requeue_delay`](RabbitConsumer::requeue_delay), then requeued (never dead-lettered: the lease ends, the store comes back) |
+//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable or refuses calls (full, a missing table) | held unacked for [`requeue_delay`](RabbitConsumer::requeue_delay), then requeued (never dead-lettered: the lease ends, the store comes back) |
 //! | the handler failed or panicked | held, then requeued, until its delivery count reaches [`max_deliveries`](RabbitConsumer::max_deliveries): then dead-lettered |
 //! | can never succeed (no usable key, payload mismatch, a corrupt record; a [`MessageError`] from the handler) | dead-lettered at once |
 //! | its key was taken over more than `max_deliveries` times (the runs before were cut off: their consumer died) | dead-lettered without running the handler |
