@@ -9,8 +9,8 @@
 //! | outcome | [`Settle`] | the consumer |
 //! |---|---|---|
 //! | executed, replayed, or completed earlier without a replayable result | [`Settle::Done`] | acks |
-//! | in progress elsewhere, the store away or refusing calls (full, a missing table), the lease taken over | [`Settle::Retry`] | keeps or hands back the message; never dead-letters it |
-//! | the handler failed or panicked | [`Settle::Failed`] | hands it back, dead-letters it once its deliveries reach `max_deliveries` |
+//! | in progress elsewhere, the store away, the lease taken over | [`Settle::Retry`] | keeps or hands back the message; never dead-letters it |
+//! | the handler failed or panicked; the store refused a call for a reason not known to pass (a `Backend` error: full, a missing table, a refused commit) | [`Settle::Failed`] | hands it back, dead-letters it once its deliveries reach `max_deliveries` |
 //! | can never succeed (the handler's permanent error, a mismatch, a key taken over too often, a record that does not decode) | [`Settle::Dead`] | dead-letters it with the reason, then acks |
 //! | the handler ran, the store was away until its lease ended | [`Settle::Finish`] | keeps the message from every other consumer while it writes the completion ([`Idempotency::try_finish`](crate::Idempotency::try_finish)), then acks |
 //! | the executor's configuration is refused | [`Settle::Fatal`] | stops: nothing can succeed |
@@ -153,12 +153,18 @@ pub fn settle<T, E: fmt::Display>(
         }
         Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Settle::Fatal(e),
         Err(IdemError::Store(e)) if e.is_retryable() => Settle::Retry(e.to_string()),
-        // The store refuses calls (Redis at maxmemory, a missing table, an
-        // ACL): no message is at fault, so none is dead-lettered for it
-        // (that would dead-letter the whole queue): held and tried again.
-        Err(IdemError::Store(e @ (StoreError::Backend(_) | StoreError::LeaseLost))) => {
-            tracing::warn!(error = %e, "the store refused a call: the message is tried again");
-            Settle::Retry(format!("the store refused the call: {e}"))
+        Err(IdemError::Store(StoreError::LeaseLost)) => {
+            Settle::Retry("the lease was taken over: its new holder records".into())
+        }
+        // A store error not known to pass: the store refusing calls (Redis
+        // at maxmemory, a missing table, an ACL), or a commit the database
+        // refused (a deferred constraint). Not dead-lettered at once (a
+        // store refusing every call would dead-letter the whole queue):
+        // handed back like a failed run, dead-lettered with the reason
+        // once its deliveries reach `max_deliveries`.
+        Err(IdemError::Store(e @ StoreError::Backend(_))) => {
+            tracing::warn!(error = %e, "the store refused a call: the message is handed back");
+            Settle::Failed(format!("the store refused the call: {e}"))
         }
         Err(IdemError::Unrecorded(u)) => Settle::Finish(u),
         Err(IdemError::Handler(Attempted::TooManyAttempts(n))) => Settle::Dead(format!(
@@ -300,18 +306,24 @@ mod tests {
     }
 
     #[test]
-    fn a_store_that_refuses_calls_holds_the_message_never_dead_letters_it() {
+    fn a_store_that_refuses_calls_hands_the_message_back_never_dead_letters_it_at_once() {
         let not = |_: &String| false;
         // Redis at maxmemory (OOM), a missing table, an ACL refusal: the
         // store refuses every call for a while; no message is at fault.
         let oom = StoreError::backend("OOM command not allowed when used memory > 'maxmemory'");
         let s = settle::<u8, String>(Err(IdemError::Store(oom)), not, 3);
-        assert!(matches!(s, Settle::Retry(ref r) if r.contains("OOM")), "{s:?}");
+        assert!(
+            matches!(s, Settle::Failed(ref r) if r.contains("OOM")),
+            "{s:?}"
+        );
         let s = settle::<u8, String>(Err(IdemError::Store(StoreError::LeaseLost)), not, 3);
         assert!(matches!(s, Settle::Retry(_)), "{s:?}");
         // A record that does not decode is the message's key's own fault.
         let key = IdempotencyKey::new("s", "k").unwrap_or_else(|e| panic!("{e}"));
-        let corrupt = StoreError::Corrupt { key, detail: "bad".into() };
+        let corrupt = StoreError::Corrupt {
+            key,
+            detail: "bad".into(),
+        };
         let s = settle::<u8, String>(Err(IdemError::Store(corrupt)), not, 3);
         assert!(matches!(s, Settle::Dead(_)), "{s:?}");
     }

@@ -40,10 +40,10 @@
 //! | outcome | the record |
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result | settled: its offset may be committed |
-//! | the key is in progress (another consumer runs it: a rebalance moved the partition), the store is unavailable or refuses calls (full, a missing table), or the lease was lost | retried in place with a backoff, until settled; the partition's commit point waits |
+//! | the key is in progress (another consumer runs it: a rebalance moved the partition), the store is unavailable, or the lease was lost | retried in place with a backoff, until settled; the partition's commit point waits |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | not run again by this consumer: its completion is written with its own lease ([`Idempotency::finish`]) once the store is back, then it settles; its partition's commit point waits. If a rebalance takes the partition away first, the record is let go uncommitted after [`revoke_wait`](KafkaConsumer::revoke_wait), and the new owner, the lease being over, takes the key over and runs it again: the window of an outage longer than the lease (DESIGN 4; defences: a lease longer than the outages to survive, the fence downstream). That run is told so (`attempt` 2, a fence above the first run's) and the first run's late completion is refused, never overwriting its result (tested on the broker) |
 //! | the handler ran but the store refuses its completion for good (a non-retryable error while finishing) | dead-lettered (its handler ran); a later record of its key at this consumer, until the retention ends, is settled as a duplicate whose result was not recorded, never run |
-//! | the handler failed or panicked | retried in place until it failed [`max_deliveries`](KafkaConsumer::max_deliveries) times, then dead-lettered |
+//! | the handler failed or panicked, or the store refused a call for a reason not known to pass (a `Backend` error: Redis at `maxmemory`, a missing table, a refused commit) | retried in place until it failed [`max_deliveries`](KafkaConsumer::max_deliveries) times, then dead-lettered |
 //! | can never succeed: no usable key, payload mismatch, a corrupt record, a [`RecordError`] from the handler | dead-lettered at once |
 //! | its partition is revoked, or the consumer shuts down, while it waits for a retry | abandoned: never committed by this consumer, redelivered to the next owner |
 //!

@@ -60,7 +60,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> KafkaConsumer<S, C> {
     /// no lease and no window, so effects in that database happen exactly
     /// once. A commit that fails for a passing reason (a lost connection)
     /// leaves the record to be retried in place; one the database refuses
-    /// (a deferred constraint) dead-letters it with the reason. A crash
+    /// (a deferred constraint) counts as a failed run: dead-lettered with the reason after `max_deliveries`. A crash
     /// leaves no trace in the transaction, so the runs cut off are counted
     /// apart (the record's `attempt`): a record that kills every member is
     /// dead-lettered after `max_deliveries` such runs. A handler's `Err` or panic rolls

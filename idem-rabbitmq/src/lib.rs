@@ -33,8 +33,8 @@
 //! | outcome | the message |
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acked |
-//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable or refuses calls (full, a missing table) | held unacked for [`requeue_delay`](RabbitConsumer::requeue_delay), then requeued (never dead-lettered: the lease ends, the store comes back) |
-//! | the handler failed or panicked | held, then requeued, until its delivery count reaches [`max_deliveries`](RabbitConsumer::max_deliveries): then dead-lettered |
+//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable | held unacked for [`requeue_delay`](RabbitConsumer::requeue_delay), then requeued (never dead-lettered: the lease ends, the store comes back) |
+//! | the handler failed or panicked, or the store refused a call for a reason not known to pass (Redis at `maxmemory`, a missing table, a refused commit) | held, then requeued, until its delivery count reaches [`max_deliveries`](RabbitConsumer::max_deliveries): then dead-lettered |
 //! | can never succeed (no usable key, payload mismatch, a corrupt record; a [`MessageError`] from the handler) | dead-lettered at once |
 //! | its key was taken over more than `max_deliveries` times (the runs before were cut off: their consumer died) | dead-lettered without running the handler |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | kept unacked (the broker gives it to no other consumer while this connection lives) and never run again here: its completion is written with the run's own lease ([`Idempotency::finish`]) as soon as the store answers, then acked |

@@ -14,8 +14,9 @@ pub struct ConsumerStats {
     /// Duplicates acked with the recorded result (or a record completed
     /// without a replayable result).
     pub replayed: u64,
-    /// Messages whose key was in progress elsewhere (or being finished
-    /// here): held, then requeued.
+    /// Messages that could not settle now (their key in progress
+    /// elsewhere or being finished here, the store away, the lease taken
+    /// over): held, then requeued.
     pub in_progress: u64,
     /// Messages whose handler failed or panicked (requeued, or
     /// dead-lettered at their last delivery).

@@ -105,6 +105,12 @@ where
             .await;
         let counters = &self.shared.counters;
         match delivery::settle(result, is_permanent::<E>, max) {
+            // A duplicate of a run whose dead letter is still owed (its
+            // publish failed): dead-lettered now.
+            Settle::Done(Done::ResultUnavailable) if lock(&self.shared.owed).contains_key(&key) => {
+                let reason = lock(&self.shared.owed).get(&key).cloned().unwrap_or_default();
+                self.poison(&message, &acker, Some(&key), reason).await;
+            }
             Settle::Done(done) => {
                 match done {
                     Done::Executed | Done::ExecutedNotReplayable => add(&counters.executed, 1),
@@ -142,7 +148,13 @@ where
                 tracing::debug!(queue = %self.queue, key = %key, %reason, "not settled now: requeued");
                 self.requeue_later(&acker).await;
             }
-            Settle::Finish(unrecorded) => self.finish(&message, &acker, *unrecorded).await,
+            // In a task of its own: a `run` future dropped meanwhile does
+            // not cut the finish off (the key would be let go unrecorded,
+            // and its redelivery would take the expired lease over).
+            Settle::Finish(unrecorded) => {
+                let finish = tokio::spawn(self.clone().finish(message, acker, *unrecorded));
+                let _ = finish.await;
+            }
             Settle::Fatal(e) => {
                 tracing::error!(queue = %self.queue, error = %e, "the executor's configuration is refused: the consumer stops");
                 *lock(&self.shared.fatal) = Some(e);
@@ -155,7 +167,8 @@ where
     /// store was away, with the run's own lease, while the message stays
     /// unacked (the broker gives it to no one else while this connection
     /// lives) and its key is held here; then acks it.
-    async fn finish(&self, message: &RabbitMessage, acker: &Acker, unrecorded: Unrecorded) {
+    async fn finish(self: Arc<Self>, message: RabbitMessage, acker: Acker, unrecorded: Unrecorded) {
+        let (message, acker) = (&message, &acker);
         let key = unrecorded.lease().key.clone();
         let fingerprint = unrecorded.lease().fingerprint;
         let held = self.shared.finishing.hold(key.clone(), fingerprint);
@@ -193,6 +206,10 @@ where
                 );
                 drop(held);
                 let reason = format!("the handler ran but its result could not be recorded: {e}");
+                // Owed until it is published: a redelivery (the first
+                // publish failed) is dead-lettered, not acked as a
+                // duplicate whose result was not recorded.
+                lock(&self.shared.owed).insert(key.clone(), reason.clone());
                 self.poison(message, acker, Some(&key), reason).await;
             }
         }
@@ -219,6 +236,9 @@ where
                 if self.settled(nack.await) {
                     add(&counters.rejected, 1);
                     add(&counters.dead_lettered, 1);
+                    if let Some(key) = key {
+                        lock(&self.shared.owed).remove(key);
+                    }
                 }
             }
             DeadLetter::Exchange {
@@ -243,6 +263,9 @@ where
                 match sent {
                     Ok(()) => {
                         add(&counters.dead_lettered, 1);
+                        if let Some(key) = key {
+                            lock(&self.shared.owed).remove(key);
+                        }
                         self.ack(acker).await;
                     }
                     Err(e) => {

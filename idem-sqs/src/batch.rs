@@ -7,6 +7,9 @@ use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
 
+// The handler's error, or the run refused because its key was acquired
+// more than `max_deliveries` times: the shared `Attempted`.
+use idem_core::delivery::{self, Attempted as Run, Done, Settle};
 use idem_core::{
     Codec, Context, Fingerprint, IdemError, Idempotency, IdempotencyKey, IdempotencyStore,
     PayloadFingerprint, Processed, Runner, StoreError, Unrecorded,
@@ -64,38 +67,9 @@ impl Outcome {
     }
 }
 
-/// The handler's error, or the run refused because the key was acquired
-/// more than `max_deliveries` times (its earlier runs were cut off).
-enum Run<E> {
-    Handler(E),
-    TooManyAttempts(u32),
-}
-
-impl<E: fmt::Display> fmt::Display for Run<E> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Run::Handler(e) => e.fmt(f),
-            Run::TooManyAttempts(n) => write!(
-                f,
-                "acquired {n} times: the earlier runs were cut off (their process died, or lost the store mid-run for longer than it waited)"
-            ),
-        }
-    }
-}
-
 /// Whether a handler error says the message can never succeed.
 fn is_permanent<E: 'static>(e: &E) -> bool {
-    let any = e as &dyn std::any::Any;
-    if any.is::<MessageError>() {
-        return true;
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error + Send + Sync>>() {
-        return b.is::<MessageError>();
-    }
-    if let Some(b) = any.downcast_ref::<Box<dyn std::error::Error>>() {
-        return b.is::<MessageError>();
-    }
-    false
+    delivery::is_permanent::<MessageError, E>(e)
 }
 
 /// What a batch task needs: the queue, the executor, the handler.
@@ -357,7 +331,9 @@ where
         }
     }
 
-    /// What to do with a message after processing it.
+    /// What to do with a message after processing it
+    /// ([`idem_core::delivery::settle`], the table every consumer shares),
+    /// counted and logged.
     fn outcome_of<T, E: fmt::Display + 'static>(
         &self,
         message: &SqsMessage,
@@ -365,58 +341,59 @@ where
     ) -> Outcome {
         let counters = &self.queue.shared.counters;
         let (queue, id) = (&self.queue.url, &message.message_id);
-        match outcome {
-            Ok(Processed::Executed(_)) => {
+        let reason = match &outcome {
+            Ok(Processed::ExecutedNotReplayable { reason, .. }) => Some(reason.clone()),
+            Err(IdemError::ResultUnavailable { reason }) => Some(reason.clone()),
+            _ => None,
+        };
+        let in_progress = matches!(
+            outcome,
+            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. })
+        );
+        match delivery::settle(outcome, is_permanent::<E>, self.max_deliveries) {
+            Settle::Done(Done::Executed) => {
                 add(&counters.executed, 1);
                 Outcome::Delete
             }
-            Ok(Processed::ExecutedNotReplayable { reason, .. }) => {
-                tracing::warn!(%queue, message_id = %id, %reason, "the handler ran but its result was not recorded");
+            Settle::Done(Done::ExecutedNotReplayable) => {
+                tracing::warn!(%queue, message_id = %id, ?reason, "the handler ran but its result was not recorded");
                 add(&counters.executed, 1);
                 Outcome::Delete
             }
-            Ok(Processed::Replayed(_)) => {
+            Settle::Done(Done::Replayed) => {
                 add(&counters.replayed, 1);
                 Outcome::Delete
             }
             // The key completed (its result was not recordable): deleted,
             // never run again, never dead-lettered.
-            Err(IdemError::ResultUnavailable { reason }) => {
-                tracing::warn!(%queue, message_id = %id, %reason, "duplicate of a message whose result was not recorded: deleted");
+            Settle::Done(Done::ResultUnavailable) => {
+                tracing::warn!(%queue, message_id = %id, ?reason, "duplicate of a message whose result was not recorded: deleted");
                 add(&counters.replayed, 1);
                 Outcome::Delete
             }
             // Held by another worker right now (its lease ends if it
-            // died), or the executor waited too long for it.
-            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. }) => {
-                add(&counters.in_progress, 1);
+            // died), the executor waited too long for it, the store away
+            // or refusing calls, the lease taken over.
+            Settle::Retry(why) => {
+                if in_progress {
+                    add(&counters.in_progress, 1);
+                } else {
+                    tracing::warn!(%queue, message_id = %id, reason = %why, "not settled now: left for redelivery");
+                }
                 Outcome::Left
             }
-            Err(IdemError::InvalidConfig { detail }) => {
-                Outcome::Fatal(StoreError::InvalidArgument { detail })
-            }
-            Err(IdemError::Store(e @ StoreError::InvalidArgument { .. })) => Outcome::Fatal(e),
-            Err(IdemError::Store(e)) if e.is_retryable() => {
-                tracing::warn!(%queue, message_id = %id, error = %e, "store unavailable: left for redelivery");
-                Outcome::Left
-            }
+            Settle::Fatal(e) => Outcome::Fatal(e),
             // The handler ran; the store was away past its lease: the
             // completion is written later with the same lease.
-            Err(IdemError::Unrecorded(u)) => {
+            Settle::Finish(u) => {
                 tracing::warn!(%queue, message_id = %id, error = %u.cause(), "the handler ran but its result is not recorded yet: kept invisible, to finish");
                 Outcome::Finish(u)
             }
-            Err(IdemError::Handler(Run::TooManyAttempts(n))) => {
-                Outcome::Dead(Run::<E>::TooManyAttempts(n).to_string())
+            Settle::Failed(why) => {
+                tracing::warn!(%queue, message_id = %id, error = %why, "handler failed: left for redelivery");
+                Outcome::Failed(why)
             }
-            Err(IdemError::Handler(Run::Handler(e))) if is_permanent(&e) => {
-                Outcome::Dead(format!("the handler refused the message: {e}"))
-            }
-            Err(e) if e.is_retryable() => {
-                tracing::warn!(%queue, message_id = %id, error = %e, "handler failed: left for redelivery");
-                Outcome::Failed(e.to_string())
-            }
-            Err(e) => Outcome::Dead(e.to_string()),
+            Settle::Dead(why) => Outcome::Dead(why),
         }
     }
 }

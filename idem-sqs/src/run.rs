@@ -59,7 +59,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> SqsConsumer<S, C> {
     /// lease and no window, so effects in that database happen exactly
     /// once. A commit that fails for a passing reason (a lost connection)
     /// leaves the message for redelivery; one the database refuses (a
-    /// deferred constraint) dead-letters it with the reason. A crash leaves
+    /// deferred constraint) counts as a failed run: dead-lettered with the reason after `max_deliveries`. A crash leaves
     /// no trace in the transaction, so the runs cut off are counted apart
     /// (the message's `attempt`): a message that kills every consumer is
     /// dead-lettered after [`max_deliveries`](Self::max_deliveries) such
