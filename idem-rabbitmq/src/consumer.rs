@@ -174,8 +174,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> RabbitConsumer<S, C> {
     /// A message is dead-lettered once its handler failed on its
     /// `max_deliveries`-th delivery, or its key was acquired more than this
     /// many times (the runs before were cut off: their consumer died).
-    /// Deliveries are counted by a quorum queue's `x-delivery-count`, or,
-    /// on a classic queue, by a counter in the store. Zero is raised to 1.
+    /// Failed runs are counted in the store, on every kind of queue (see
+    /// the [crate docs](crate#delivery-counts)). Zero is raised to 1.
     pub fn max_deliveries(mut self, n: u32) -> Self {
         self.max_deliveries = n.max(1);
         self
@@ -196,11 +196,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> RabbitConsumer<S, C> {
         })
     }
 
-    /// How long a message is held (unacked, so no other consumer gets it)
-    /// before it is requeued when it cannot be settled now: its handler
-    /// failed, its key is in progress elsewhere, or the store is away
-    /// (default 1 s; zero requeues at once, and a broker redelivers at
-    /// once). Saturated at the longest duration the runtime can sleep.
+    /// How long a message that cannot be settled now is held (unacked, so
+    /// no other consumer gets it) before it is tried again: in place when
+    /// its key is in progress elsewhere or the store is away (never
+    /// requeued for that), or requeued when its handler failed (default
+    /// 1 s; at least 10 ms between two tries in place; zero requeues a
+    /// failed message at once). Saturated at the longest duration the
+    /// runtime can sleep.
     pub fn requeue_delay(mut self, delay: Duration) -> Self {
         self.requeue_delay = saturate(delay);
         self

@@ -4,8 +4,8 @@
 use std::time::Duration;
 
 use lapin::options::BasicPublishOptions;
-use lapin::types::{AMQPValue, LongString, ShortString};
-use lapin::{Channel, Confirmation};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Confirmation};
 
 use crate::RabbitMessage;
 
@@ -30,28 +30,14 @@ const CONFIRM_WAIT: Duration = Duration::from_secs(10);
 /// broker's confirm.
 pub(crate) async fn publish(
     channel: &Channel,
+    frame_max: u32,
     exchange: &str,
     routing_key: &str,
     queue: &str,
     message: &RabbitMessage,
     reason: &str,
 ) -> Result<(), String> {
-    let mut headers = message.properties.headers().clone().unwrap_or_default();
-    headers.insert(
-        REASON_HEADER.into(),
-        AMQPValue::LongString(LongString::from(cut(reason))),
-    );
-    headers.insert(
-        SOURCE_QUEUE_HEADER.into(),
-        AMQPValue::LongString(LongString::from(queue)),
-    );
-    if let Some(n) = message.delivery_count {
-        headers.insert(
-            DELIVERY_COUNT_HEADER.into(),
-            AMQPValue::LongLongInt(i64::from(n)),
-        );
-    }
-    let properties = message.properties.clone().with_headers(headers);
+    let properties = copy_of(message, queue, reason, frame_max);
     // Checked by the consumer's `check`: at most 255 bytes each.
     let (Ok(exchange), Ok(routing_key)) = (
         ShortString::try_new(exchange),
@@ -83,6 +69,122 @@ pub(crate) async fn publish(
     match tokio::time::timeout(CONFIRM_WAIT, send).await {
         Ok(sent) => sent,
         Err(_) => Err(format!("no confirm within {CONFIRM_WAIT:?}")),
+    }
+}
+
+/// The header holding the message's `expiration`, which its copy does not
+/// keep (a dead letter must not expire with the message's TTL).
+pub const EXPIRATION_HEADER: &str = "idem-original-expiration";
+/// The header holding the message's `user_id`, which its copy does not
+/// keep (the broker refuses a `user_id` other than the connection's).
+pub const USER_ID_HEADER: &str = "idem-original-user-id";
+/// The header naming how many of the message's own headers its copy left
+/// out: they did not fit in a frame beside the reason.
+pub const HEADERS_DROPPED_HEADER: &str = "idem-headers-dropped";
+
+/// Room for the properties other than the headers, and the frame's own.
+const OTHER_PROPERTIES: usize = 4096;
+
+/// The dead letter's properties: the message's, but for `expiration` and
+/// `user_id` (kept as headers), with the reason headers added, and
+/// without `x-delivery-count` (a quorum queue counts the copy's
+/// deliveries anew). When the message's own headers and the added ones
+/// would not fit in a frame of `frame_max` bytes (a frame too large closes
+/// the connection, and every ack on it), the message's own headers are
+/// left out and counted in [`HEADERS_DROPPED_HEADER`].
+fn copy_of(message: &RabbitMessage, queue: &str, reason: &str, frame_max: u32) -> BasicProperties {
+    let p = &message.properties;
+    let mut added = FieldTable::default();
+    added.insert(
+        REASON_HEADER.into(),
+        AMQPValue::LongString(LongString::from(cut(reason))),
+    );
+    added.insert(
+        SOURCE_QUEUE_HEADER.into(),
+        AMQPValue::LongString(LongString::from(queue)),
+    );
+    if let Some(n) = message.delivery_count {
+        added.insert(
+            DELIVERY_COUNT_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(n)),
+        );
+    }
+    if let Some(e) = p.expiration() {
+        added.insert(
+            EXPIRATION_HEADER.into(),
+            AMQPValue::LongString(e.as_str().into()),
+        );
+    }
+    if let Some(u) = p.user_id() {
+        added.insert(
+            USER_ID_HEADER.into(),
+            AMQPValue::LongString(u.as_str().into()),
+        );
+    }
+    let mut own = p.headers().clone().unwrap_or_default();
+    let own_len = table_len(&own);
+    let fits =
+        frame_max == 0 || own_len + table_len(&added) + OTHER_PROPERTIES <= frame_max as usize;
+    let mut headers = if fits {
+        let mut inner = std::mem::take(&mut own).inner().clone();
+        inner.remove(crate::message::DELIVERY_COUNT_HEADER);
+        FieldTable::from(inner)
+    } else {
+        let mut t = FieldTable::default();
+        t.insert(
+            HEADERS_DROPPED_HEADER.into(),
+            AMQPValue::LongLongInt(i64::try_from(own.inner().len()).unwrap_or(i64::MAX)),
+        );
+        t
+    };
+    for (k, v) in added.inner() {
+        headers.insert(k.clone(), v.clone());
+    }
+    let mut copy = BasicProperties::default().with_headers(headers);
+    macro_rules! keep {
+        ($get:ident, $with:ident) => {
+            if let Some(v) = p.$get() {
+                copy = copy.$with(v.clone());
+            }
+        };
+    }
+    keep!(content_type, with_content_type);
+    keep!(content_encoding, with_content_encoding);
+    keep!(delivery_mode, with_delivery_mode);
+    keep!(priority, with_priority);
+    keep!(correlation_id, with_correlation_id);
+    keep!(reply_to, with_reply_to);
+    keep!(message_id, with_message_id);
+    keep!(timestamp, with_timestamp);
+    keep!(kind, with_type);
+    keep!(app_id, with_app_id);
+    keep!(cluster_id, with_cluster_id);
+    copy
+}
+
+/// The encoded size of a field table, in bytes.
+fn table_len(table: &FieldTable) -> usize {
+    4 + table
+        .inner()
+        .iter()
+        .map(|(k, v)| 1 + k.as_str().len() + value_len(v))
+        .sum::<usize>()
+}
+
+/// The encoded size of a field value with its type byte, in bytes.
+fn value_len(value: &AMQPValue) -> usize {
+    1 + match value {
+        AMQPValue::Boolean(_) | AMQPValue::ShortShortInt(_) | AMQPValue::ShortShortUInt(_) => 1,
+        AMQPValue::ShortInt(_) | AMQPValue::ShortUInt(_) => 2,
+        AMQPValue::LongInt(_) | AMQPValue::LongUInt(_) | AMQPValue::Float(_) => 4,
+        AMQPValue::LongLongInt(_) | AMQPValue::Double(_) | AMQPValue::Timestamp(_) => 8,
+        AMQPValue::DecimalValue(_) => 5,
+        AMQPValue::ShortString(s) => 1 + s.as_str().len(),
+        AMQPValue::LongString(s) => 4 + s.len(),
+        AMQPValue::ByteArray(b) => 4 + b.as_slice().len(),
+        AMQPValue::FieldArray(a) => 4 + a.as_slice().iter().map(value_len).sum::<usize>(),
+        AMQPValue::FieldTable(t) => table_len(t),
+        AMQPValue::Void => 0,
     }
 }
 

@@ -33,8 +33,8 @@
 //! | outcome | the message |
 //! |---|---|
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acked |
-//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable | held unacked for [`requeue_delay`](RabbitConsumer::requeue_delay), then requeued (never dead-lettered: the lease ends, the store comes back) |
-//! | the handler failed or panicked, or the store refused a call for a reason not known to pass (Redis at `maxmemory`, a missing table, a refused commit) | held, then requeued, until its delivery count reaches [`max_deliveries`](RabbitConsumer::max_deliveries): then dead-lettered |
+//! | the key is in progress elsewhere ([`IdemError::InProgress`]), or the store is unavailable | held unacked and tried again in place every [`requeue_delay`](RabbitConsumer::requeue_delay) (never requeued nor dead-lettered for it: the lease ends, the store comes back); requeued at shutdown |
+//! | the handler failed or panicked, or the store refused a call for a reason not known to pass (Redis at `maxmemory`, a missing table, a refused commit) | held for `requeue_delay`, then requeued, until its failures (counted in the store) reach [`max_deliveries`](RabbitConsumer::max_deliveries): then dead-lettered |
 //! | can never succeed (no usable key, payload mismatch, a corrupt record; a [`MessageError`] from the handler) | dead-lettered at once |
 //! | its key was taken over more than `max_deliveries` times (the runs before were cut off: their consumer died) | dead-lettered without running the handler |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | kept unacked (the broker gives it to no other consumer while this connection lives) and never run again here: its completion is written with the run's own lease ([`Idempotency::finish`]) as soon as the store answers, then acked |
@@ -43,13 +43,25 @@
 //!
 //! # Delivery counts
 //!
-//! A quorum queue counts a message's deliveries (`x-delivery-count`):
-//! the consumer reads it. A classic queue does not: the consumer counts a
-//! message's failed runs in the store instead (one more store call per
-//! failure, [`delivery::count_failure`](idem_core::delivery::count_failure)),
-//! and forgets the count once the message settles. Runs cut off by a crash
-//! are counted apart, by the key's attempt: a message that kills every
-//! consumer is dead-lettered after `max_deliveries` such runs.
+//! A message's failed runs are counted in the store, on every kind of
+//! queue (one more store call per failure, none for a message that
+//! succeeds first time, [`delivery::count_failure`](idem_core::delivery::count_failure)),
+//! and the count is forgotten once the message settles: the
+//! `x-delivery-count` header of a quorum queue is not trusted for it (a
+//! publisher may set it, a dead letter of a quorum queue carries it, and
+//! a quorum queue counts redeliveries that were no failure). It is given
+//! to the handler ([`RabbitMessage::delivery_count`]). Runs cut off by a
+//! crash are counted apart, by the key's attempt: a message that kills
+//! every consumer is dead-lettered after `max_deliveries` such runs.
+//!
+//! A message that cannot settle now (its key in progress elsewhere or
+//! being finished here, the store away) is held unacked and tried again
+//! in place every [`requeue_delay`](RabbitConsumer::requeue_delay), not
+//! requeued: a quorum queue would count each requeue as a delivery and,
+//! at its `x-delivery-limit` (RabbitMQ 4 sets 20 by default), drop or
+//! dead-letter it unrun. A failed run is requeued (the broker counts that
+//! delivery too: a quorum queue's `x-delivery-limit` under
+//! `max_deliveries` dead-letters or drops the message first).
 //!
 //! # Dead letters
 //!
@@ -126,7 +138,8 @@ pub use lapin;
 
 pub use consumer::{DeadLetter, RabbitConsumer, DEFAULT_MAX_DELIVERIES, DEFAULT_PREFETCH};
 pub use dead_letter::{
-    DELIVERY_COUNT_HEADER as DEAD_DELIVERY_COUNT_HEADER, REASON_HEADER, SOURCE_QUEUE_HEADER,
+    DELIVERY_COUNT_HEADER as DEAD_DELIVERY_COUNT_HEADER, EXPIRATION_HEADER, HEADERS_DROPPED_HEADER,
+    REASON_HEADER, SOURCE_QUEUE_HEADER, USER_ID_HEADER,
 };
 pub use error::RabbitConsumerError;
 pub use message::{default_scope, KeySource, MessageError, RabbitMessage, DELIVERY_COUNT_HEADER};

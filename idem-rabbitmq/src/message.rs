@@ -43,9 +43,11 @@ pub struct RabbitMessage {
     pub routing_key: String,
     /// Whether the broker delivered it before (to this consumer or another).
     pub redelivered: bool,
-    /// How many times the broker delivered it, this delivery included, when
-    /// the queue counts (quorum queues: `x-delivery-count` plus one);
-    /// `None` on a classic queue, or on a quorum queue's first delivery.
+    /// How many times the broker delivered it, this delivery included, as
+    /// its `x-delivery-count` header says (plus one; quorum queues set it
+    /// from the second delivery on); `None` without one. Informational:
+    /// a publisher may set the header, and the consumer counts failures
+    /// in the store instead.
     pub delivery_count: Option<u32>,
     /// The acquisition's attempt number: 1, or more when an earlier run of
     /// this key was cut off (its process died) and its lease taken over.

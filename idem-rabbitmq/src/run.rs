@@ -24,7 +24,7 @@ use tokio::task::JoinSet;
 use crate::error::is_refusal;
 use crate::shared::lock;
 use crate::stats::add;
-use crate::work::{Phase, Work};
+use crate::work::{Phase, Publisher, Work};
 use crate::{ConsumerStats, DeadLetter, RabbitConsumer, RabbitConsumerError, RabbitMessage};
 
 /// How long a connect (TCP, AMQP handshake, channel, qos, consume) may
@@ -40,7 +40,7 @@ const GIVE_UP_WAIT: Duration = Duration::from_secs(5);
 
 /// A live connection: its consuming channel and its consumer.
 struct Session {
-    connection: Connection,
+    connection: Arc<Connection>,
     channel: Channel,
     consumer: Consumer,
 }
@@ -287,8 +287,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> RabbitConsumer<S, C> {
 
     /// Connects, opens the consuming channel (with its prefetch) and, for
     /// dead letters of our own, a confirm channel, and starts consuming.
-    async fn connect(&self) -> lapin::Result<(Session, Option<Channel>)> {
-        let connection = Connection::connect(&self.uri, (self.properties)()).await?;
+    async fn connect(&self) -> lapin::Result<(Session, Option<Publisher>)> {
+        let connection = Arc::new(Connection::connect(&self.uri, (self.properties)()).await?);
         let channel = connection.create_channel().await?;
         channel
             .basic_qos(self.prefetch, BasicQosOptions::default())
@@ -300,7 +300,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> RabbitConsumer<S, C> {
                 publisher
                     .confirm_select(ConfirmSelectOptions::default())
                     .await?;
-                Some(publisher)
+                Some(Publisher {
+                    connection: connection.clone(),
+                    channel: Some(publisher),
+                })
             }
         };
         // Both checked at most 255 bytes by `check`.

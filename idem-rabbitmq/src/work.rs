@@ -12,7 +12,7 @@ use idem_core::{
     Runner, Unrecorded,
 };
 use lapin::message::Delivery;
-use lapin::options::{BasicAckOptions, BasicNackOptions};
+use lapin::options::{BasicAckOptions, BasicNackOptions, ConfirmSelectOptions};
 use lapin::Acker;
 use lapin::Channel;
 use serde::de::DeserializeOwned;
@@ -50,10 +50,23 @@ pub(crate) struct Work<S: ?Sized, C, F, M> {
     pub(crate) dead_letter: DeadLetter,
     /// The confirm channel dead letters are published on, of the current
     /// connection.
-    pub(crate) publisher: Mutex<Option<Channel>>,
+    pub(crate) publisher: Mutex<Option<Publisher>>,
     pub(crate) phase: watch::Sender<Phase>,
     pub(crate) shared: Arc<Shared>,
 }
+
+/// Where dead letters are published: the current connection and its
+/// confirm channel (opened again when the broker closed it: a dead letter
+/// refused for a missing exchange closes its channel).
+pub(crate) struct Publisher {
+    pub(crate) connection: Arc<lapin::Connection>,
+    pub(crate) channel: Option<Channel>,
+}
+
+/// The shortest hold before a message that cannot settle now is tried
+/// again in place (a zero `requeue_delay` would ask the store back to
+/// back).
+const MIN_HOLD: Duration = Duration::from_millis(10);
 
 /// The pauses between two tries of a result's completion: short, since
 /// once its lease is over another consumer may take its key over.
@@ -83,32 +96,49 @@ where
             }
         };
         let print = self.fingerprint.fingerprint(&message.body);
-        // A key whose result is being finished here: never asked of the
-        // store, which would hand its expired lease over and run it again.
-        if self.shared.finishing.holds(&key, &print) {
-            add(&self.shared.counters.in_progress, 1);
-            tracing::debug!(queue = %self.queue, key = %key, "its result is being finished here: requeued");
-            return self.requeue_later(&acker).await;
-        }
-        let fingerprint = Some(print);
-        let handler = self.handler.clone();
-        let max = self.max_deliveries;
-        let copy = message.clone();
-        let result = self
-            .runner
-            .process_one(&self.idem, &key, fingerprint, move |context, with| {
-                let mut copy = copy;
-                copy.attempt = context.attempt;
-                copy.fence = context.fence;
-                Attempted::guard(context, max, move |_| handler(copy, with))
-            })
-            .await;
         let counters = &self.shared.counters;
-        match delivery::settle(result, is_permanent::<E>, max) {
-            // A duplicate of a run whose dead letter is still owed (its
-            // publish failed): dead-lettered now.
+        let max = self.max_deliveries;
+        // Tried again in place while it cannot settle now (in progress
+        // elsewhere, the store away): held unacked, never requeued for it
+        // (a quorum queue would count each requeue as a delivery, and drop
+        // the message at its `x-delivery-limit`).
+        let settled = loop {
+            // A key whose result is being finished here: never asked of
+            // the store, which would hand its expired lease over and run it
+            // again.
+            let outcome = if self.shared.finishing.holds(&key, &print) {
+                Settle::Retry("its result is being finished here".into())
+            } else {
+                let handler = self.handler.clone();
+                let copy = message.clone();
+                let result = self
+                    .runner
+                    .process_one(&self.idem, &key, Some(print), move |context, with| {
+                        let mut copy = copy;
+                        copy.attempt = context.attempt;
+                        copy.fence = context.fence;
+                        Attempted::guard(context, max, move |_| handler(copy, with))
+                    })
+                    .await;
+                delivery::settle(result, is_permanent::<E>, max)
+            };
+            match outcome {
+                Settle::Retry(reason) => {
+                    add(&counters.in_progress, 1);
+                    tracing::debug!(queue = %self.queue, key = %key, %reason, "not settled now: held, tried again");
+                    if !self.hold(&acker).await {
+                        return self.requeue(&acker).await;
+                    }
+                }
+                other => break other,
+            }
+        };
+        match settled {
             Settle::Done(Done::ResultUnavailable) if lock(&self.shared.owed).contains_key(&key) => {
-                let reason = lock(&self.shared.owed).get(&key).cloned().unwrap_or_default();
+                let reason = lock(&self.shared.owed)
+                    .get(&key)
+                    .cloned()
+                    .unwrap_or_default();
                 self.poison(&message, &acker, Some(&key), reason).await;
             }
             Settle::Done(done) => {
@@ -117,19 +147,20 @@ where
                     Done::Replayed | Done::ResultUnavailable => add(&counters.replayed, 1),
                 }
                 self.ack(&acker).await;
-                // A redelivery on a classic queue may have failures
-                // counted in the store: a fresh copy counts from zero.
-                if message.redelivered && message.delivery_count.is_none() {
+                // A redelivery may have failures counted in the store: a
+                // fresh copy counts from zero.
+                if message.redelivered {
                     forget_failures(self.idem.store().as_ref(), &key).await;
                 }
             }
             Settle::Dead(reason) => self.poison(&message, &acker, Some(&key), reason).await,
             Settle::Failed(reason) => {
                 add(&counters.failed, 1);
-                let deliveries = match message.delivery_count {
-                    Some(n) => Some(n),
-                    None => count_failure(self.idem.store().as_ref(), &key).await,
-                };
+                // Counted in the store, on every kind of queue: a header
+                // (`x-delivery-count`) may come from the publisher or from
+                // an earlier queue's dead letter, and a quorum queue counts
+                // requeues that were no failure.
+                let deliveries = count_failure(self.idem.store().as_ref(), &key).await;
                 match deliveries {
                     Some(n) if n >= max => {
                         let reason = format!(
@@ -143,11 +174,8 @@ where
                     }
                 }
             }
-            Settle::Retry(reason) => {
-                add(&counters.in_progress, 1);
-                tracing::debug!(queue = %self.queue, key = %key, %reason, "not settled now: requeued");
-                self.requeue_later(&acker).await;
-            }
+            // Not reached (tried again above): handed back.
+            Settle::Retry(_) => self.requeue(&acker).await,
             // In a task of its own: a `run` future dropped meanwhile does
             // not cut the finish off (the key would be let go unrecorded,
             // and its redelivery would take the expired lease over).
@@ -245,11 +273,11 @@ where
                 exchange,
                 routing_key,
             } => {
-                let publisher = lock(&self.publisher).clone();
-                let sent = match publisher {
-                    Some(channel) => {
+                let sent = match self.publish_channel().await {
+                    Ok((channel, frame_max)) => {
                         dead_letter::publish(
                             &channel,
+                            frame_max,
                             exchange,
                             routing_key,
                             &self.queue,
@@ -258,7 +286,7 @@ where
                         )
                         .await
                     }
-                    None => Err("no connection to publish it on".to_owned()),
+                    Err(e) => Err(e),
                 };
                 match sent {
                     Ok(()) => {
@@ -279,10 +307,35 @@ where
         }
         if let Some(key) = key {
             self.runner.forget(&self.idem, key).await;
-            if message.delivery_count.is_none() {
-                forget_failures(self.idem.store().as_ref(), key).await;
+            forget_failures(self.idem.store().as_ref(), key).await;
+        }
+    }
+
+    /// The confirm channel to publish a dead letter on, opened again if
+    /// the broker closed it, and the connection's largest frame.
+    async fn publish_channel(&self) -> Result<(Channel, u32), String> {
+        let (connection, channel) = match &*lock(&self.publisher) {
+            Some(p) => (p.connection.clone(), p.channel.clone()),
+            None => return Err("no connection to publish it on".into()),
+        };
+        let frame_max = connection.configuration().frame_max();
+        if let Some(channel) = channel.filter(|c| c.status().connected()) {
+            return Ok((channel, frame_max));
+        }
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(|e| e.to_string())?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Some(p) = &mut *lock(&self.publisher) {
+            if Arc::ptr_eq(&p.connection, &connection) {
+                p.channel = Some(channel.clone());
             }
         }
+        Ok((channel, frame_max))
     }
 
     async fn ack(&self, acker: &Acker) {
@@ -300,6 +353,17 @@ where
         if self.settled(nack.await) {
             add(&self.shared.counters.requeued, 1);
         }
+    }
+
+    /// Holds the message for the requeue delay; whether to try it again
+    /// (not when the consumer is stopping, or the message's channel is
+    /// gone: the broker delivers it again).
+    async fn hold(&self, acker: &Acker) -> bool {
+        tokio::select! {
+            () = tokio::time::sleep(self.requeue_delay.max(MIN_HOLD)) => {}
+            () = self.reached(Phase::Stopping) => return false,
+        }
+        !acker.poisoned()
     }
 
     /// Holds the message for the requeue delay (cut short by a shutdown),

@@ -42,10 +42,12 @@ use serde::Serialize;
 use tokio::sync::oneshot;
 
 mod config;
+mod dead_letters;
 mod delivery;
 #[cfg(feature = "postgres")]
 mod in_transaction;
 mod poison;
+mod redelivery;
 mod unrecorded;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -374,4 +376,62 @@ impl Running {
             .unwrap_or_else(|e| panic!("{e}"))
             .unwrap_or_else(|e| panic!("{e}"))
     }
+}
+
+/// Publishes one persistent message with `message_id` `id` and these
+/// headers (any AMQP type) to `queue`, and waits for its confirm.
+async fn publish_with(
+    channel: &idemkit::rabbitmq::lapin::Channel,
+    queue: &str,
+    id: &str,
+    headers: Vec<(&str, AMQPValue)>,
+    body: &[u8],
+) {
+    let mut table = FieldTable::default();
+    for (k, v) in headers {
+        table.insert(k.into(), v);
+    }
+    let properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_message_id(id.into())
+        .with_headers(table);
+    let confirm = channel
+        .basic_publish(
+            "".into(),
+            queue.into(),
+            BasicPublishOptions::default(),
+            body,
+            properties,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("publish to {queue}: {e}"));
+    let c = confirm.await.unwrap_or_else(|e| panic!("confirm: {e}"));
+    assert!(c.is_ack(), "the broker refused a message: {c:?}");
+}
+
+/// Declares a durable quorum queue with these extra integer arguments.
+async fn declare_quorum(
+    channel: &idemkit::rabbitmq::lapin::Channel,
+    queue: &str,
+    ints: &[(&str, i64)],
+) {
+    let mut args = FieldTable::default();
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    for (k, v) in ints {
+        args.insert((*k).into(), AMQPValue::LongLongInt(*v));
+    }
+    channel
+        .queue_declare(
+            queue.into(),
+            idemkit::rabbitmq::lapin::options::QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            args,
+        )
+        .await
+        .unwrap_or_else(|e| panic!("declare {queue}: {e}"));
 }
