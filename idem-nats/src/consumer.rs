@@ -9,6 +9,7 @@ use idem_core::{
     saturate, Codec, Idempotency, IdempotencyKey, IdempotencyStore, JsonCodec, PayloadFingerprint,
 };
 
+use crate::message::is_header_name;
 use crate::shared::Shared;
 use crate::{default_scope, ConsumerStats, KeySource, NatsConsumerError};
 
@@ -162,7 +163,8 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
     }
 
     /// Takes each message's key from this header: a message without it is
-    /// dead-lettered.
+    /// dead-lettered. `run` refuses a name that is not a valid header name
+    /// (empty, whitespace, ':', a control or non-ASCII character).
     pub fn key_header(mut self, name: impl Into<String>) -> Self {
         self.key = KeySource::Header(name.into());
         self
@@ -281,8 +283,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
     /// their headers (default: none, poison is terminated with `+TERM`
     /// and logged). A stream must capture the subject (`run` fails when
     /// none does): the publish waits for JetStream's ack, and a dead
-    /// letter that could not be published is handed back and tried again
-    /// on the next delivery. See the
+    /// letter that could not be published for now is handed back and
+    /// tried again on the next delivery; one JetStream refuses for good
+    /// goes out without the message's headers, then without its payload,
+    /// else the message is terminated (`+TERM`, an error logged). See the
     /// [crate docs](crate#dead-letters).
     pub fn dead_letter(mut self, subject: impl Into<String>) -> Self {
         self.dead_letter = Some(subject.into());
@@ -350,6 +354,13 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
                         "the dead-letter subject {dead:?} is read by this consumer (filter {filter:?}): poison would come back"
                     ));
                 }
+            }
+        }
+        // A name no header can have: every message would be "no usable
+        // key" (async-nats panics on a lookup by such a name).
+        if let KeySource::Header(name) = &self.key {
+            if !is_header_name(name) {
+                return config(format!("the key header name {name:?} is not valid (empty, or with whitespace, ':', a control or non-ASCII character)"));
             }
         }
         // An invalid scope would make every message "no usable key", and

@@ -50,8 +50,8 @@
 //! | executed, replayed, or completed earlier without a replayable result ([`IdemError::ResultUnavailable`]) | acked |
 //! | the key is in progress with another consumer ([`IdemError::InProgress`], [`IdemError::WaitTimeout`]), or being finished here, or the store is unavailable | handed back (`-NAK` with [`retry_delay`](NatsConsumer::retry_delay)); never dead-lettered: the lease ends, the store comes back |
 //! | the handler ran but the store was away until its lease ended ([`IdemError::Unrecorded`]) | kept (in-progress acks go on), never run again by this consumer: its completion is written with the run's own lease ([`Idempotency::finish`]) as soon as the store is back, then acked; other deliveries of its key here are handed back meanwhile. A delivery of the key to another consumer once the store is back, before that write, takes the expired lease over and runs again: the window of an outage longer than the lease (DESIGN 4; defences: a lease longer than the outages to survive, the fence downstream, the in-transaction form) |
-//! | the handler ran but the store refuses its completion for good | dead-lettered (its handler ran); a later delivery of its key here, until the retention ends, is acked as a duplicate whose result was not recorded, never run |
-//! | the handler failed or panicked | handed back, until its delivery count reaches [`max_deliveries`](NatsConsumer::max_deliveries): then dead-lettered |
+//! | the handler ran but the store refuses its completion for good | dead-lettered (its handler ran); a later delivery of its key here, until the retention ends, is acked as a duplicate whose result was not recorded, never run. If that dead letter could not be published, it is owed: the next delivery of the key here publishes it before its ack |
+//! | the handler failed or panicked; or the store refused a call for a reason not known to pass (a `Backend` error: Redis at `maxmemory`, a missing table) | handed back, until its delivery count reaches [`max_deliveries`](NatsConsumer::max_deliveries): then dead-lettered |
 //! | can never succeed (no usable key, a payload mismatch, a corrupt record; a [`MessageError`] from the handler) | dead-lettered at once |
 //! | its key was taken over more than `max_deliveries` times (the runs before were cut off: their process died) | dead-lettered without running the handler |
 //! | the executor's configuration is refused (a zero lease or retention) | handed back, and `run` fails: nothing could succeed |
@@ -81,11 +81,39 @@
 //! waiting for its ack: a stream must capture the subject): the same
 //! payload and headers, with `Idem-Reason`, `Idem-Delivered`,
 //! `Idem-Stream`, `Idem-Stream-Sequence`, `Idem-Subject` and
-//! `Idem-Consumer` added, and its `Nats-Msg-Id` kept (or set to
-//! `idem-dead.{stream}.{sequence}`), so a dead letter published twice (a
-//! crash between the publish and the ack) is dropped by the dead-letter
-//! stream's duplicate window. Then it acks the message. A dead letter that
-//! cannot be published hands the message back.
+//! `Idem-Consumer` added. Then it acks the message.
+//!
+//! - Its `Nats-Msg-Id` is `idem-dead.{durable}.{stream}.{sequence}`, so a
+//!   dead letter published twice (a crash between the publish and the
+//!   ack) is dropped by the dead-letter stream's duplicate window, and
+//!   two consumers of one stream sharing a dead-letter subject each keep
+//!   their own. The message's own `Nats-Msg-Id` is kept as
+//!   [`Idem-Msg-Id`](ORIGINAL_ID_HEADER).
+//! - The message's other `Nats-*` headers, which JetStream acts on
+//!   (`Nats-Expected-Stream` and the other `Nats-Expected-*`,
+//!   `Nats-Rollup`, `Nats-TTL`), are kept under
+//!   [`Idem-Orig-`](ORIGINAL_PREFIX) (`Idem-Orig-Nats-Expected-Stream`):
+//!   copied as they are, they would have the dead letter refused, the
+//!   dead-letter stream purged, or the letter expire.
+//! - A dead letter over the server's `max_payload` (the client knows it
+//!   from the server's `INFO`) has its payload cut to fit
+//!   ([`Idem-Dropped`](DROPPED_HEADER)`: payload tail`, the full size in
+//!   [`Idem-Payload-Size`](PAYLOAD_SIZE_HEADER)); it is never published
+//!   to fail on its size.
+//! - A dead letter JetStream refuses for good (a 4xx answer: a message
+//!   over the dead-letter stream's `max_msg_size`, a header it refuses)
+//!   is published again at once without the message's headers
+//!   (`Idem-Dropped: headers`); refused again, without its payload
+//!   (`Idem-Dropped: headers, payload`); refused even so, the message is
+//!   terminated (`+TERM`) and the dead letter's reason logged at `error`
+//!   ([`ConsumerStats::dead_letter_failures`]). A poison message is
+//!   never handed back for ever for a dead letter that can never go out.
+//! - A dead letter that cannot be published for now (the server away, the
+//!   dead-letter stream full, a timeout) hands the message back: it is
+//!   dead-lettered again on its next delivery. For a message whose
+//!   handler ran and whose result the store refused, the dead letter is
+//!   owed: the next delivery of its key here (which the executor answers
+//!   "result unavailable") publishes it before the ack.
 //!
 //! Without one, a poison message is terminated (`+TERM`: JetStream
 //! delivers it no more and publishes a `MSG_TERMINATED` advisory) and its
@@ -103,8 +131,11 @@
 //! more than the room left (at most [`batch`](NatsConsumer::batch)). A
 //! consumer whose `run` future is dropped does not cut its handlers off:
 //! they finish and their results are recorded; their messages, not acked,
-//! come back after the ack wait and are replayed then. A handler must be
-//! `Send + Sync + 'static`.
+//! come back after the ack wait and are replayed then. Nor does it cut
+//! off the writing of a result after a store outage (`Unrecorded`): that
+//! runs in a task of its own, which keeps the message with in-progress
+//! acks, records the result once the store is back, and acks it. A
+//! handler must be `Send + Sync + 'static`.
 //!
 //! # The server away
 //!
@@ -127,8 +158,9 @@
 //! the messages in flight, and returns. A message still held then is
 //! handed back (its handler goes on, detached, and records its result;
 //! the redelivery gets "in progress", then the replay), except one whose
-//! completion is still being written after a store outage: it is left to
-//! come back after the ack wait, and its key is given up here.
+//! completion is still being written after a store outage: its writer
+//! tries once more and stops, the message is left to come back after the
+//! ack wait, and its key is given up here.
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -146,8 +178,8 @@ pub use consumer::{
     NatsConsumer, DEFAULT_MAX_DELIVERIES, MAX_ACK_WAIT, MAX_BATCH, MAX_CONCURRENCY, MIN_ACK_WAIT,
 };
 pub use dead_letter::{
-    CONSUMER_HEADER, DELIVERED_HEADER, REASON_HEADER, SEQUENCE_HEADER, STREAM_HEADER,
-    SUBJECT_HEADER,
+    CONSUMER_HEADER, DELIVERED_HEADER, DROPPED_HEADER, ORIGINAL_ID_HEADER, ORIGINAL_PREFIX,
+    PAYLOAD_SIZE_HEADER, REASON_HEADER, SEQUENCE_HEADER, STREAM_HEADER, SUBJECT_HEADER,
 };
 pub use error::{NatsConsumerError, NatsError};
 pub use message::{default_scope, KeySource, MessageError, NatsMessage, MESSAGE_ID_HEADER};

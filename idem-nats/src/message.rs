@@ -1,7 +1,9 @@
 //! The message as the handler gets it, where its key comes from, and the
 //! typed errors of bad input.
 
-use async_nats::HeaderMap;
+use std::str::FromStr;
+
+use async_nats::{HeaderMap, HeaderName};
 use bytes::Bytes;
 use idem_core::{Fingerprint, IdempotencyKey, KeyError, PayloadFingerprint};
 use serde::de::DeserializeOwned;
@@ -55,12 +57,16 @@ pub struct NatsMessage {
 }
 
 impl NatsMessage {
-    /// The (first) value of the header `name`.
+    /// The (first) value of the header `name`; `None` too when `name` is
+    /// not a valid header name (empty, whitespace, ':', a control or
+    /// non-ASCII character), which no message carries.
     pub fn header(&self, name: &str) -> Option<&str> {
+        let name = HeaderName::from_str(name).ok()?;
         self.headers.get(name).map(|v| v.as_str())
     }
 
-    /// The value of the header `name`, or [`MessageError::NoHeader`].
+    /// The value of the header `name`, or [`MessageError::NoHeader`]
+    /// (also for a name that is not valid: see [`header`](Self::header)).
     pub fn header_text(&self, name: &str) -> Result<&str, MessageError> {
         self.header(name)
             .ok_or_else(|| MessageError::NoHeader(name.to_owned()))
@@ -186,6 +192,12 @@ impl KeySource {
     }
 }
 
+/// Whether `name` is a header name NATS takes: not empty, printable
+/// ASCII, no whitespace and no ':'.
+pub(crate) fn is_header_name(name: &str) -> bool {
+    !name.is_empty() && HeaderName::from_str(name).is_ok()
+}
+
 /// The fingerprint of a message: the SHA-256 of its payload (the whole
 /// payload, or the part `what` selects).
 pub(crate) fn fingerprint_of(message: &NatsMessage, what: &PayloadFingerprint) -> Fingerprint {
@@ -258,6 +270,21 @@ mod tests {
         assert!(KeySource::Content
             .key_of("s", &NatsMessage::default())
             .is_ok());
+    }
+
+    #[test]
+    fn any_header_name_is_looked_up_without_a_panic() {
+        let m = message("{}", &[("order-id", "o-1")]);
+        for bad in ["order id", "a:b", "ordér", "", "tab\there", "line\n"] {
+            assert_eq!(m.header(bad), None, "{bad:?}");
+            assert_eq!(
+                m.header_text(bad),
+                Err(MessageError::NoHeader(bad.to_owned()))
+            );
+            assert!(!is_header_name(bad), "{bad:?}");
+        }
+        assert_eq!(m.header("order-id"), Some("o-1"));
+        assert!(is_header_name("Order-Id"));
     }
 
     #[test]

@@ -202,8 +202,10 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
         self.check()?;
         let shared = &self.shared;
         // Messages of an earlier run whose future was dropped: settled or
-        // redelivered since.
-        lock(&shared.held).clear();
+        // redelivered since; but those whose completion is being written
+        // (their finishers, detached, still hold them) are given up if
+        // this run's shutdown outwaits them.
+        lock(&shared.held).retain(|_, h| h.finishing.is_some());
         let counters = &shared.counters;
         let shutdown = shutdown.fuse();
         futures_util::pin_mut!(shutdown);
@@ -381,8 +383,9 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
     /// (their handlers, detached, record their results; the redelivery
     /// gets "in progress", then the replay), except those whose
     /// completion was being written: their keys are given up here (never
-    /// run again by this consumer) and their messages left to come back
-    /// after the ack wait.
+    /// run again by this consumer), their finishers told to stop (after
+    /// one more try) and their messages left to come back after the ack
+    /// wait.
     async fn hand_back_held<M, F>(&self, work: &Work<S, C, F, M>)
     where
         M: Runner<S, C>,
@@ -406,6 +409,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> NatsConsumer<S, C> {
                 None => work.hand_back(&h.message).await,
             }
         }
+        self.shared.give_up();
     }
 }
 

@@ -29,6 +29,14 @@ pub(crate) struct Shared {
     /// The keys whose completion a task is writing after a store outage
     /// (held while it does), and those given up.
     pub(crate) finishing: Arc<FinishingKeys>,
+    /// The dead letters owed: runs whose handler ran, whose result the
+    /// store refused for good, whose dead letter could not be published
+    /// yet; by key, with the reason. A delivery of such a key (answered
+    /// "result unavailable": given up here) publishes it before its ack.
+    pub(crate) owed: Mutex<HashMap<IdempotencyKey, String>>,
+    /// Bumped when a shutdown gives up the completions still being
+    /// written: their finishers (detached tasks) stop.
+    pub(crate) giving_up: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
@@ -39,6 +47,8 @@ impl Shared {
             next: AtomicU64::new(0),
             fatal: Mutex::default(),
             finishing: Arc::default(),
+            owed: Mutex::default(),
+            giving_up: tokio::sync::watch::Sender::new(0),
         }
     }
 
@@ -60,6 +70,20 @@ impl Shared {
         if let Some(held) = lock(&self.held).get_mut(&id) {
             held.finishing = Some((key, fingerprint));
         }
+    }
+
+    /// Completes once a shutdown gives up the completions being written
+    /// ([`give_up`](Self::give_up) called after this).
+    pub(crate) fn given_up_at_shutdown(&self) -> impl std::future::Future<Output = ()> + Send {
+        let mut seen = self.giving_up.subscribe();
+        async move {
+            let _ = seen.changed().await;
+        }
+    }
+
+    /// Tells the finishers alive to give up (a shutdown past its wait).
+    pub(crate) fn give_up(&self) {
+        self.giving_up.send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// Lets held message `id` go (acked, handed back, or left).

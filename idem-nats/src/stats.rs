@@ -5,6 +5,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 #[cfg(doc)]
 use crate::NatsConsumer;
+#[cfg(doc)]
+use idem_core::IdemError;
 
 /// What a consumer did, counted since it was made: returned by
 /// [`NatsConsumer::run`], and by [`NatsConsumer::stats`] while it runs.
@@ -27,10 +29,14 @@ pub struct ConsumerStats {
     /// Messages answered with a recorded result (duplicates,
     /// redeliveries), or whose key completed without a replayable result.
     pub replayed: u64,
-    /// Deliveries whose key was in progress with another worker (handed
-    /// back).
+    /// Deliveries whose key another run held, handed back: in progress
+    /// with another worker ([`IdemError::InProgress`], or
+    /// [`IdemError::WaitTimeout`]), or its completion being written here
+    /// after a store outage. Deliveries handed back because the store was
+    /// away, or whose lease was taken over, are not counted here (they
+    /// are in [`handed_back`](Self::handed_back)).
     pub in_progress: u64,
-    /// Acks sent (dead-lettered messages included).
+    /// Acks sent (dead-lettered and terminated messages included).
     pub acked: u64,
     /// Acks that failed to go out (the connection was down): those
     /// messages come back after the ack wait and are replayed, which is
@@ -41,12 +47,14 @@ pub struct ConsumerStats {
     pub poison: u64,
     /// Messages published to the dead-letter subject (then acked).
     pub dead_lettered: u64,
-    /// Dead letters that could not be published (the message then handed
-    /// back, and dead-lettered again on its redelivery).
+    /// Dead letters that could not be published: the message then handed
+    /// back, and dead-lettered again on its redelivery; or, refused by
+    /// JetStream for good even without the message's headers and
+    /// payload, terminated (`+TERM`, an error logged).
     pub dead_letter_failures: u64,
     /// Deliveries handed back (a `-NAK` with the retry delay): handler
-    /// failed (fewer than `max_deliveries` times), key in progress
-    /// elsewhere, store unavailable.
+    /// failed or the store refused a call (fewer than `max_deliveries`
+    /// times), key in progress elsewhere, store unavailable.
     pub handed_back: u64,
     /// In-progress acks (`+WPI`) sent for messages being handled or
     /// finished.

@@ -10,14 +10,15 @@ use std::time::Duration;
 use async_nats::jetstream::{self, AckKind};
 use idem_core::delivery::{is_permanent, settle, Attempted, Done, Settle};
 use idem_core::{
-    Codec, Fingerprint, Finished, Idempotency, IdempotencyKey, IdempotencyStore, Pauses,
-    PayloadFingerprint, Runner, Unrecorded,
+    Codec, Fingerprint, Finished, FinishingGuard, IdemError, Idempotency, IdempotencyKey,
+    IdempotencyStore, Pauses, PayloadFingerprint, Runner, Unrecorded,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::sync::OwnedSemaphorePermit;
 use tracing::Instrument;
 
+use crate::dead_letter::NotPublished;
 use crate::message::fingerprint_of;
 use crate::shared::{lock, Shared};
 use crate::stats::Event;
@@ -80,24 +81,38 @@ where
             // In-progress acks while the message is held: its handler's
             // run, its dead letter's publish, the finish of an unrecorded
             // result.
-            let (key, outcome) = self.kept(&raw, self.process(&message)).await;
+            let (key, outcome, contended) = self.kept(&raw, self.process(&message)).await;
             let fingerprint = Some(fingerprint_of(&message, &self.fingerprint));
             match outcome {
                 Settle::Done(done) => {
                     // The store answered: a finisher pausing tries again.
                     self.shared.finishing.store_answered();
-                    self.shared.counters.add(
-                        match done {
-                            Done::Executed | Done::ExecutedNotReplayable => Event::Executed,
-                            Done::Replayed | Done::ResultUnavailable => Event::Replayed,
-                        },
-                        1,
-                    );
-                    self.ack(&raw).await;
+                    // Given up here, its dead letter owed (its first
+                    // publish failed): published now, then acked.
+                    let owed = match (done, &key) {
+                        (Done::ResultUnavailable, Some(key)) => {
+                            lock(&self.shared.owed).get(key).cloned()
+                        }
+                        _ => None,
+                    };
+                    if let Some(reason) = owed {
+                        self.dead(key.as_ref(), &raw, &message, &reason).await;
+                    } else {
+                        self.shared.counters.add(
+                            match done {
+                                Done::Executed | Done::ExecutedNotReplayable => Event::Executed,
+                                Done::Replayed | Done::ResultUnavailable => Event::Replayed,
+                            },
+                            1,
+                        );
+                        self.ack(&raw).await;
+                    }
                 }
                 Settle::Retry(reason) => {
                     tracing::debug!(%reason, "handed back");
-                    self.shared.counters.add(Event::InProgress, 1);
+                    if contended {
+                        self.shared.counters.add(Event::InProgress, 1);
+                    }
                     self.hand_back(&raw).await;
                 }
                 Settle::Failed(reason) => {
@@ -121,8 +136,20 @@ where
                     self.dead(key.as_ref(), &raw, &message, &reason).await;
                 }
                 Settle::Finish(unrecorded) => {
-                    self.finish(id, &raw, &message, fingerprint, *unrecorded)
-                        .await;
+                    // In a task of its own, which a `run` future dropped
+                    // meanwhile does not abort: the key held (never run
+                    // again here) until the completion is written. It
+                    // lets the message go (`release`) when it ends.
+                    let key = unrecorded.lease().key.clone();
+                    let fingerprint = unrecorded.lease().fingerprint.or(fingerprint);
+                    let guard = self.shared.finishing.hold(key.clone(), fingerprint);
+                    self.shared.finishing(id, key, fingerprint);
+                    let finish = self
+                        .clone()
+                        .finish(id, raw, message, fingerprint, guard, *unrecorded)
+                        .in_current_span();
+                    let _ = tokio::spawn(finish).await;
+                    return;
                 }
                 Settle::Fatal(e) => {
                     tracing::error!(error = %e, "the executor's configuration is refused: the consumer stops");
@@ -136,8 +163,13 @@ where
         .await;
     }
 
-    /// The message's key and the outcome of its run.
-    async fn process<Fut, T, E>(&self, message: &NatsMessage) -> (Option<IdempotencyKey>, Settle)
+    /// The message's key, the outcome of its run, and whether its key was
+    /// held by another run (in progress with another worker, or being
+    /// finished here).
+    async fn process<Fut, T, E>(
+        &self,
+        message: &NatsMessage,
+    ) -> (Option<IdempotencyKey>, Settle, bool)
     where
         F: Fn(NatsMessage, M::With) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<T, E>> + Send + 'static,
@@ -146,14 +178,14 @@ where
     {
         let key = match self.key.key_of(&self.scope, message) {
             Ok(key) => key,
-            Err(e) => return (None, Settle::Dead(format!("no usable key: {e}"))),
+            Err(e) => return (None, Settle::Dead(format!("no usable key: {e}")), false),
         };
         let fingerprint = fingerprint_of(message, &self.fingerprint);
         // A key this consumer is finishing: the store would hand its
         // expired lease over and run the handler again.
         if self.shared.finishing.holds(&key, &fingerprint) {
             let reason = "its key's completion is being written here".to_owned();
-            return (Some(key), Settle::Retry(reason));
+            return (Some(key), Settle::Retry(reason), true);
         }
         let handler = self.handler.clone();
         let max_deliveries = self.max_deliveries;
@@ -174,8 +206,12 @@ where
                 },
             )
             .await;
+        let contended = matches!(
+            result,
+            Err(IdemError::InProgress { .. } | IdemError::WaitTimeout { .. })
+        );
         let outcome = settle(result, is_permanent::<MessageError, E>, max_deliveries);
-        (Some(key), outcome)
+        (Some(key), outcome, contended)
     }
 
     /// Awaits `work`, sending an in-progress ack for `raw` every
@@ -234,7 +270,9 @@ where
     }
 
     /// Dead-letters `raw` with `reason`, then acks it; handed back when
-    /// the dead letter could not be published.
+    /// the dead letter could not be published (it may be later), and
+    /// terminated (`+TERM`, an error logged) when JetStream refuses it for
+    /// good in every form (`dead_letter::publish`).
     async fn dead(
         &self,
         key: Option<&IdempotencyKey>,
@@ -245,85 +283,128 @@ where
         self.shared.counters.add(Event::Poison, 1);
         let Some(subject) = &self.dead_letter else {
             tracing::warn!(%reason, "poison message terminated (+TERM; no dead-letter subject set)");
-            if let Some(key) = key {
-                self.runner.forget(&self.idem, key).await;
-            }
-            match raw.ack_with(AckKind::Term).await {
-                Ok(()) => self.shared.counters.add(Event::Acked, 1),
-                Err(e) => {
-                    tracing::warn!(error = %e, "terminating a poison message failed: it comes back and is dead-lettered again");
-                    self.shared.counters.add(Event::AckFailures, 1);
-                }
-            }
+            self.settled_poison(key).await;
+            self.terminate(raw).await;
             return;
         };
         let publish =
             crate::dead_letter::publish(&self.jetstream, subject, &self.durable, message, reason);
         match self.kept(raw, publish).await {
-            Ok(()) => {
-                tracing::warn!(%reason, dead_letter = %subject, "poison message dead-lettered");
-                self.shared.counters.add(Event::DeadLettered, 1);
-                if let Some(key) = key {
-                    self.runner.forget(&self.idem, key).await;
+            Ok(dropped) => {
+                match dropped {
+                    None => {
+                        tracing::warn!(%reason, dead_letter = %subject, "poison message dead-lettered");
+                    }
+                    Some(dropped) => {
+                        tracing::warn!(%reason, dead_letter = %subject, %dropped, "poison message dead-lettered without part of it (JetStream refused it whole, or it did not fit max_payload)");
+                    }
                 }
+                self.shared.counters.add(Event::DeadLettered, 1);
+                self.settled_poison(key).await;
                 self.ack(raw).await;
             }
-            Err(e) => {
+            Err(NotPublished::Passing(e)) => {
                 tracing::warn!(error = %e, %reason, "the dead letter could not be published: handed back");
                 self.shared.counters.add(Event::DeadLetterFailures, 1);
                 self.hand_back(raw).await;
+            }
+            Err(NotPublished::Refused(e)) => {
+                tracing::error!(error = %e, %reason, dead_letter = %subject, "JetStream refuses the dead letter for good, even without the message's headers and payload: the message is terminated (+TERM), its reason only in this log");
+                self.shared.counters.add(Event::DeadLetterFailures, 1);
+                self.settled_poison(key).await;
+                self.terminate(raw).await;
+            }
+        }
+    }
+
+    /// A poison message settled for good (dead-lettered or terminated):
+    /// what the runner kept of its key is let go, and no dead letter is
+    /// owed for it any more.
+    async fn settled_poison(&self, key: Option<&IdempotencyKey>) {
+        if let Some(key) = key {
+            self.runner.forget(&self.idem, key).await;
+            lock(&self.shared.owed).remove(key);
+        }
+    }
+
+    /// Terminates `raw` (`+TERM`: JetStream delivers it no more).
+    async fn terminate(&self, raw: &jetstream::Message) {
+        match raw.ack_with(AckKind::Term).await {
+            Ok(()) => self.shared.counters.add(Event::Acked, 1),
+            Err(e) => {
+                tracing::warn!(error = %e, "terminating a poison message failed: it comes back and is dead-lettered again");
+                self.shared.counters.add(Event::AckFailures, 1);
             }
         }
     }
 
     /// A handler that ran while the store was away until its lease ended:
-    /// its key held here and its message kept (in-progress acks) while
-    /// its completion is written with the run's own lease, then acked.
+    /// its key held here (`guard`) and its message kept (in-progress
+    /// acks) while its completion is written with the run's own lease,
+    /// then acked. Runs in a task of its own (it owns all it needs), so a
+    /// `run` future dropped meanwhile does not cut it off; a shutdown past
+    /// its wait gives it up (the message is left to come back after the
+    /// ack wait, the key given up here). Lets held message `id` go.
     async fn finish(
-        &self,
+        self: Arc<Self>,
         id: u64,
-        raw: &jetstream::Message,
-        message: &NatsMessage,
+        raw: jetstream::Message,
+        message: NatsMessage,
         fingerprint: Option<Fingerprint>,
+        guard: FinishingGuard,
         unrecorded: Unrecorded,
     ) {
-        let key = unrecorded.lease().key.clone();
-        let run_fingerprint = unrecorded.lease().fingerprint.or(fingerprint);
+        let key = guard.key().clone();
         tracing::warn!(error = %unrecorded.cause(), "the handler ran but its result is not recorded: kept while its completion is written");
-        let guard = self.shared.finishing.hold(key.clone(), run_fingerprint);
-        self.shared.finishing(id, key.clone(), run_fingerprint);
         let (first, longest) = FINISH_PAUSES;
         let finishing = self.idem.finish_until_woken(
             &unrecorded,
             Pauses::new(first, longest),
-            std::future::pending::<()>(),
+            self.shared.given_up_at_shutdown(),
             &self.shared.finishing,
         );
-        let finished = self.kept(raw, finishing).await;
+        let finished = self.kept(&raw, finishing).await;
         match finished {
             Finished::Recorded => {
                 drop(guard);
                 self.shared.counters.add(Event::Executed, 1);
                 self.shared.counters.add(Event::FinishedLate, 1);
-                self.ack(raw).await;
+                self.ack(&raw).await;
             }
             Finished::TakenOver => {
                 drop(guard);
                 tracing::warn!("unrecorded run taken over by another worker: handed back");
-                self.hand_back(raw).await;
+                self.hand_back(&raw).await;
             }
-            Finished::Refused(e) | Finished::GaveUp(e) => {
+            Finished::GaveUp(e) => {
+                // A shutdown past its wait (the store still away): given
+                // up before the key is let go (the shutdown did too), the
+                // message left to come back after the ack wait.
+                self.give_up(&key, fingerprint);
+                drop(guard);
+                tracing::warn!(error = %e, "a handler that ran is still unrecorded at shutdown: its key given up here, its message left to come back after the ack wait");
+            }
+            Finished::Refused(e) => {
                 // Its handler ran: given up before the key is let go, so
-                // the other deliveries of it here are settled, never run.
-                self.shared.finishing.given_up().insert(
-                    key.clone(),
-                    run_fingerprint,
-                    self.idem.retention_period(),
-                );
+                // the other deliveries of it here are settled, never run;
+                // its dead letter owed until it is published.
+                self.give_up(&key, fingerprint);
                 drop(guard);
                 let reason = format!("the handler ran but its result could not be recorded: {e}");
-                self.dead(Some(&key), raw, message, &reason).await;
+                lock(&self.shared.owed).insert(key.clone(), reason.clone());
+                self.dead(Some(&key), &raw, &message, &reason).await;
             }
         }
+        self.shared.release(id);
+    }
+
+    /// Gives `key` up here: its handler ran, its completion is not
+    /// written; never run again by this consumer.
+    fn give_up(&self, key: &IdempotencyKey, fingerprint: Option<Fingerprint>) {
+        self.shared.finishing.given_up().insert(
+            key.clone(),
+            fingerprint,
+            self.idem.retention_period(),
+        );
     }
 }

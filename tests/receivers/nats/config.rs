@@ -1,6 +1,9 @@
 //! Configuration: what `run` refuses before any call (a typed error,
-//! never a panic), what JetStream refuses, and extreme settings clamped.
+//! never a panic), what JetStream refuses (a stream missing, or deleted
+//! under the consumer), and extreme settings clamped.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use idemkit::nats::{NatsConsumer, NatsConsumerError, NatsMessage, MAX_ACK_WAIT, MAX_CONCURRENCY};
@@ -206,5 +209,74 @@ async fn a_dead_letter_subject_no_stream_captures_is_refused() {
             )
         }
         other => panic!("{other:?}"),
+    }
+}
+
+/// The stream deleted under a running consumer, a handler in flight:
+/// `run` returns an error within 30 s, without a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stream_deleted_under_the_consumer_ends_run() {
+    let js = jetstream().await;
+    let stream = name("GONE");
+    let subject = format!("{stream}.in");
+    create_stream(&js, &stream, &[&subject]).await;
+    let durable = name("gone");
+    let consumer = Arc::new(
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::new(MemoryStore::new()),
+        )
+        .key_from_content()
+        .shutdown_wait(Duration::from_secs(5))
+        .pull_wait(Duration::from_millis(500)),
+    );
+    let started = Arc::new(AtomicUsize::new(0));
+    let task = {
+        let (c, s) = (consumer.clone(), started.clone());
+        tokio::spawn(async move {
+            c.run(
+                move |_m: NatsMessage| {
+                    let s = s.clone();
+                    async move {
+                        s.fetch_add(1, Ordering::SeqCst);
+                        tokio::time::sleep(Duration::from_secs(2)).await;
+                        Ok::<_, std::io::Error>(1)
+                    }
+                },
+                std::future::pending::<()>(),
+            )
+            .await
+        })
+    };
+    publish(&js, &subject, &[], "x").await;
+    let s = started.clone();
+    wait_until("the handler running", Duration::from_secs(30), || {
+        let n = s.load(Ordering::SeqCst);
+        async move { n > 0 }
+    })
+    .await;
+    js.delete_stream(&stream).await.unwrap();
+    let out = tokio::time::timeout(Duration::from_secs(30), task)
+        .await
+        .expect("run returned within 30 s of the stream's deletion")
+        .expect("no panic");
+    assert!(out.is_err(), "{out:?}");
+}
+
+/// A key header name no NATS header can have (a space, a ':', a
+/// non-ASCII letter, empty) is refused by `run` with a configuration
+/// error before any call: never a message task panicking in
+/// `HeaderMap::get` on every message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_header_name_that_is_not_valid_is_refused() {
+    let js = jetstream().await;
+    for bad in ["order id", "order:id", "ordér-id", ""] {
+        let consumer =
+            NatsConsumer::new(js.clone(), "S", "d", Idempotency::new(MemoryStore::new()))
+                .key_header(bad);
+        let e = refused(consumer).await;
+        assert!(matches!(e, NatsConsumerError::Config(_)), "{bad:?}: {e:?}");
     }
 }

@@ -1,6 +1,7 @@
 //! Delivery: copies published and redelivered, a consumer killed
-//! mid-batch (SIGKILL of a child process), the default key. Every effect
-//! once, nothing left unacked.
+//! mid-batch (SIGKILL of a child process), the default key; a panicking
+//! handler, copies in one pull, an empty payload, the durable consumer
+//! deleted under the consumer. Every effect once, nothing left unacked.
 
 use crate::support;
 
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idemkit::nats::{MessageError, NatsConsumer, NatsMessage};
-use idemkit::{Idempotency, IdempotencyStore};
+use idemkit::{Idempotency, IdempotencyStore, MemoryStore};
 
 use super::{
     all_acked, create_stream, effect, jetstream, jetstream_at, name, pending, publish, redis_store,
@@ -350,4 +351,82 @@ async fn the_default_key_is_the_message_id_and_the_handler_gets_attempt_and_fenc
         assert_eq!((attempt, delivered), (1, Some(1)));
         assert!(fence > 0);
     }
+}
+
+/// A panicking handler is handed back, then dead-lettered at
+/// `max_deliveries` (2 runs); two copies of a key in one pull run once;
+/// an empty payload keyed by its content runs once; a durable consumer
+/// deleted under the running consumer is made again (from the stream's
+/// first message: the copies replay) and the consumer goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panics_copies_in_one_pull_an_empty_payload_and_a_deleted_durable_consumer() {
+    let js = jetstream().await;
+    let stream = name("PROBE");
+    let subject = format!("{stream}.in");
+    let dead = name("PROBEDEAD");
+    let dead_subject = format!("{dead}.letters");
+    create_stream(&js, &stream, &[&subject]).await;
+    create_stream(&js, &dead, &[&dead_subject]).await;
+    let durable = name("probe");
+    let runs: Effects = Arc::default();
+    let r = runs.clone();
+    let running = Running::start(
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::new(MemoryStore::new()),
+        )
+        .key_from_content()
+        .max_deliveries(2)
+        .retry_delay(Duration::from_millis(100))
+        .pull_wait(Duration::from_millis(500))
+        .dead_letter(&dead_subject),
+        move |m: NatsMessage| {
+            let r = r.clone();
+            async move {
+                let text = String::from_utf8_lossy(&m.payload).into_owned();
+                effect(&r, &text);
+                if text == "panic" {
+                    panic!("the handler panics");
+                }
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                Ok::<_, std::io::Error>(text.len())
+            }
+        },
+    );
+    // Published before the first pull lands, in one batch: two copies.
+    for p in ["copy", "copy", "", "panic"] {
+        publish(&js, &subject, &[], p).await;
+    }
+    wait_until("all settled", Duration::from_secs(30), || {
+        all_acked(&js, &stream, &durable)
+    })
+    .await;
+    {
+        let runs = runs.lock().unwrap().clone();
+        assert_eq!(runs.get("copy"), Some(&1), "{runs:?}");
+        assert_eq!(runs.get(""), Some(&1), "{runs:?}");
+        assert_eq!(runs.get("panic"), Some(&2), "{runs:?}");
+    }
+    // The durable deleted under the running consumer: `run` makes it
+    // again (from the stream's first message: the copies are replayed,
+    // the panicking one, its key released, runs again).
+    js.get_stream(&stream)
+        .await
+        .unwrap()
+        .delete_consumer(&durable)
+        .await
+        .unwrap();
+    publish(&js, &subject, &[], "after").await;
+    wait_until("the new message run", Duration::from_secs(30), || {
+        let n = runs.lock().unwrap().get("after").copied();
+        async move { n == Some(1) }
+    })
+    .await;
+    let stats = running.stop().await;
+    let runs = runs.lock().unwrap().clone();
+    assert_eq!(runs.get("copy"), Some(&1), "{runs:?} {stats:?}");
+    assert_eq!(runs.get(""), Some(&1), "{runs:?} {stats:?}");
+    assert!(stats.dead_lettered >= 1, "{stats:?}");
 }

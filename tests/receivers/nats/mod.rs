@@ -15,14 +15,22 @@
 //!   cut) while its handler runs;
 //! - `poison`: dead letters after `max_deliveries` with their reason,
 //!   messages without a usable key, poison without a dead-letter subject;
+//!   two consumers sharing a dead-letter subject, JetStream's publish
+//!   headers and payloads near `max_payload` in a poison message, dead
+//!   letters the dead-letter stream refuses; a full Redis (not poison);
 //! - `unrecorded`: a store outage past the lease after the handler ran,
-//!   the result finished later, the message kept meanwhile;
+//!   the result finished later, the message kept meanwhile (even when the
+//!   `run` future is dropped); a refused completion's dead letter owed
+//!   until it is published;
 //! - `shutdown`: a message held at shutdown handed back and replayed
-//!   elsewhere, a key being finished given up;
-//! - `config`: configurations `run` refuses, a missing stream, extreme
-//!   settings clamped;
+//!   elsewhere, a key being finished given up, a `run` future dropped
+//!   while a handler runs;
+//! - `config`: configurations `run` refuses (a key header name that is
+//!   not valid too), a missing stream or one deleted under the consumer,
+//!   extreme settings clamped;
 //! - `in_transaction`: the in-transaction form on PostgreSQL;
-//! - `telemetry`: the stats as `metrics` counters.
+//! - `telemetry`: the stats as `metrics` counters; what `in_progress`
+//!   counts.
 //!
 //! `cargo test --features nats,redis,postgres --test receivers nats::`
 //! runs them; `RUST_LOG=idem_nats=debug` shows what the consumers did.
@@ -179,6 +187,26 @@ where
     while !cond().await {
         assert!(Instant::now() < deadline, "{what}: not within {limit:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Polls `cond` every 100 ms for up to `limit`; whether it held (for an
+/// assertion with the stats in its message, where [`wait_until`] would
+/// fail without them).
+async fn holds_within<F, Fut>(limit: Duration, mut cond: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond().await {
+            return true;
+        }
+        if Instant::now() >= deadline {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 

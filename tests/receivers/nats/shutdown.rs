@@ -1,6 +1,6 @@
 //! Shutdown: what a consumer holds when it stops is finished or handed
 //! back; a key being finished after a store outage is given up, never run
-//! again here.
+//! again here; a `run` future dropped leaves its handlers running.
 
 use crate::support;
 
@@ -149,4 +149,65 @@ async fn a_key_being_finished_at_shutdown_is_given_up_never_run_again() {
     assert_eq!(runs.load(Ordering::SeqCst), 1, "{second:?}");
     // Counted since the consumer was made: the second run replayed it.
     assert_eq!((second.executed, second.replayed), (0, 1), "{second:?}");
+}
+
+/// The `run` future dropped (its task aborted) while a handler runs: the
+/// handler goes on, detached, and records; the same consumer run again
+/// gets the message back after the ack wait and replays it (or finds it
+/// in progress first). The handler ran once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_dropped_while_a_handler_runs_records_and_replays() {
+    let js = jetstream().await;
+    let stream = name("ABORT");
+    let subject = format!("{stream}.in");
+    create_stream(&js, &stream, &[&subject]).await;
+    let durable = name("abort");
+    let effects = Arc::new(AtomicUsize::new(0));
+    let handler = {
+        let effects = effects.clone();
+        move |_m: NatsMessage| {
+            let effects = effects.clone();
+            async move {
+                effects.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_secs(2)).await;
+                Ok::<_, std::io::Error>(7)
+            }
+        }
+    };
+    let consumer = Arc::new(
+        NatsConsumer::new(
+            js.clone(),
+            &stream,
+            &durable,
+            Idempotency::new(MemoryStore::new()).lease(Duration::from_secs(1)),
+        )
+        .key_from_content()
+        .ack_wait(Duration::from_secs(2))
+        .retry_delay(Duration::from_millis(200))
+        .pull_wait(Duration::from_millis(500)),
+    );
+    let first = {
+        let (c, h) = (consumer.clone(), handler.clone());
+        tokio::spawn(async move { c.run(h, std::future::pending::<()>()).await })
+    };
+    publish(&js, &subject, &[], "abort").await;
+    let e = effects.clone();
+    wait_until("the handler running", Duration::from_secs(30), || {
+        let n = e.load(Ordering::SeqCst);
+        async move { n > 0 }
+    })
+    .await;
+    first.abort();
+    let _ = first.await;
+    let running = {
+        let c = Arc::try_unwrap(consumer).unwrap_or_else(|_| panic!("the consumer is shared"));
+        Running::start(c, handler)
+    };
+    wait_until("acked", Duration::from_secs(30), || {
+        all_acked(&js, &stream, &durable)
+    })
+    .await;
+    let stats = running.stop().await;
+    assert_eq!(effects.load(Ordering::SeqCst), 1, "{stats:?}");
+    assert!(stats.replayed + stats.in_progress >= 1, "{stats:?}");
 }

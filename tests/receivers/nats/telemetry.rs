@@ -1,5 +1,8 @@
 //! Metrics: every counter of `ConsumerStats` is a `metrics` counter
-//! `idem_nats_{name}_total`, labelled with the durable consumer.
+//! `idem_nats_{name}_total`, labelled with the durable consumer; what
+//! `in_progress` counts.
+
+use crate::support;
 
 use std::time::Duration;
 
@@ -7,7 +10,7 @@ use idemkit::nats::{NatsConsumer, NatsMessage};
 use idemkit::{Idempotency, MemoryStore};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
-use super::{all_acked, create_stream, jetstream, name, publish, wait_until};
+use super::{all_acked, create_stream, jetstream, name, publish, wait_until, Running};
 
 /// Three messages, one a copy of another: the counters the recorder saw
 /// are the consumer's stats.
@@ -89,4 +92,41 @@ fn the_counters_are_metrics_labelled_with_the_consumer() {
     assert_eq!(counter("idem_nats_acked_total"), 3);
     assert_eq!(counter("idem_nats_handed_back_total"), stats.handed_back);
     assert_eq!(counter("idem_nats_poison_total"), 0);
+}
+
+/// `ConsumerStats::in_progress` counts the deliveries whose key another
+/// run held (in progress with another worker, or being finished here),
+/// not those handed back because the store was away: one consumer alone,
+/// its store away for 2 s when the message comes, hands it back without
+/// counting it "in progress".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_progress_counts_only_keys_held_by_another_run() {
+    let js = jetstream().await;
+    let stream = name("STAT");
+    let subject = format!("{stream}.in");
+    create_stream(&js, &stream, &[&subject]).await;
+    let durable = name("stat");
+    let (store, down) = support::flaky::FlakyStore::new(MemoryStore::new());
+    let running = Running::start(
+        NatsConsumer::new(js.clone(), &stream, &durable, Idempotency::new(store))
+            .key_header("key")
+            .retry_delay(Duration::from_millis(200))
+            .pull_wait(Duration::from_millis(500)),
+        |_m: NatsMessage| async { Ok::<_, std::io::Error>(1) },
+    );
+    support::flaky::outage(&down, Duration::from_secs(2));
+    publish(&js, &subject, &[("key", "k-1")], "{}").await;
+    wait_until("acked", Duration::from_secs(30), || {
+        all_acked(&js, &stream, &durable)
+    })
+    .await;
+    let stats = running.stop().await;
+    assert!(
+        stats.handed_back >= 1,
+        "handed back during the outage: {stats:?}"
+    );
+    assert_eq!(
+        stats.in_progress, 0,
+        "no other worker ever held the key: {stats:?}"
+    );
 }
