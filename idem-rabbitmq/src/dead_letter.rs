@@ -82,8 +82,8 @@ pub const USER_ID_HEADER: &str = "idem-original-user-id";
 /// out: they did not fit in a frame beside the reason.
 pub const HEADERS_DROPPED_HEADER: &str = "idem-headers-dropped";
 
-/// Room for the properties other than the headers, and the frame's own.
-const OTHER_PROPERTIES: usize = 4096;
+/// Room for the frame's own bytes and the fixed-size properties.
+const OTHER_PROPERTIES: usize = 256;
 
 /// The dead letter's properties: the message's, but for `expiration` and
 /// `user_id` (kept as headers), with the reason headers added, and
@@ -95,10 +95,6 @@ const OTHER_PROPERTIES: usize = 4096;
 fn copy_of(message: &RabbitMessage, queue: &str, reason: &str, frame_max: u32) -> BasicProperties {
     let p = &message.properties;
     let mut added = FieldTable::default();
-    added.insert(
-        REASON_HEADER.into(),
-        AMQPValue::LongString(LongString::from(cut(reason))),
-    );
     added.insert(
         SOURCE_QUEUE_HEADER.into(),
         AMQPValue::LongString(LongString::from(queue)),
@@ -121,10 +117,44 @@ fn copy_of(message: &RabbitMessage, queue: &str, reason: &str, frame_max: u32) -
             AMQPValue::LongString(u.as_str().into()),
         );
     }
+    // The properties other than the headers, as sent (short strings, at
+    // most 255 bytes each), and the frame's own bytes.
+    let others = OTHER_PROPERTIES
+        + [
+            p.content_type(),
+            p.content_encoding(),
+            p.correlation_id(),
+            p.reply_to(),
+            p.message_id(),
+            p.kind(),
+            p.app_id(),
+            p.cluster_id(),
+        ]
+        .iter()
+        .map(|v| v.as_ref().map_or(0, |v| 1 + v.as_str().len()))
+        .sum::<usize>();
+    // The reason is cut to what a frame leaves beside the other added
+    // headers (a small `frame_max` leaves it short, never the frame too
+    // large).
+    let room = if frame_max == 0 {
+        MAX_REASON
+    } else {
+        (frame_max as usize).saturating_sub(
+            others
+                + table_len(&added)
+                + REASON_HEADER.len()
+                + 16
+                + HEADERS_DROPPED_HEADER.len()
+                + 16,
+        )
+    };
+    added.insert(
+        REASON_HEADER.into(),
+        AMQPValue::LongString(LongString::from(cut(reason, room.min(MAX_REASON)))),
+    );
     let mut own = p.headers().clone().unwrap_or_default();
     let own_len = table_len(&own);
-    let fits =
-        frame_max == 0 || own_len + table_len(&added) + OTHER_PROPERTIES <= frame_max as usize;
+    let fits = frame_max == 0 || own_len + table_len(&added) + others <= frame_max as usize;
     let mut headers = if fits {
         let mut inner = std::mem::take(&mut own).inner().clone();
         inner.remove(crate::message::DELIVERY_COUNT_HEADER);
@@ -188,12 +218,13 @@ fn value_len(value: &AMQPValue) -> usize {
     }
 }
 
-/// `reason`, cut to [`MAX_REASON`] bytes at a character boundary.
-fn cut(reason: &str) -> String {
-    if reason.len() <= MAX_REASON {
+/// `reason`, cut to `max` bytes (its mark included) at a character boundary.
+fn cut(reason: &str, max: usize) -> String {
+    if reason.len() <= max {
         return reason.to_owned();
     }
-    let mut end = MAX_REASON;
+    // Room for the mark that says it was cut.
+    let mut end = max.saturating_sub('…'.len_utf8());
     while !reason.is_char_boundary(end) {
         end -= 1;
     }
@@ -206,10 +237,10 @@ mod tests {
 
     #[test]
     fn long_reasons_are_cut_at_a_character_boundary() {
-        assert_eq!(cut("short"), "short");
+        assert_eq!(cut("short", MAX_REASON), "short");
         let long = "é".repeat(5000);
-        let c = cut(&long);
-        assert!(c.len() <= MAX_REASON + "…".len());
+        let c = cut(&long, MAX_REASON);
+        assert!(c.len() <= MAX_REASON);
         assert!(c.ends_with('…'));
     }
 }

@@ -158,6 +158,13 @@ async fn a_completion_the_store_refuses_for_good_dead_letters_the_message_and_ne
     .await;
     refuse.store(false, Ordering::SeqCst);
     publish(&js, &subject, &[("key", "k-1")], "charge").await;
+    // The copy settled (a look at the consumer's pending counts alone can
+    // come before the server counts the copy as pending).
+    wait_until("the copy settled", Duration::from_secs(60), || {
+        let s = consumer.stats();
+        async move { s.replayed == 1 }
+    })
+    .await;
     wait_until("both acked", Duration::from_secs(60), || {
         all_acked(&js, &stream, &durable)
     })

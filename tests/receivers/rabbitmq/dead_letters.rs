@@ -378,3 +378,43 @@ async fn a_dead_letter_goes_through_once_its_exchange_exists() {
         stats.dead_letter_failures
     );
 }
+
+/// On a connection whose frames are small (`frame_max=4096`, the least a
+/// broker takes), a permanent handler error of 5,000 bytes still gives a
+/// dead letter that fits in one frame (the reason is cut to the room the
+/// frame leaves): dead-lettered once, the connection never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_reason_is_cut_to_fit_a_small_frame() {
+    let queue = name("small-frame");
+    let dead = format!("{queue}-dead");
+    let channel = channel().await;
+    declare(&channel, &queue, &[]).await;
+    declare(&channel, &dead, &[]).await;
+    let url = format!("{}?frame_max=4096", support::rabbitmq::shared_url());
+    let consumer = RabbitConsumer::new(&url, &queue, Idempotency::new(MemoryStore::new()))
+        .dead_letter_queue(&dead);
+    let running = Running::start(consumer, |_m: RabbitMessage| async move {
+        Err::<(), _>(MessageError::Json("x".repeat(5000)))
+    });
+    publish(&channel, &queue, &[(Some("f-1"), &[("trace", "t")], b"{}")]).await;
+    running
+        .until("the dead letter", Duration::from_secs(30), |s| {
+            s.dead_lettered == 1
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.reconnects, stats.ack_failures), (0, 0), "{stats:?}");
+    let letters = read_queue(
+        support::rabbitmq::shared_url(),
+        &dead,
+        1,
+        Duration::from_secs(10),
+    )
+    .await;
+    let reason = super::header(&letters[0], idemkit::rabbitmq::REASON_HEADER);
+    assert!(
+        reason.len() < 4096 && reason.ends_with('…'),
+        "{}",
+        reason.len()
+    );
+}
