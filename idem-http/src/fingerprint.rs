@@ -4,6 +4,27 @@
 use http::header::CONTENT_TYPE;
 use idem_core::{json, Fingerprint, PayloadFingerprint};
 
+/// Put in a request's extensions by what runs before the layer: more of
+/// the request its fingerprint covers (a proxy in front of an upstream
+/// that serves several hosts puts the `Host` here), so a request that
+/// differs in it under one key gets `422`, never the other's replay.
+///
+/// ```
+/// let mut request = http::Request::new(());
+/// request
+///     .extensions_mut()
+///     .insert(idem_http::FingerprintExtra::new("host: shop.example"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FingerprintExtra(Vec<u8>);
+
+impl FingerprintExtra {
+    /// These bytes count in the fingerprint too.
+    pub fn new(bytes: impl Into<Vec<u8>>) -> FingerprintExtra {
+        FingerprintExtra(bytes.into())
+    }
+}
+
 /// The fingerprint of a request: SHA-256 over its method, its path and
 /// query, its media type, and its body: the canonical JSON of a JSON body
 /// (`application/json` or `+json`, whose parameters such as `charset` do
@@ -48,15 +69,20 @@ pub(crate) fn fingerprint(
     };
     // Method, target and media type hold no newline (HTTP forbids it).
     let mut bytes = Vec::with_capacity(body.len() + target.len() + media.len() + 32);
-    for part in [
-        parts.method.as_str().as_bytes(),
-        target.as_bytes(),
-        &media,
-        form,
-    ] {
+    for part in [parts.method.as_str().as_bytes(), target.as_bytes(), &media] {
         bytes.extend_from_slice(part);
         bytes.push(b'\n');
     }
+    // What a layer in front adds, length-prefixed, where a request without
+    // it has its form (`part`, `json` or `bytes`): the two never read
+    // alike, and fingerprints without it are what they were.
+    if let Some(extra) = parts.extensions.get::<FingerprintExtra>() {
+        bytes.extend_from_slice(format!("extra {}\n", extra.0.len()).as_bytes());
+        bytes.extend_from_slice(&extra.0);
+        bytes.push(b'\n');
+    }
+    bytes.extend_from_slice(form);
+    bytes.push(b'\n');
     bytes.extend_from_slice(body);
     Fingerprint::of_bytes(&bytes)
 }

@@ -131,7 +131,8 @@ where
         Err(IdemError::InProgress { retry_after, .. }) => {
             return Ok(render(
                 config,
-                Problem::new(ProblemKind::InProgress).with_retry_after(retry_after),
+                Problem::new(ProblemKind::InProgress)
+                    .with_retry_after(retry_after.min(config.max_retry_after)),
             ))
         }
         Err(IdemError::PayloadMismatch) => {
@@ -339,6 +340,16 @@ where
     }
     let (parts, body) = response.into_parts();
     let body: LayerBody = body.map_err(Into::into).boxed_unsync();
+    if parts.extensions.get::<crate::NothingHappened>().is_some() {
+        return Ran::Released(Response::from_parts(parts, body));
+    }
+    if let Some(marker) = parts.extensions.get::<crate::NotReplayable>() {
+        let why = marker.reason().to_owned();
+        return Ran::Record(
+            Response::from_parts(parts, body),
+            Outcome::NotRecordable(why),
+        );
+    }
     let record = config.record.clone();
     // A panicking policy records: the safe side.
     let recorded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| record(parts.status)))

@@ -8,9 +8,38 @@ use crate::request::parse_key_str;
 #[cfg(doc)]
 use crate::IdempotencyLayer;
 
-/// The path a request is keyed by: its route template if asked for and
-/// known, else the path as the client sent it.
+/// Put in a request's extensions by what runs before the layer (a proxy
+/// that compares paths in a normal form): the request is keyed by this
+/// path in place of its own (and of its route template). Its fingerprint
+/// keeps the request's own path, so two paths keyed alike with one key
+/// get `422` for the second, never the first one's replay.
+///
+/// ```
+/// let mut request = http::Request::new(());
+/// request.extensions_mut().insert(idem_http::KeyPath::new("/pay"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyPath(String);
+
+impl KeyPath {
+    /// The path to key by.
+    pub fn new(path: impl Into<String>) -> KeyPath {
+        KeyPath(path.into())
+    }
+
+    /// The path.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+/// The path a request is keyed by: a [`KeyPath`] put in front, else its
+/// route template if asked for and known, else the path as the client
+/// sent it.
 pub(crate) fn key_path(parts: &http::request::Parts, route_template: bool) -> &str {
+    if let Some(path) = parts.extensions.get::<KeyPath>() {
+        return path.as_str();
+    }
     #[cfg(feature = "axum")]
     if route_template {
         if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {

@@ -3,7 +3,6 @@
 
 use std::fmt;
 use std::sync::Arc;
-#[cfg(feature = "postgres")]
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -17,6 +16,7 @@ use idem_core::{
 use crate::request::{is_forbidden_key_header, ForbiddenHeaderName, IDEMPOTENCY_KEY};
 use crate::response::{box_response, default_record_status, BoxError, LayerBody};
 use crate::service::IdempotencyService;
+use crate::DetachedTasks;
 use crate::Problem;
 #[cfg(doc)]
 use crate::{request_key, ProblemKind};
@@ -109,6 +109,9 @@ pub(crate) struct Config<S: ?Sized, C> {
     pub(crate) methods: Vec<Method>,
     pub(crate) max_body_bytes: usize,
     pub(crate) max_response_bytes: usize,
+    /// The most a `409`'s `Retry-After` says (the lease's remaining time
+    /// below it).
+    pub(crate) max_retry_after: Duration,
     /// What of a body its fingerprint covers (default the whole body).
     pub(crate) fingerprint: PayloadFingerprint,
     pub(crate) detached: bool,
@@ -124,6 +127,8 @@ pub(crate) struct Config<S: ?Sized, C> {
     /// ([`finish_later`](crate::finishing::finish_later)); shared by the
     /// layer's clones.
     pub(crate) finishing: Arc<FinishingKeys>,
+    /// The detached runs and finishers still going; shared by the clones.
+    pub(crate) tasks: DetachedTasks,
     /// The in-transaction form's settings, when it is on.
     #[cfg(feature = "postgres")]
     pub(crate) tx: Option<Arc<crate::in_tx::TxMode<C>>>,
@@ -138,6 +143,7 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             methods: self.methods.clone(),
             max_body_bytes: self.max_body_bytes,
             max_response_bytes: self.max_response_bytes,
+            max_retry_after: self.max_retry_after,
             fingerprint: self.fingerprint.clone(),
             detached: self.detached,
             tenant: self.tenant.clone(),
@@ -148,6 +154,7 @@ impl<S: ?Sized, C> Clone for Config<S, C> {
             route_template: self.route_template,
             on_replay: self.on_replay.clone(),
             finishing: self.finishing.clone(),
+            tasks: self.tasks.clone(),
             render: self.render.clone(),
             #[cfg(feature = "postgres")]
             tx: self.tx.clone(),
@@ -226,6 +233,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 methods: vec![Method::POST, Method::PATCH],
                 max_body_bytes: 1 << 20,
                 max_response_bytes: 1 << 20,
+                max_retry_after: Duration::MAX,
                 fingerprint: PayloadFingerprint::Whole,
                 detached: true,
                 tenant: None,
@@ -237,6 +245,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 on_replay: None,
                 render: None,
                 finishing,
+                tasks: DetachedTasks::default(),
                 #[cfg(feature = "postgres")]
                 tx: None,
             }),
@@ -406,6 +415,19 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
         self.edit(|c| c.max_response_bytes = max)
     }
 
+    /// The most the `Retry-After` of a `409` ("a request with this key is
+    /// running") says (default: no limit). Without it, `Retry-After` is the
+    /// running request's remaining lease, when another request may take
+    /// the key over: with the heartbeat on, most of the lease (60 s by
+    /// default), while the answer usually comes much sooner. An API whose
+    /// requests take a second or less is better served by
+    /// `max_retry_after(Duration::from_secs(1))`: the client asks again
+    /// then and gets the replay (or another `409`). `Retry-After` is in
+    /// whole seconds, at least 1.
+    pub fn max_retry_after(self, max: Duration) -> Self {
+        self.edit(|c| c.max_retry_after = max)
+    }
+
     /// Whether the handler runs detached (default `true`): acquisition,
     /// handler and recording run in a spawned task that the request only
     /// awaits, so a client that disconnects (or times out) does not cut the
@@ -421,6 +443,14 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// the handler again.
     pub fn detached(self, detached: bool) -> Self {
         self.edit(|c| c.detached = detached)
+    }
+
+    /// The detached tasks of this layer and its clones: a graceful
+    /// shutdown awaits [`DetachedTasks::idle`] after its connections
+    /// ended, so that runs whose clients went away, and responses still
+    /// being recorded, finish before the process exits.
+    pub fn detached_tasks(&self) -> DetachedTasks {
+        self.config.tasks.clone()
     }
 
     /// Who is calling, from the request head (an API key, the subject of a

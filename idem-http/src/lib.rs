@@ -120,6 +120,7 @@
 #![deny(missing_docs)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod detached;
 mod fingerprint;
 mod finishing;
 #[cfg(feature = "postgres")]
@@ -144,15 +145,17 @@ pub use http;
 pub use tower;
 
 // The crate docs link to it.
+pub use detached::DetachedTasks;
+pub use fingerprint::FingerprintExtra;
 #[cfg(doc)]
 use idem_core::Idempotency;
 #[cfg(feature = "postgres")]
 pub use idem_core::{TxEnded, TxGuard};
 #[cfg(feature = "postgres")]
 pub use in_tx::{RequestTx, DEFAULT_TRANSACTION_WAIT};
-pub use key::{request_key, RequestKeyError};
+pub use key::{request_key, KeyPath, RequestKeyError};
 pub use layer::IdempotencyLayer;
 pub use problem::{Problem, ProblemKind};
 pub use request::{ForbiddenHeaderName, IDEMPOTENCY_KEY, MAX_KEY_LEN};
 pub use response::{default_record_status, BoxError, LayerBody, IDEMPOTENT_REPLAYED};
-pub use service::IdempotencyService;
+pub use service::{IdempotencyService, NotReplayable, NothingHappened};

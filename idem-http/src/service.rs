@@ -29,6 +29,7 @@ use crate::response::{
     box_response, full, is_event_stream, put, render, replay, BoxError, LayerBody,
 };
 use crate::tee;
+use crate::DetachedTasks;
 #[cfg(doc)]
 use crate::IdempotencyLayer;
 use crate::{Problem, ProblemKind};
@@ -314,6 +315,20 @@ where
             }
             let (parts, body) = response.into_parts();
             let body = body.map_err(Into::into).boxed_unsync();
+            // The handler says nothing happened (a proxy that could not
+            // reach its upstream): released, whatever the status.
+            if parts.extensions.get::<NothingHappened>().is_some() {
+                let status = parts.status;
+                put(&live, Response::from_parts(parts, body));
+                return Err(NotRecorded::Status(status));
+            }
+            // The handler says its effects may have happened but its
+            // answer is not theirs: completed "not replayable".
+            if let Some(marker) = parts.extensions.get::<NotReplayable>() {
+                let why = marker.reason().to_owned();
+                put(&live, Response::from_parts(parts, body));
+                return Ok(Outcome::NotRecordable(why));
+            }
             // The handler ran: if the policy itself panics, record (the
             // safe side: a release could run the handler twice).
             let recorded =
@@ -395,14 +410,24 @@ where
         // stop the recording of what its handler did.
         let (idem, finishing, run_key) =
             (config.idem.clone(), config.finishing.clone(), key.clone());
+        let tasks = config.tasks.clone();
+        let counted = tasks.start();
         let task = async move {
+            let _counted = counted;
             let run = match idem
                 .process_with(&run_key, Some(fingerprint), handler)
                 .await
             {
                 Err(IdemError::Unrecorded(unrecorded)) => {
                     let cause = unrecorded.cause().to_string();
-                    finish_in_background(&finishing, &idem, run_key, fingerprint, unrecorded);
+                    finish_in_background(
+                        &finishing,
+                        &tasks,
+                        &idem,
+                        run_key,
+                        fingerprint,
+                        unrecorded,
+                    );
                     Run::Finishing { cause }
                 }
                 outcome => Run::Done(outcome),
@@ -456,6 +481,7 @@ where
                 let cause = unrecorded.cause().to_string();
                 finish_in_background(
                     &config.finishing,
+                    &config.tasks,
                     &config.idem,
                     key.clone(),
                     fingerprint,
@@ -539,9 +565,8 @@ where
         Err(IdemError::WaitTimeout { .. }) => {
             Problem::new(ProblemKind::InProgress).with_retry_after(Duration::from_secs(1))
         }
-        Err(IdemError::InProgress { retry_after, .. }) => {
-            Problem::new(ProblemKind::InProgress).with_retry_after(retry_after)
-        }
+        Err(IdemError::InProgress { retry_after, .. }) => Problem::new(ProblemKind::InProgress)
+            .with_retry_after(retry_after.min(config.max_retry_after)),
         Err(IdemError::PayloadMismatch) => Problem::new(ProblemKind::Mismatch),
         Err(IdemError::Store(e)) if e.is_retryable() => {
             tracing::warn!(error = %e, key = %key, "idempotency layer: the store is unavailable");
@@ -560,6 +585,60 @@ where
 /// the request through.
 #[derive(Clone, Debug, Default)]
 pub(crate) struct HeldByLayers(pub(crate) Vec<IdempotencyKey>);
+
+/// Put in a response's extensions by a handler whose effects may have
+/// happened although its answer does not say what they were (a proxy whose
+/// upstream timed out, or whose connection broke after the request was
+/// sent). Whatever its status, the layer never records this answer and
+/// never releases the key: the key is completed "not replayable", so no
+/// retry runs the handler again, and duplicates get `409 Conflict` ("the
+/// original response was not recorded"). The response still reaches the
+/// caller whose request ran.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use idem_http::NotReplayable;
+///
+/// let mut response = Response::new(String::from("the upstream did not answer in time"));
+/// *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+/// response
+///     .extensions_mut()
+///     .insert(NotReplayable::new("the upstream timed out after the request was sent"));
+/// # let _ = response;
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NotReplayable(String);
+
+impl NotReplayable {
+    /// A marker saying why the answer is not the effects' own.
+    pub fn new(reason: impl Into<String>) -> Self {
+        NotReplayable(reason.into())
+    }
+
+    /// Why the answer is not recorded.
+    pub fn reason(&self) -> &str {
+        &self.0
+    }
+}
+
+/// Put in a response's extensions by a handler that did nothing: no
+/// effect happened (a proxy that could not connect to its upstream, so
+/// the request was never sent). Whatever its status, the layer releases
+/// the key and records nothing, so a retry runs the handler. Never put it
+/// on an answer after effects may have started: that retry would run them
+/// again.
+///
+/// ```
+/// use http::{Response, StatusCode};
+/// use idem_http::NothingHappened;
+///
+/// let mut response = Response::new(String::from("the upstream cannot be reached"));
+/// *response.status_mut() = StatusCode::BAD_GATEWAY;
+/// response.extensions_mut().insert(NothingHappened);
+/// # let _ = response;
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NothingHappened;
 
 /// Marks a response an idem layer made itself (a problem: 400, 409,
 /// 422...), so that a layer further out never records it.
@@ -597,6 +676,7 @@ impl<T, E> Run<T, E> {
 /// 409 "not recorded" for the retention).
 fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
     finishing: &Arc<FinishingKeys>,
+    tasks: &DetachedTasks,
     idem: &Idempotency<S, C>,
     key: IdempotencyKey,
     fingerprint: Fingerprint,
@@ -604,6 +684,7 @@ fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
 ) {
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
+            let counted = tasks.start();
             let guard = finishing.hold(key.clone(), Some(fingerprint));
             let (idem, finishing) = (idem.clone(), finishing.clone());
             runtime.spawn(async move {
@@ -614,6 +695,7 @@ fn finish_in_background<S: IdempotencyStore + ?Sized, C: Codec>(
                         .insert(key, Some(fingerprint), retention);
                 }
                 drop(guard);
+                drop(counted);
             });
         }
         Err(_) => {

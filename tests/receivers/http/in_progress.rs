@@ -258,3 +258,72 @@ async fn a_request_waiting_on_a_key_being_finished_gets_its_replay_never_a_secon
         second.body
     );
 }
+
+/// `Retry-After` on a 409 is the running request's remaining lease (most
+/// of the 60 s default, the heartbeat renewing it) unless the layer caps
+/// it: with `max_retry_after(1 s)` it says 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_is_the_remaining_lease_unless_capped() {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let handler = {
+        let gate = gate.clone();
+        move || async move {
+            let _ = started_tx.send(());
+            // One permit lets one run end (it is not given back).
+            if let Ok(permit) = gate.acquire().await {
+                permit.forget();
+            }
+            StatusCode::CREATED
+        }
+    };
+    let store = pg_store().await;
+    let router = Router::new().route("/slow", post(handler));
+    let uncapped = spawn_server(
+        router
+            .clone()
+            .layer(layer_on(Idempotency::new(store.clone()))),
+    )
+    .await;
+    let capped = spawn_server(router.layer(
+        layer_on(Idempotency::new(store)).max_retry_after(std::time::Duration::from_secs(1)),
+    ))
+    .await;
+    let body = json!({ "amount": 1 });
+    let key = format!("retry-after-{:08x}", fastrand::u32(..));
+    for (url, key, want) in [
+        (uncapped, format!("{key}-a"), None),
+        (capped, format!("{key}-b"), Some("1")),
+    ] {
+        let url = format!("{url}/slow");
+        let first = {
+            let (url, key, body) = (url.clone(), key.clone(), body.clone());
+            tokio::spawn(async move { post_json(&url, Some(&key), "t1", &body).await })
+        };
+        started_rx
+            .recv()
+            .await
+            .unwrap_or_else(|| panic!("the handler started"));
+        let r = post_json(&url, Some(&key), "t1", &body).await;
+        assert_eq!(r.status, 409, "{:?}", r.body);
+        let after = r
+            .headers
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_else(|| panic!("409 says when to retry"))
+            .to_owned();
+        match want {
+            Some(want) => assert_eq!(after, want, "capped"),
+            None => {
+                let seconds: u64 = after.parse().unwrap_or_else(|e| panic!("{after}: {e}"));
+                assert!(
+                    (50..=60).contains(&seconds),
+                    "the remaining lease: {seconds}"
+                );
+            }
+        }
+        gate.add_permits(1);
+        let done = first.await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(done.status, 201);
+    }
+}

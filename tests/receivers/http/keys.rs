@@ -804,3 +804,40 @@ async fn a_body_that_repeats_a_name_on_the_way_to_a_part_is_not_another_bodys_re
     );
     assert_eq!(second.status, 422);
 }
+
+/// A `KeyPath` put in front of the layer (what `idem proxy` does with a
+/// path in its normal form) keys two paths alike: the same key on the
+/// other path finds the record and gets 422 (the fingerprint keeps each
+/// request's own path), never the other path's replay nor a second run;
+/// the first path's retry is its replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_path_put_in_front_keys_two_paths_alike_and_the_fingerprint_tells_them_apart() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let layer = layer_on(Idempotency::new(pg_store().await));
+    let key_path = tower::util::MapRequestLayer::new(|mut request: axum::extract::Request| {
+        request
+            .extensions_mut()
+            .insert(idemkit::http::KeyPath::new("/one-key"));
+        request
+    });
+    let url = spawn_server(
+        Router::new()
+            .route("/a", counting_route(&runs))
+            .route("/b", counting_route(&runs))
+            .layer(layer)
+            .layer(key_path),
+    )
+    .await;
+    let (a, b) = (format!("{url}/a"), format!("{url}/b"));
+    let first = post_raw(&a, "kp-1", Some("t1"), "application/json", "{}").await;
+    assert_eq!(first.status, 201);
+    let other = post_raw(&b, "kp-1", Some("t1"), "application/json", "{}").await;
+    assert_eq!(other.status, 422, "another path under one key path");
+    let again = post_raw(&a, "kp-1", Some("t1"), "application/json", "{}").await;
+    assert!(again.replayed(), "{}", again.status);
+    assert_eq!(again.body, first.body);
+    // Another tenant is another key, whatever the key path.
+    let t2 = post_raw(&b, "kp-1", Some("t2"), "application/json", "{}").await;
+    assert_eq!((t2.status, t2.replayed()), (201, false));
+    assert_eq!(runs.load(Ordering::SeqCst), 2);
+}

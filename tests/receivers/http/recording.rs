@@ -601,3 +601,64 @@ async fn a_response_that_varies_is_replayed_only_to_a_request_that_matches_it() 
     assert_eq!((first.status, again.status), (201, 409));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// Markers a handler puts on its response decide over the status:
+/// `NothingHappened` releases a 201 (the retry runs), `NotReplayable`
+/// completes a 200 "not replayable" (the retry gets 409, never a run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_markers_release_or_complete_whatever_the_status() {
+    use axum::response::IntoResponse;
+    let runs = Arc::new(AtomicU64::new(0));
+    let marked = |nothing: bool| {
+        let runs = runs.clone();
+        post(move || {
+            let runs = runs.clone();
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let mut response = if nothing {
+                    StatusCode::CREATED.into_response()
+                } else {
+                    StatusCode::OK.into_response()
+                };
+                if nothing {
+                    response
+                        .extensions_mut()
+                        .insert(idemkit::http::NothingHappened);
+                } else {
+                    response
+                        .extensions_mut()
+                        .insert(idemkit::http::NotReplayable::new(
+                            "the effects' answer is lost",
+                        ));
+                }
+                response
+            }
+        })
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/nothing", marked(true))
+            .route("/lost", marked(false))
+            .layer(layer_on(Idempotency::new(pg_store().await))),
+    )
+    .await;
+    let nothing = format!("{url}/nothing");
+    for run in 1..=2 {
+        let r = post_raw(&nothing, "m-1", Some("t1"), "application/json", "{}").await;
+        assert_eq!((r.status, r.replayed()), (201, false), "run {run}");
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "released: the retry ran");
+    let lost = format!("{url}/lost");
+    let r = post_raw(&lost, "m-2", Some("t1"), "application/json", "{}").await;
+    assert_eq!(r.status, 200);
+    let mut retry = post_raw(&lost, "m-2", Some("t1"), "application/json", "{}").await;
+    for _ in 0..100 {
+        if retry.headers.get("retry-after").is_none() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        retry = post_raw(&lost, "m-2", Some("t1"), "application/json", "{}").await;
+    }
+    assert_eq!(retry.status, 409, "not replayable");
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "never run again");
+}
