@@ -13,6 +13,7 @@
 //! retry may help), 4 any other error.
 #![deny(missing_docs)]
 
+mod proxy;
 mod render;
 mod store;
 
@@ -153,6 +154,11 @@ enum Command {
     },
     /// Print the key the HTTP layer records a request under.
     HttpKey(HttpKeyArgs),
+    /// Run the Idempotency-Key reverse proxy in front of an HTTP upstream
+    /// (any language): `idem proxy --upstream http://127.0.0.1:8000 --store
+    /// redis://127.0.0.1:6379/`. Runs until SIGTERM or SIGINT, then
+    /// finishes and records the requests in flight.
+    Proxy(Box<idem_proxy::ProxyArgs>),
 }
 
 /// A key: `SCOPE ID`, or the HTTP layer's key of a request.
@@ -343,7 +349,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             Command::Purge { max } => stores.purge(*max, json).await,
             Command::Migrate => stores.migrate(json).await,
             Command::Stats { scan_max } => stores.stats(*scan_max, json).await,
-            Command::HttpKey(_) => Err(Failure::Other("unreachable".into())),
+            Command::HttpKey(_) | Command::Proxy(_) => Err(Failure::Other("unreachable".into())),
         }
     };
     // Bounds everything, connecting included: a store that accepts
@@ -365,6 +371,16 @@ fn main() {
             let _ = e.print();
             std::process::exit(if e.use_stderr() { 2 } else { 0 });
         }
+    };
+    let cli = match cli.command {
+        Command::Proxy(args) => match proxy::run(*args) {
+            Ok(()) => std::process::exit(0),
+            Err(failure) => {
+                eprintln!("idem proxy: {}", failure.message());
+                std::process::exit(failure.code());
+            }
+        },
+        command => Cli { command, ..cli },
     };
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -21,6 +21,10 @@ use crate::{Backend, Failure, StoreArgs};
 pub(crate) struct Stores {
     kind: Kind,
     timeout: Duration,
+    /// The Redis backend: its URL and the invalidation channel, on which a
+    /// delete is published for the in-process (moka) tiers of proxies and
+    /// applications over that Redis.
+    channel: Option<(String, String)>,
 }
 
 /// How many Redis key names a "not found" reads to find the scopes
@@ -128,6 +132,36 @@ async fn cluster_connection(
 }
 
 impl Stores {
+    /// Publishes a delete on the Redis backend's invalidation channel:
+    /// every in-process tier subscribed to it (a proxy's `--cache moka`)
+    /// drops the key and refuses every record of it until its tombstone
+    /// ends.
+    async fn publish_delete(&self, key: &IdempotencyKey) -> Result<(), Failure> {
+        use idem_tiered::InvalidationChannel as _;
+        let Some((url, channel)) = &self.channel else {
+            return Ok(());
+        };
+        let unpublished = |e: CacheError| {
+            Failure::Unavailable(format!(
+                "{e}: the record is deleted, but the delete could not be published on {channel}: \
+                 an in-process tier may still replay the key; run the delete again"
+            ))
+        };
+        let publisher = tokio::time::timeout(self.timeout, async {
+            let publisher = RedisInvalidation::connect(url)
+                .await?
+                .channel(channel.clone());
+            publisher.publish(key, u64::MAX).await
+        })
+        .await;
+        match publisher {
+            Ok(result) => result.map_err(unpublished),
+            Err(_) => Err(unpublished(CacheError::Unavailable(
+                "the invalidation channel did not answer in time".into(),
+            ))),
+        }
+    }
+
     /// Picks the backend (explicit, or the only store configured) and
     /// connects to it.
     pub(crate) async fn connect(args: &StoreArgs, timeout: Duration) -> Result<Self, Failure> {
@@ -220,7 +254,15 @@ impl Stores {
                 }))
             }
         };
-        Ok(Stores { kind, timeout })
+        let channel = match (&kind, &args.redis_url) {
+            (Kind::Redis(_), Some(url)) => Some((url.clone(), args.channel.clone())),
+            _ => None,
+        };
+        Ok(Stores {
+            kind,
+            timeout,
+            channel,
+        })
     }
 
     fn backend_name(&self) -> &'static str {
@@ -405,7 +447,13 @@ impl Stores {
         }
         let (deleted, tiers) = match &self.kind {
             Kind::Postgres(s) => (checked_delete!(s), vec!["postgres"]),
-            Kind::Redis(s) => (checked_delete!(s), vec!["redis"]),
+            Kind::Redis(s) => {
+                let deleted = checked_delete!(s);
+                if deleted {
+                    self.publish_delete(key).await?;
+                }
+                (deleted, vec!["redis", "invalidation channel"])
+            }
             Kind::Cluster(s) => (checked_delete!(s), vec!["redis-cluster"]),
             Kind::Tiered(t) => {
                 let cached = t.cache.entry(key).await?.present;

@@ -5,9 +5,13 @@
 
 // The facade's test support; its `feature = "postgres"` gate is the
 // facade's feature (off here: that module is not needed).
-#[path = "../../tests/support/mod.rs"]
+#[path = "../../../tests/support/mod.rs"]
 #[allow(unexpected_cfgs)]
 mod support;
+
+// `idem proxy` against a real upstream (tests/cli/proxy/upstream.py) and
+// real stores.
+mod proxy;
 
 use std::process::{Command, Output};
 use std::time::{Duration, Instant, SystemTime};
@@ -1122,7 +1126,9 @@ async fn redis_delete_without_force_never_deletes_a_lease_extended_after_its_che
     let mut admin = redis_conn().await;
     let _: String = redis::cmd("SCRIPT")
         .arg("LOAD")
-        .arg(include_str!("../../idem-redis/scripts/delete_if_token.lua"))
+        .arg(include_str!(
+            "../../../idem-redis/scripts/delete_if_token.lua"
+        ))
         .query_async(&mut admin)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
