@@ -68,190 +68,206 @@ fn invalid(option: &'static str, reason: impl Into<String>) -> ConfigError {
     }
 }
 
-/// The options of `idem proxy`: flags, or keys of a TOML file with `_` for
-/// `-`. Each is optional here; [`ProxyArgs::settings`] applies the
-/// defaults and checks them.
-#[derive(Debug, Clone, Default, Deserialize, clap::Args)]
-#[serde(deny_unknown_fields)]
-#[non_exhaustive]
-pub struct ProxyArgs {
-    /// A TOML file with any of these options (`max_body_bytes = 65536`);
-    /// flags given win over it.
-    #[arg(long)]
-    #[serde(skip)]
-    pub config: Option<PathBuf>,
-    /// Address to listen on [default: 127.0.0.1:8080]; port 0 picks one
-    /// (the line `idem proxy: listening on ...` says which).
-    #[arg(long)]
-    pub listen: Option<String>,
-    /// The upstream every request goes to: `http://host:port`, optionally
-    /// with a base path that prefixes every request's path.
-    #[arg(long)]
-    pub upstream: Option<String>,
-    /// Speak HTTP/2 to the upstream with prior knowledge (h2c) instead of
-    /// HTTP/1.1.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub upstream_http2: Option<bool>,
-    /// The bound on one upstream call, head and body [default: 60s]. A
-    /// protected request past it gets 504 and its key is completed "not
-    /// replayable" (the upstream may have acted): it never runs again.
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub upstream_timeout: Option<String>,
-    /// Connections kept idle per upstream host [default: 256].
-    #[arg(long)]
-    pub upstream_idle_connections: Option<usize>,
-    /// How long an idle upstream connection is kept [default: 4s]. Keep it
-    /// below the upstream's own keep-alive timeout (Node's is 5 s): a
-    /// request sent on a connection the upstream is closing breaks, and a
-    /// protected one is then completed "not replayable".
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub upstream_idle_timeout: Option<String>,
-    /// The store: `memory`, `redis://...`, `rediss://...`,
-    /// `redis+cluster://host:port,host:port`, `postgres://...` or
-    /// `dynamodb://TABLE?region=...&endpoint=...`.
-    #[arg(long)]
-    pub store: Option<String>,
-    /// A cache tier in front of the store, fastest first: `moka` (in this
-    /// process) or `redis://...`; the store stays the source of truth.
-    #[arg(long)]
-    pub cache: Option<Vec<String>>,
-    /// Run the PostgreSQL migrations at start [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub migrate: Option<bool>,
-    /// PostgreSQL: the connections the store keeps for its calls
-    /// [default: 4], 1 to 10000; concurrent calls share them in batches.
-    #[arg(long)]
-    pub store_connections: Option<usize>,
-    /// The scope of the keys [default: http].
-    #[arg(long)]
-    pub scope: Option<String>,
-    /// How long a request holds its key before another may take it over
-    /// (renewed while the upstream works) [default: 60s].
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub lease: Option<String>,
-    /// How long a recorded answer is replayed [default: 24h].
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub retention: Option<String>,
-    /// A duplicate of a request still running waits up to this for its
-    /// answer instead of getting 409 at once [default: 0s, no wait].
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub wait: Option<String>,
-    /// The most the `Retry-After` of a 409 says [default: 1s]; the
-    /// running request's remaining lease when that is shorter.
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub retry_after: Option<String>,
-    /// The header carrying the client's key [default: Idempotency-Key].
-    #[arg(long)]
-    pub key_header: Option<String>,
-    /// A protected request without a key passes through unprotected
-    /// instead of getting 400.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub optional_key: Option<bool>,
-    /// The largest request body of a protected request [default: 1048576];
-    /// larger ones get 413 before anything runs.
-    #[arg(long)]
-    pub max_body_bytes: Option<usize>,
-    /// The largest response body recorded [default: 1048576]; a longer one
-    /// streams whole to its caller and its key is completed "not
-    /// replayable".
-    #[arg(long)]
-    pub max_response_bytes: Option<usize>,
-    /// Statuses of the upstream that release the key instead of being
-    /// recorded [default: 401,408,425,429,502,503,504].
-    #[arg(long, value_delimiter = ',')]
-    pub release_status: Option<Vec<u16>>,
-    /// Only these JSON pointers of a JSON body count in its fingerprint
-    /// (repeat the flag); the whole body counts when none is given.
-    #[arg(long)]
-    pub fingerprint_pointer: Option<Vec<String>>,
-    /// A protected route: `METHODS PREFIX` (`POST,PATCH /payments`, `*
-    /// /orders`) or a prefix alone (POST and PATCH) [default: `POST,PATCH
-    /// /`]. The first rule that matches wins; a request no rule matches is
-    /// passed through.
-    #[arg(long)]
-    pub protect: Option<Vec<String>>,
-    /// A path prefix passed through untouched, whatever the method; checked
-    /// before the protected routes.
-    #[arg(long)]
-    pub pass: Option<Vec<String>>,
-    /// The tenant is this request header's value (an API key; hashed before
-    /// it is stored).
-    #[arg(long)]
-    pub tenant_header: Option<String>,
-    /// The tenant is the issuer and subject of the bearer JWT in
-    /// `Authorization`, read without verifying the token.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub tenant_jwt: Option<bool>,
-    /// The tenant is the client certificate (its SHA-256), with TLS
-    /// terminated here and `--tls-client-ca`.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub tenant_client_cert: Option<bool>,
-    /// Requests without a tenant share one key space instead of getting
-    /// 401.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub allow_anonymous: Option<bool>,
-    /// The header that carries the acquisition's fence to the upstream
-    /// [default: idem-fence]; a client's own is removed.
-    #[arg(long)]
-    pub fence_header: Option<String>,
-    /// The header that carries the acquisition's attempt to the upstream
-    /// [default: idem-attempt]; a client's own is removed.
-    #[arg(long)]
-    pub attempt_header: Option<String>,
-    /// The most protected requests running on the upstream at once,
-    /// those whose clients went away included [default: 4096]; past it a
-    /// protected request gets 503 with Retry-After, nothing sent.
-    #[arg(long)]
-    pub max_running: Option<usize>,
-    /// How long a protected request's body has to arrive whole
-    /// [default: 60s]; a slower one gets 400, nothing sent.
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub body_timeout: Option<String>,
-    /// How long a client has to send a request head whole, and a new
-    /// connection its first request [default: 30s]; slower ones are cut.
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub header_timeout: Option<String>,
-    /// How long a shutdown waits for requests in flight to end and be
-    /// recorded [default: 30s].
-    #[arg(long)]
-    #[serde(default, deserialize_with = "duration_text")]
-    pub shutdown_wait: Option<String>,
-    /// Log lines as `text` or `json` [default: text].
-    #[arg(long)]
-    pub log_format: Option<String>,
-    /// The proxy's own health path [default: /healthz]; empty to forward it.
-    #[arg(long)]
-    pub health_path: Option<String>,
-    /// The proxy's Prometheus metrics path [default: /metrics]; empty to
-    /// forward it.
-    #[arg(long)]
-    pub metrics_path: Option<String>,
-    /// Terminate TLS here: the server certificate chain (PEM).
-    #[arg(long)]
-    pub tls_cert: Option<PathBuf>,
-    /// The server certificate's private key (PEM).
-    #[arg(long)]
-    pub tls_key: Option<PathBuf>,
-    /// Require client certificates signed by this CA (PEM).
-    #[arg(long)]
-    pub tls_client_ca: Option<PathBuf>,
-}
+/// Declares [`ProxyArgs`] and its overlay from one list of options, so an
+/// option is spelled once here and once in [`Settings`].
+macro_rules! options {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident {
+            $( $(#[$field_meta:meta])* pub $field:ident : $ty:ty, )*
+        }
+    ) => {
+        $(#[$meta])*
+        pub struct $name {
+            $( $(#[$field_meta])* pub $field: $ty, )*
+        }
 
-macro_rules! overlay {
-    ($flags:ident, $file:ident, $($field:ident),* $(,)?) => {
-        ProxyArgs {
-            config: $flags.config.clone(),
-            $($field: $flags.$field.clone().or($file.$field),)*
+        impl $name {
+            /// Each option of `self` where it is given, else `under`'s.
+            fn over(self, under: $name) -> $name {
+                $name { $( $field: self.$field.or(under.$field), )* }
+            }
         }
     };
+}
+
+options! {
+    /// The options of `idem proxy`: flags, or keys of a TOML file with `_` for
+    /// `-`. Each is optional here; [`ProxyArgs::settings`] applies the
+    /// defaults and checks them.
+    #[derive(Debug, Clone, Default, Deserialize, clap::Args)]
+    #[serde(deny_unknown_fields)]
+    #[non_exhaustive]
+    pub struct ProxyArgs {
+        /// A TOML file with any of these options (`max_body_bytes = 65536`);
+        /// flags given win over it.
+        #[arg(long)]
+        #[serde(skip)]
+        pub config: Option<PathBuf>,
+        /// Address to listen on [default: 127.0.0.1:8080]; port 0 picks one
+        /// (the line `idem proxy: listening on ...` says which).
+        #[arg(long)]
+        pub listen: Option<String>,
+        /// The upstream every request goes to: `http://host:port`, optionally
+        /// with a base path that prefixes every request's path.
+        #[arg(long)]
+        pub upstream: Option<String>,
+        /// Speak HTTP/2 to the upstream with prior knowledge (h2c) instead of
+        /// HTTP/1.1.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub upstream_http2: Option<bool>,
+        /// The bound on one upstream call, head and body [default: 60s]. A
+        /// protected request past it gets 504 and its key is completed "not
+        /// replayable" (the upstream may have acted): it never runs again.
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub upstream_timeout: Option<String>,
+        /// Connections kept idle per upstream host [default: 256].
+        #[arg(long)]
+        pub upstream_idle_connections: Option<usize>,
+        /// How long an idle upstream connection is kept [default: 4s]. Keep it
+        /// below the upstream's own keep-alive timeout (Node's is 5 s): a
+        /// request sent on a connection the upstream is closing breaks, and a
+        /// protected one is then completed "not replayable".
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub upstream_idle_timeout: Option<String>,
+        /// The store: `memory`, `redis://...`, `rediss://...`,
+        /// `redis+cluster://host:port,host:port`, `postgres://...` or
+        /// `dynamodb://TABLE?region=...&endpoint=...`.
+        #[arg(long)]
+        pub store: Option<String>,
+        /// A cache tier in front of the store, fastest first: `moka` (in this
+        /// process) or `redis://...`; the store stays the source of truth.
+        #[arg(long)]
+        pub cache: Option<Vec<String>>,
+        /// Run the PostgreSQL migrations at start [default: true].
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub migrate: Option<bool>,
+        /// PostgreSQL: the connections the store keeps for its calls
+        /// [default: 4], 1 to 10000; concurrent calls share them in batches.
+        #[arg(long)]
+        pub store_connections: Option<usize>,
+        /// The scope of the keys [default: http].
+        #[arg(long)]
+        pub scope: Option<String>,
+        /// How long a request holds its key before another may take it over
+        /// (renewed while the upstream works) [default: 60s].
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub lease: Option<String>,
+        /// How long a recorded answer is replayed [default: 24h].
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub retention: Option<String>,
+        /// A duplicate of a request still running waits up to this for its
+        /// answer instead of getting 409 at once [default: 0s, no wait].
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub wait: Option<String>,
+        /// The most the `Retry-After` of a 409 says [default: 1s]; the
+        /// running request's remaining lease when that is shorter.
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub retry_after: Option<String>,
+        /// The header carrying the client's key [default: Idempotency-Key].
+        #[arg(long)]
+        pub key_header: Option<String>,
+        /// A protected request without a key passes through unprotected
+        /// instead of getting 400.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub optional_key: Option<bool>,
+        /// The largest request body of a protected request [default: 1048576];
+        /// larger ones get 413 before anything runs.
+        #[arg(long)]
+        pub max_body_bytes: Option<usize>,
+        /// The largest response body recorded [default: 1048576]; a longer one
+        /// streams whole to its caller and its key is completed "not
+        /// replayable".
+        #[arg(long)]
+        pub max_response_bytes: Option<usize>,
+        /// Statuses of the upstream that release the key instead of being
+        /// recorded [default: 401,408,425,429,502,503,504].
+        #[arg(long, value_delimiter = ',')]
+        pub release_status: Option<Vec<u16>>,
+        /// Only these JSON pointers of a JSON body count in its fingerprint
+        /// (repeat the flag); the whole body counts when none is given.
+        #[arg(long)]
+        pub fingerprint_pointer: Option<Vec<String>>,
+        /// A protected route: `METHODS PREFIX` (`POST,PATCH /payments`, `*
+        /// /orders`) or a prefix alone (POST and PATCH) [default: `POST,PATCH
+        /// /`]. The first rule that matches wins; a request no rule matches is
+        /// passed through.
+        #[arg(long)]
+        pub protect: Option<Vec<String>>,
+        /// A path prefix passed through untouched, whatever the method; checked
+        /// before the protected routes.
+        #[arg(long)]
+        pub pass: Option<Vec<String>>,
+        /// The tenant is this request header's value (an API key; hashed before
+        /// it is stored).
+        #[arg(long)]
+        pub tenant_header: Option<String>,
+        /// The tenant is the issuer and subject of the bearer JWT in
+        /// `Authorization`, read without verifying the token.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub tenant_jwt: Option<bool>,
+        /// The tenant is the client certificate (its SHA-256), with TLS
+        /// terminated here and `--tls-client-ca`.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub tenant_client_cert: Option<bool>,
+        /// Requests without a tenant share one key space instead of getting
+        /// 401.
+        #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+        pub allow_anonymous: Option<bool>,
+        /// The header that carries the acquisition's fence to the upstream
+        /// [default: idem-fence]; a client's own is removed.
+        #[arg(long)]
+        pub fence_header: Option<String>,
+        /// The header that carries the acquisition's attempt to the upstream
+        /// [default: idem-attempt]; a client's own is removed.
+        #[arg(long)]
+        pub attempt_header: Option<String>,
+        /// The most protected requests running on the upstream at once,
+        /// those whose clients went away included [default: 4096]; past it a
+        /// protected request gets 503 with Retry-After, nothing sent.
+        #[arg(long)]
+        pub max_running: Option<usize>,
+        /// How long a protected request's body has to arrive whole
+        /// [default: 60s]; a slower one gets 400, nothing sent.
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub body_timeout: Option<String>,
+        /// How long a client has to send a request head whole, and a new
+        /// connection its first request [default: 30s]; slower ones are cut.
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub header_timeout: Option<String>,
+        /// How long a shutdown waits for requests in flight to end and be
+        /// recorded [default: 30s].
+        #[arg(long)]
+        #[serde(default, deserialize_with = "duration_text")]
+        pub shutdown_wait: Option<String>,
+        /// Log lines as `text` or `json` [default: text].
+        #[arg(long)]
+        pub log_format: Option<String>,
+        /// The proxy's own health path [default: /healthz]; empty to forward it.
+        #[arg(long)]
+        pub health_path: Option<String>,
+        /// The proxy's Prometheus metrics path [default: /metrics]; empty to
+        /// forward it.
+        #[arg(long)]
+        pub metrics_path: Option<String>,
+        /// Terminate TLS here: the server certificate chain (PEM).
+        #[arg(long)]
+        pub tls_cert: Option<PathBuf>,
+        /// The server certificate's private key (PEM).
+        #[arg(long)]
+        pub tls_key: Option<PathBuf>,
+        /// Require client certificates signed by this CA (PEM).
+        #[arg(long)]
+        pub tls_client_ca: Option<PathBuf>,
+    }
 }
 
 /// How log lines are written.
@@ -367,50 +383,7 @@ impl ProxyArgs {
             path: path.clone(),
             reason: e.to_string(),
         })?;
-        let flags = self;
-        Ok(overlay!(
-            flags,
-            file,
-            listen,
-            upstream,
-            upstream_http2,
-            upstream_timeout,
-            upstream_idle_connections,
-            upstream_idle_timeout,
-            store,
-            cache,
-            migrate,
-            store_connections,
-            scope,
-            lease,
-            retention,
-            wait,
-            retry_after,
-            key_header,
-            optional_key,
-            max_body_bytes,
-            max_response_bytes,
-            release_status,
-            fingerprint_pointer,
-            protect,
-            pass,
-            tenant_header,
-            tenant_jwt,
-            tenant_client_cert,
-            allow_anonymous,
-            fence_header,
-            attempt_header,
-            shutdown_wait,
-            header_timeout,
-            max_running,
-            body_timeout,
-            log_format,
-            health_path,
-            metrics_path,
-            tls_cert,
-            tls_key,
-            tls_client_ca,
-        ))
+        Ok(self.over(file))
     }
 
     /// The settings, with the defaults, every value checked.
