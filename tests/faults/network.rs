@@ -330,6 +330,17 @@ async fn partition_scenario(backend: Backend) {
 
     // Healed: worker 1 finishes and is told its lease was lost.
     netns.partition(netns.a, false);
+    // Worker 1's handler ends once its store answers again (its
+    // connection may need a reconnect first): the completion that follows
+    // reaches the store and is fenced, not left `Unrecorded`.
+    let back = Instant::now();
+    while store1.get(&key).await.is_err() {
+        assert!(
+            back.elapsed() < Duration::from_secs(30),
+            "worker 1's store never answered after the partition healed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     healed.notify_one();
     let late = tokio::time::timeout(Duration::from_secs(30), first)
         .await

@@ -1115,7 +1115,11 @@ async fn paused_clients(conn: &mut redis::aio::MultiplexedConnection, cmd: &str,
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
     let prefix = format!("{}:", unique("race2"));
-    let store = redis_store(&prefix).await;
+    // The holder's extend waits behind the pause while the CLI starts: on
+    // a loaded machine that is longer than the default call timeout.
+    let store = redis_store(&prefix)
+        .await
+        .call_timeout(Duration::from_secs(30));
     let k = key("orders", "k");
     let first = acquire(&store, &k, Duration::from_secs(60)).await;
     // Both scripts known to the server, so neither is reloaded after the pause.
@@ -1137,7 +1141,7 @@ async fn redis_delete_without_force_never_deletes_a_lease_extended_after_its_che
 
     let _: () = redis::cmd("CLIENT")
         .arg("PAUSE")
-        .arg(10_000)
+        .arg(30_000)
         .arg("WRITE")
         .query_async(&mut admin)
         .await
