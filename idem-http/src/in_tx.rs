@@ -95,6 +95,7 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
+    let head = parts.method == http::Method::HEAD;
     let in_progress = || {
         render(
             config,
@@ -169,7 +170,7 @@ where
         }
     };
     // The body is read here: a body that panics is the handler's panic.
-    let Ok(ran) = caught(settle(config, response, &request_headers)).await else {
+    let Ok(ran) = caught(settle(config, response, &request_headers, head)).await else {
         tracing::error!(key = %key, "idempotency layer: the response body panicked; its transaction is rolled back");
         return Ok(render(
             config,
@@ -330,6 +331,7 @@ async fn settle<S: ?Sized, C, ResBody>(
     config: &Config<S, C>,
     response: Response<ResBody>,
     request_headers: &http::HeaderMap,
+    head: bool,
 ) -> Ran
 where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
@@ -381,7 +383,10 @@ where
                 &config.skip_headers,
                 &vary,
                 request_headers,
-            );
+            )
+            .with_head_length_if(head, &parts.headers);
+            let mut parts = parts;
+            recorded::frame_by_body(&mut parts.headers, head, bytes.len());
             Ran::Record(
                 Response::from_parts(parts, full(bytes)),
                 Outcome::Recorded(copy),

@@ -63,9 +63,15 @@ const MAX_RAW_PART: usize = 64;
 /// at its first three `/`: two different requests never share an id (short
 /// of a SHA-256 collision). At most 3 × 71 + 3 + 255 = 471 bytes, under the
 /// key's 512, whatever the lengths of the path and tenant.
+///
+/// The method is keyed in upper case: `post` and `POST` with one key are
+/// one key, so where a server reads methods without regard to case a
+/// retry spelt otherwise never runs again (the fingerprint keeps the
+/// method as sent: it gets `422`).
 pub(crate) fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
     let mut id = String::with_capacity(3 * 72 + client_key.len());
-    for part in [tenant, method, path] {
+    let method = method.to_ascii_uppercase();
+    for part in [tenant, method.as_str(), path] {
         let mut escaped = String::with_capacity(part.len());
         for ch in part.chars() {
             match ch {
@@ -91,7 +97,7 @@ pub(crate) fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -
 ///
 /// `scope` is the layer's scope (default `"http"`), `tenant` what the
 /// layer's tenant function returned (`""` for anonymous use), `method` the
-/// request's, `path` the request's path as the client sent it (before any
+/// request's (in any case: `post` is keyed as `POST`), `path` the request's path as the client sent it (before any
 /// nesting stripped it, no query) or, with
 /// [`route_template(true)`](IdempotencyLayer::route_template), the route
 /// template it matched (`/accounts/{id}/transfer`; the concrete path for a

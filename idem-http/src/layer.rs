@@ -106,7 +106,8 @@ pub(crate) struct Config<S: ?Sized, C> {
     pub(crate) idem: Idempotency<S, C>,
     pub(crate) scope: String,
     pub(crate) required: bool,
-    pub(crate) methods: Vec<Method>,
+    /// The methods it applies to; `None`: every method.
+    pub(crate) methods: Option<Vec<Method>>,
     pub(crate) max_body_bytes: usize,
     pub(crate) max_response_bytes: usize,
     /// The most a `409`'s `Retry-After` says (the lease's remaining time
@@ -230,7 +231,7 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
                 idem: idem.waits_for_finishing(finishing.clone()),
                 scope: "http".to_owned(),
                 required: true,
-                methods: vec![Method::POST, Method::PATCH],
+                methods: Some(vec![Method::POST, Method::PATCH]),
                 max_body_bytes: 1 << 20,
                 max_response_bytes: 1 << 20,
                 max_retry_after: Duration::MAX,
@@ -328,7 +329,23 @@ impl<S: IdempotencyStore + ?Sized, C: Codec> IdempotencyLayer<S, C> {
     /// ```
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
-        self.edit(|c| c.methods = methods)
+        self.edit(|c| c.methods = Some(methods))
+    }
+
+    /// The layer applies to requests of every method, extension methods
+    /// (`MKCOL`, `CHARGE`) and any spelling of one included: for a front
+    /// end that has chosen which requests to protect before they reach the
+    /// layer, as `idem proxy` does with its routes.
+    ///
+    /// ```
+    /// use idem_core::{Idempotency, MemoryStore};
+    /// use idem_http::IdempotencyLayer;
+    ///
+    /// let layer = IdempotencyLayer::new(Idempotency::new(MemoryStore::new())).every_method();
+    /// # let _ = layer;
+    /// ```
+    pub fn every_method(self) -> Self {
+        self.edit(|c| c.methods = None)
     }
 
     /// The largest request body accepted (default 1 MiB); larger ones get

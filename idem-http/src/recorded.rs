@@ -80,6 +80,27 @@ fn vary_value(request: &HeaderMap, name: &str) -> Option<Blob> {
     Some(Blob(Bytes::from(format!("sha256:{digest}"))))
 }
 
+/// The framing of a body read whole: its `Content-Length` says the length
+/// of the bytes that follow (a handler's or an upstream's that says
+/// otherwise would cut the body, or leave its rest on the connection as
+/// the next answer). A `HEAD` answer keeps its own: it has no body and its
+/// length is the `GET`'s.
+pub(crate) fn frame_by_body(headers: &mut HeaderMap, head: bool, len: usize) {
+    if head {
+        return;
+    }
+    let says = headers.get(http::header::CONTENT_LENGTH);
+    if says.is_some_and(|v| v.as_bytes() != len.to_string().as_bytes())
+        || headers
+            .get_all(http::header::CONTENT_LENGTH)
+            .iter()
+            .nth(1)
+            .is_some()
+    {
+        headers.insert(http::header::CONTENT_LENGTH, http::HeaderValue::from(len));
+    }
+}
+
 impl Recorded {
     /// The copy of a response to record: `skip` and every header named in
     /// `Connection` are left out.
@@ -119,6 +140,19 @@ impl Recorded {
                 .map(|name| (name.clone(), vary_value(request, name)))
                 .collect(),
         }
+    }
+
+    /// For the answer to a `HEAD` (`head`): its `Content-Length` (left out with the
+    /// framing) is the length of the body a `GET` would get, not of its
+    /// own empty body, so it is kept and the replay says it too.
+    pub(crate) fn with_head_length_if(mut self, head: bool, headers: &HeaderMap) -> Recorded {
+        if let Some(length) = headers.get(http::header::CONTENT_LENGTH).filter(|_| head) {
+            self.headers.push((
+                http::header::CONTENT_LENGTH.as_str().to_owned(),
+                Blob(Bytes::copy_from_slice(length.as_bytes())),
+            ));
+        }
+        self
     }
 
     /// Whether `request` sends what the recorded request sent for every

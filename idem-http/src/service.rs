@@ -144,7 +144,11 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    if !config.methods.contains(request.method()) {
+    if config
+        .methods
+        .as_ref()
+        .is_some_and(|listed| !listed.contains(request.method()))
+    {
         return inner.call(request).await.map(box_response);
     }
     let (parts, body) = request.into_parts();
@@ -277,6 +281,7 @@ where
         .await;
     }
 
+    let head = parts.method == http::Method::HEAD;
     let request = Request::from_parts(parts, ReqBody::from(body));
     // The response for this caller, put here by the handler (detached, it
     // runs in another task) and taken once processing ends.
@@ -313,7 +318,7 @@ where
                 );
                 return Err(NotRecorded::Status(status));
             }
-            let (parts, body) = response.into_parts();
+            let (mut parts, body) = response.into_parts();
             let body = body.map_err(Into::into).boxed_unsync();
             // The handler says nothing happened (a proxy that could not
             // reach its upstream): released, whatever the status.
@@ -356,14 +361,17 @@ where
                             let _ = streaming.send(());
                         }
                         let outcome = match copying.await {
-                            Ok(bytes) => Outcome::Recorded(Recorded::of(
-                                status,
-                                &headers,
-                                bytes,
-                                &skip,
-                                vary.as_deref().unwrap_or_default(),
-                                &request_headers,
-                            )),
+                            Ok(bytes) => Outcome::Recorded(
+                                Recorded::of(
+                                    status,
+                                    &headers,
+                                    bytes,
+                                    &skip,
+                                    vary.as_deref().unwrap_or_default(),
+                                    &request_headers,
+                                )
+                                .with_head_length_if(head, &headers),
+                            ),
                             Err(why) => Outcome::NotRecordable(why),
                         };
                         return Ok(outcome);
@@ -376,7 +384,9 @@ where
                             &skip,
                             vary.as_deref().unwrap_or_default(),
                             &request_headers,
-                        );
+                        )
+                        .with_head_length_if(head, &parts.headers);
+                        recorded::frame_by_body(&mut parts.headers, head, bytes.len());
                         (full(bytes), Outcome::Recorded(copy))
                     }
                     Buffered::Streamed { read, rest, why } => (

@@ -841,3 +841,52 @@ async fn a_key_path_put_in_front_keys_two_paths_alike_and_the_fingerprint_tells_
     assert_eq!((t2.status, t2.replayed()), (201, false));
     assert_eq!(runs.load(Ordering::SeqCst), 2);
 }
+
+/// With `every_method`, the layer protects requests of any method,
+/// extension methods included, and keys a method in any case as its upper
+/// case: `post` and `POST` under one key are one key, told apart by the
+/// fingerprint (`422`), so a server that reads methods without regard to
+/// case never runs the key twice.
+#[tokio::test(flavor = "multi_thread")]
+async fn every_method_protects_extension_methods_and_keys_a_method_in_any_case() {
+    let runs = Arc::new(AtomicU64::new(0));
+    let counted = runs.clone();
+    let handler = move || {
+        let runs = counted.clone();
+        async move {
+            let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+            (StatusCode::CREATED, format!("run-{run}"))
+        }
+    };
+    let url = spawn_server(
+        Router::new()
+            .fallback(handler)
+            .layer(layer_on(Idempotency::new(idemkit::MemoryStore::new())).every_method()),
+    )
+    .await;
+    let call = |method: &'static str, key: &'static str| {
+        let url = format!("{url}/pay");
+        async move {
+            let method =
+                reqwest::Method::from_bytes(method.as_bytes()).unwrap_or_else(|e| panic!("{e}"));
+            let reply = client()
+                .request(method, url)
+                .header("idempotency-key", key)
+                .header("x-api-key", "t1")
+                .body("{}")
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let replayed = reply.headers().contains_key("idempotent-replayed");
+            let status = reply.status().as_u16();
+            (status, replayed, reply.text().await.unwrap_or_default())
+        }
+    };
+    assert_eq!(call("CHARGE", "m-1").await, (201, false, "run-1".into()));
+    assert_eq!(call("CHARGE", "m-1").await, (201, true, "run-1".into()));
+    assert_eq!(call("post", "m-2").await, (201, false, "run-2".into()));
+    assert_eq!(call("POST", "m-2").await.0, 422, "one key, another method");
+    assert_eq!(call("GET", "m-3").await, (201, false, "run-3".into()));
+    assert_eq!(call("GET", "m-3").await, (201, true, "run-3".into()));
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
+}

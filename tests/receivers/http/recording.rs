@@ -662,3 +662,80 @@ async fn response_markers_release_or_complete_whatever_the_status() {
     assert_eq!(retry.status, 409, "not replayable");
     assert_eq!(runs.load(Ordering::SeqCst), 3, "never run again");
 }
+
+/// A handler whose `Content-Length` does not say its body's length: the
+/// caller gets the body whole under its true length (never cut, never
+/// left on the connection as the next answer), and so does the replay.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_recorded_body_is_framed_by_its_length_whatever_the_handler_said() {
+    let handler = || async {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "content-length",
+            "3".parse().unwrap_or_else(|e| panic!("{e}")),
+        );
+        (StatusCode::CREATED, headers, "hello, world")
+    };
+    let url = spawn_server(
+        Router::new()
+            .route("/pay", post(handler))
+            .layer(layer_on(Idempotency::new(idemkit::MemoryStore::new()))),
+    )
+    .await;
+    let url = format!("{url}/pay");
+    for replayed in [false, true] {
+        let reply = post_raw(&url, "cl-1", Some("t1"), "application/json", "{}").await;
+        assert_eq!(reply.replayed(), replayed);
+        assert_eq!(reply.body, b"hello, world");
+        assert_eq!(
+            reply
+                .headers
+                .get("content-length")
+                .map(|v| v.as_bytes().to_vec()),
+            Some(b"12".to_vec())
+        );
+    }
+}
+
+/// The answer to a `HEAD` (a layer on every method): its replay keeps
+/// the `Content-Length` its caller got, the length of what a `GET` would
+/// get.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_head_keeps_its_content_length() {
+    let handler = || async {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            "content-length",
+            "1234".parse().unwrap_or_else(|e| panic!("{e}")),
+        );
+        (StatusCode::OK, headers)
+    };
+    let url = spawn_server(
+        Router::new()
+            .fallback(handler)
+            .layer(layer_on(Idempotency::new(idemkit::MemoryStore::new())).every_method()),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    for replayed in [false, true] {
+        let reply = client
+            .head(format!("{url}/doc"))
+            .header("idempotency-key", "head-1")
+            .header("x-api-key", "t1")
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            reply.headers().contains_key("idempotent-replayed"),
+            replayed
+        );
+        assert_eq!(
+            reply
+                .headers()
+                .get("content-length")
+                .map(|v| v.as_bytes().to_vec()),
+            Some(b"1234".to_vec()),
+            "replayed: {replayed}"
+        );
+    }
+}
