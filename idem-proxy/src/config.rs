@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use http::header::HeaderName;
-use http::{Method, StatusCode};
+use http::StatusCode;
 use idem_core::{IdempotencyKey, PayloadFingerprint};
 use serde::Deserialize;
 
@@ -484,6 +484,12 @@ impl ProxyArgs {
             Some(list) => PayloadFingerprint::json_pointers(list)
                 .map_err(|e| invalid("--fingerprint-pointer", e.to_string()))?,
         };
+        if a.protect.as_ref().is_some_and(Vec::is_empty) {
+            return Err(invalid(
+                "--protect",
+                "an empty list protects nothing (every request would run as often as it is sent): leave it out for `POST,PATCH /`, or pass everything with `pass = [\"/\"]`",
+            ));
+        }
         let routes = Routes::parse(
             a.protect.as_deref().unwrap_or(&["POST,PATCH /".to_owned()]),
             a.pass.as_deref().unwrap_or(&[]),
@@ -723,23 +729,11 @@ pub(crate) fn deadline(now: tokio::time::Instant, d: Duration) -> tokio::time::I
         .unwrap_or(now)
 }
 
-/// Every method a `*` route protects.
-pub(crate) fn every_method() -> Vec<Method> {
-    vec![
-        Method::GET,
-        Method::HEAD,
-        Method::POST,
-        Method::PUT,
-        Method::PATCH,
-        Method::DELETE,
-        Method::OPTIONS,
-    ]
-}
-
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use http::Method;
 
     #[test]
     fn durations_parse_with_units_and_refuse_what_is_not_one() {

@@ -3,7 +3,7 @@
 
 use http::Method;
 
-use crate::config::{every_method, ConfigError};
+use crate::config::ConfigError;
 
 /// The protected routes and the passed-through prefixes. A path matches a
 /// prefix on a segment boundary: `/pay` matches `/pay` and `/pay/1`, never
@@ -11,7 +11,30 @@ use crate::config::{every_method, ConfigError};
 #[derive(Debug, Clone)]
 pub struct Routes {
     pass: Vec<String>,
-    protect: Vec<(Vec<Method>, String)>,
+    protect: Vec<(Methods, String)>,
+}
+
+/// The methods a `--protect` rule names.
+#[derive(Debug, Clone)]
+enum Methods {
+    /// `*`: every method, extension methods (`MKCOL`, `CHARGE`) included.
+    Every,
+    /// These, in upper case.
+    Listed(Vec<Method>),
+}
+
+impl Methods {
+    /// Whether the rule names `method`, in any case: a server that reads
+    /// methods without regard to case (ASP.NET Core, Werkzeug, Django)
+    /// takes `post` for `POST`, so `post` is protected where `POST` is.
+    fn has(&self, method: &Method) -> bool {
+        match self {
+            Methods::Every => true,
+            Methods::Listed(listed) => listed
+                .iter()
+                .any(|m| m.as_str().eq_ignore_ascii_case(method.as_str())),
+        }
+    }
 }
 
 fn prefix(option: &'static str, text: &str) -> Result<String, ConfigError> {
@@ -197,19 +220,21 @@ impl Routes {
                 }
             };
             let methods = if methods == "*" {
-                every_method()
+                Methods::Every
             } else {
-                methods
-                    .split(',')
-                    .map(|m| {
-                        Method::from_bytes(m.trim().to_ascii_uppercase().as_bytes()).map_err(|_| {
-                            ConfigError::Invalid {
-                                option: "--protect",
-                                reason: format!("`{m}` is not an HTTP method"),
-                            }
+                Methods::Listed(
+                    methods
+                        .split(',')
+                        .map(|m| {
+                            Method::from_bytes(m.trim().to_ascii_uppercase().as_bytes()).map_err(
+                                |_| ConfigError::Invalid {
+                                    option: "--protect",
+                                    reason: format!("`{m}` is not an HTTP method"),
+                                },
+                            )
                         })
-                    })
-                    .collect::<Result<Vec<_>, _>>()?
+                        .collect::<Result<Vec<_>, _>>()?,
+                )
             };
             rules.push((methods, prefix("--protect", path)?));
         }
@@ -228,7 +253,7 @@ impl Routes {
         self.protect
             .iter()
             .find(|(_, prefix)| under(path, prefix))
-            .is_some_and(|(methods, _)| methods.contains(method))
+            .is_some_and(|(methods, _)| methods.has(method))
     }
 
     /// How a request with `method` and the raw `path` is routed: the
@@ -240,30 +265,13 @@ impl Routes {
     pub fn route(&self, method: &Method, path: &str) -> (String, Option<String>) {
         let normal = normal_form(path);
         // A method no rule protects needs no reading of its path.
-        if !self
-            .protect
-            .iter()
-            .any(|(methods, _)| methods.contains(method))
-        {
+        if !self.protect.iter().any(|(methods, _)| methods.has(method)) {
             return (normal, None);
         }
         let key = matching_forms(&normal)
             .into_iter()
             .find(|reading| self.protects(method, reading));
         (normal, key)
-    }
-
-    /// Every method some rule protects (the layer's own list).
-    pub fn methods(&self) -> Vec<Method> {
-        let mut all: Vec<Method> = Vec::new();
-        for (methods, _) in &self.protect {
-            for m in methods {
-                if !all.contains(m) {
-                    all.push(m.clone());
-                }
-            }
-        }
-        all
     }
 }
 

@@ -149,7 +149,8 @@ impl Proxy {
             .map_err(|e| ProxyError::Layer(format!("--scope: {e}")))?
             .header_name(settings.key_header.clone())
             .map_err(|e| ProxyError::Layer(format!("--key-header: {e}")))?
-            .methods(settings.routes.methods())
+            // The routes choose what is protected, in any method.
+            .every_method()
             .required(!settings.optional_key)
             .max_body_bytes(settings.max_body_bytes)
             .max_response_bytes(settings.max_response_bytes)

@@ -94,8 +94,26 @@ pub(crate) fn is_hop_by_hop_name(name: &HeaderName) -> bool {
         || name.as_str() == "proxy-connection"
 }
 
-/// Removes the hop-by-hop headers and the ones `Connection` names.
+/// Removes the hop-by-hop headers and the ones `Connection` names, and
+/// a `Content-Length` that does not frame the body: one sent beside
+/// `Transfer-Encoding` (the body came chunked; RFC 9112 section 6.3 has
+/// an intermediary remove it), and repeats of one length kept once. The
+/// next hop then frames the body by what it is, never by a length that
+/// would cut it and leave its rest on the connection as the next answer.
 pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    if headers
+        .get_all(header::CONTENT_LENGTH)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        if let Some(first) = headers.get(header::CONTENT_LENGTH).cloned() {
+            headers.insert(header::CONTENT_LENGTH, first);
+        }
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()

@@ -6,8 +6,8 @@ use serde_json::json;
 
 use super::wire::{memory, run_to_exit_or_started};
 use super::{
-    anonymous, options, post, redis_url, run_to_exit, scope, send, settled, support, try_send,
-    until_not_409, Proxy, Upstream,
+    anonymous, client, options, post, redis_url, run_to_exit, scope, send, settled, support,
+    try_send, until_not_409, Proxy, Upstream,
 };
 
 fn write_config(text: &str) -> String {
@@ -144,7 +144,14 @@ fn bad_options_exit_2_with_a_message_on_stderr_and_never_a_panic() {
     let wrong_type = write_config(&format!(
         "upstream = \"http://127.0.0.1:9\"\nstore = \"{store}\"\nmax_body_bytes = \"many\"\n"
     ));
+    let protects_nothing = write_config(&format!(
+        "upstream = \"http://127.0.0.1:9\"\nstore = \"{store}\"\nallow_anonymous = true\nprotect = []\n"
+    ));
     let cases: Vec<(Vec<String>, &[&str])> = vec![
+        (
+            strings(&["--config", &protects_nothing]),
+            &["protect", "empty"],
+        ),
         (good(&["--lease", "0s"]), &["lease"]),
         (good(&["--lease", "soon"]), &["lease", "soon"]),
         (good(&["--retention", "forever"]), &["retention", "forever"]),
@@ -454,4 +461,193 @@ fn toml_durations_may_be_numbers_and_wrong_types_exit_2() {
         code, None,
         "`lease = 30` in the file: exit {code:?}\n{out}\n{err}"
     );
+}
+
+/// Odd values in the TOML file: each is refused with exit 2 naming the
+/// problem, or taken; none panics.
+#[tokio::test(flavor = "multi_thread")]
+async fn odd_config_file_values_are_refused_or_taken_never_a_panic() {
+    let upstream = Upstream::start();
+    let dir = support::temp_dir("probe-config");
+    let cases = [
+        "max_body_bytes = -1",
+        "max_body_bytes = 1.5",
+        "max_body_bytes = 99999999999999999999999",
+        "max_body_bytes = 9223372036854775807",
+        "max_response_bytes = 9223372036854775807",
+        "max_running = 9223372036854775807",
+        "upstream_idle_connections = 9223372036854775807",
+        "lease = nan",
+        "lease = inf",
+        "lease = -inf",
+        "lease = -1",
+        "lease = 1e308",
+        "lease = 9223372036854775807",
+        "lease = \"1e-400s\"",
+        "retention = 1e-9",
+        "wait = 1e308",
+        "retry_after = 1e308",
+        "header_timeout = 1e-9",
+        "body_timeout = 1e-9",
+        "upstream_timeout = 1e-9",
+        "upstream_idle_timeout = 0",
+        "shutdown_wait = -0.0",
+        "release_status = []",
+        "release_status = [65535]",
+        "release_status = [-1]",
+        "release_status = [100, 101, 199]",
+        "fingerprint_pointer = []",
+        "fingerprint_pointer = [\"\"]",
+        "fingerprint_pointer = [\"no-slash\"]",
+        "pass = []",
+        "pass = [\"\"]",
+        "cache = []",
+        "cache = [\"\"]",
+        "cache = [\"moka\", \"moka\"]",
+        "protect = [\"\"]",
+        "protect = [\" \"]",
+        "protect = [\"* \"]",
+        "protect = [\", /\"]",
+        "listen = 80",
+        "listen = \"\"",
+        "unknown_key = 1",
+        "scope = \"\"",
+        "key_header = \"\"",
+        "tenant_header = \"\"",
+        "health_path = \"/\"",
+        "metrics_path = \"/healthz\"",
+        "max_body_bytes = 0",
+        "max_response_bytes = 0",
+        "store_connections = 0",
+        "[table]\nx = 1",
+    ];
+    let mut report = Vec::new();
+    let mut panics = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let file = dir.join(format!("case-{i}.toml"));
+        // The case first: a table header would swallow what follows.
+        let text = format!("{case}\n",);
+        let text = if case.starts_with('[') {
+            format!("upstream = \"{}\"\nstore = \"memory\"\nlisten = \"127.0.0.1:0\"\nallow_anonymous = true\n{text}", upstream.url())
+        } else {
+            let mut t = text;
+            for (k, v) in [
+                ("upstream", format!("\"{}\"", upstream.url())),
+                ("store", "\"memory\"".to_owned()),
+                ("listen", "\"127.0.0.1:0\"".to_owned()),
+                ("allow_anonymous", "true".to_owned()),
+            ] {
+                if !case.starts_with(&format!("{k} ")) {
+                    t.push_str(&format!("{k} = {v}\n"));
+                }
+            }
+            t
+        };
+        std::fs::write(&file, &text).expect("write");
+        let args = vec!["--config".to_owned(), file.display().to_string()];
+        let (code, _out, err) = run_to_exit_or_started(&args);
+        let outcome = match code {
+            None => "started".to_owned(),
+            Some(c) => format!("exit {c}: {}", err.lines().last().unwrap_or("")),
+        };
+        if err.contains("panicked") || matches!(code, Some(c) if c != 2) {
+            panics.push(format!("{case}: {outcome}\n{err}"));
+        }
+        report.push(format!("{case:50} {outcome}"));
+    }
+    assert!(
+        panics.is_empty(),
+        "{}\n\nall cases:\n{}",
+        panics.join("\n---\n"),
+        report.join("\n")
+    );
+}
+
+const EXTREMES: &[&str] = &[
+    "--lease",
+    "1e308",
+    "--retention",
+    "1e308",
+    "--wait",
+    "1e308",
+    "--retry-after",
+    "1e308",
+    "--max-body-bytes",
+    "9223372036854775807",
+    "--max-response-bytes",
+    "9223372036854775807",
+    "--max-running",
+    "9223372036854775807",
+    "--upstream-idle-connections",
+    "9223372036854775807",
+    "--upstream-idle-timeout",
+    "0",
+    "--shutdown-wait",
+    "1e308",
+    "--body-timeout",
+    "1e308",
+    "--header-timeout",
+    "1e308",
+    "--upstream-timeout",
+    "1e308",
+];
+
+async fn extremes_on(store: &str, extra: &[&str], tag: &str) {
+    let upstream = Upstream::start();
+    let mut more: Vec<&str> = vec!["--allow-anonymous"];
+    more.extend_from_slice(EXTREMES);
+    more.extend_from_slice(extra);
+    let proxy = Proxy::start(&options(&upstream.url(), store, &scope(tag), &more));
+    let body = json!({"amount": 1});
+    let key = format!("{tag}-x");
+    let ran = send(post(&proxy.at("/pay"), &key, &body)).await;
+    let again = settled(post(&proxy.at("/pay"), &key, &body)).await;
+    let other = settled(post(&proxy.at("/pay"), &key, &json!({"amount": 2}))).await;
+    let get = send(client().get(proxy.at("/page"))).await;
+    let get2 = send(client().get(proxy.at("/page"))).await;
+    let logs = proxy.logs();
+    assert!(
+        ran.status == 201
+            && again.replayed()
+            && other.status == 422
+            && get.status == 201
+            && get2.status == 201
+            && !logs.contains("panicked"),
+        "{tag}: ran {} {} / again {} {} / other {} / get {} {}\n{logs}",
+        ran.status,
+        ran.text(),
+        again.status,
+        again.text(),
+        other.status,
+        get.status,
+        get2.status
+    );
+    assert_eq!(upstream.seen(&key).await.len(), 1, "{tag}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extreme_settings_serve_on_redis() {
+    extremes_on(&super::redis_url(), &[], "xredis").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extreme_settings_serve_on_postgres_with_moka_and_redis_tiers() {
+    let pg = super::postgres_url();
+    let redis = super::redis_url();
+    extremes_on(&pg, &["--cache", "moka", "--cache", &redis], "xtier").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extreme_settings_serve_on_dynamodb() {
+    let table = format!("idem_proxy_{:08x}", fastrand::u32(..));
+    let url = format!(
+        "dynamodb://{table}?region=us-east-1&endpoint={}",
+        support::moto::shared_url()
+    );
+    extremes_on(&url, &[], "xdyn").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn extreme_settings_serve_on_memory() {
+    extremes_on("memory", &[], "xmem").await;
 }

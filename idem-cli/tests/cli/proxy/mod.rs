@@ -13,6 +13,7 @@ mod config;
 mod crash;
 mod disconnect;
 mod duplicates;
+mod framing;
 mod headers;
 mod observability;
 mod protocols;
@@ -576,6 +577,16 @@ impl RawAnswer {
 /// connection to `addr` and reads the answer until the proxy closes it
 /// (20 s at most).
 pub(crate) async fn raw_exchange(addr: &str, request: &[u8]) -> RawAnswer {
+    parse_answer(&raw_read_all(addr, request).await)
+}
+
+/// [`raw_exchange`] for requests sent one after another on one
+/// connection (the last asks for `Connection: close`): every answer.
+pub(crate) async fn raw_exchanges(addr: &str, requests: &[u8]) -> Vec<RawAnswer> {
+    parse_answers(&raw_read_all(addr, requests).await)
+}
+
+async fn raw_read_all(addr: &str, request: &[u8]) -> Vec<u8> {
     use tokio::io::AsyncWriteExt;
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
@@ -587,7 +598,7 @@ pub(crate) async fn raw_exchange(addr: &str, request: &[u8]) -> RawAnswer {
     let mut raw = Vec::new();
     let read = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut raw)).await;
     match read {
-        Ok(Ok(_)) => {}
+        Ok(Ok(_)) => raw,
         Ok(Err(e)) => panic!(
             "reading from {addr}: {e} (read so far: {:?})",
             String::from_utf8_lossy(&raw)
@@ -597,10 +608,29 @@ pub(crate) async fn raw_exchange(addr: &str, request: &[u8]) -> RawAnswer {
             String::from_utf8_lossy(&raw)
         ),
     }
-    parse_answer(&raw)
 }
 
 fn parse_answer(raw: &[u8]) -> RawAnswer {
+    parse_one(raw).0
+}
+
+/// Every answer on a connection whose requests were sent one after
+/// another (pipelined), in order: each framed by its own head.
+pub(crate) fn parse_answers(raw: &[u8]) -> Vec<RawAnswer> {
+    let mut answers = Vec::new();
+    let mut at = 0;
+    while at < raw.len() {
+        let (answer, used) = parse_one(&raw[at..]);
+        answers.push(answer);
+        at += used;
+    }
+    answers
+}
+
+/// The first answer in `raw`, and how many bytes it took. A body with
+/// neither a length nor chunks runs to the end, but for the statuses that
+/// have none (1xx, 204, 304).
+fn parse_one(raw: &[u8]) -> (RawAnswer, usize) {
     let shown = || String::from_utf8_lossy(raw).into_owned();
     let end = raw
         .windows(4)
@@ -608,7 +638,7 @@ fn parse_answer(raw: &[u8]) -> RawAnswer {
         .unwrap_or_else(|| panic!("no end of head in {:?}", shown()));
     let head = String::from_utf8_lossy(&raw[..end]).into_owned();
     let mut lines = head.split("\r\n");
-    let status = lines
+    let status: u16 = lines
         .next()
         .and_then(|l| l.split(' ').nth(1))
         .and_then(|s| s.parse().ok())
@@ -621,7 +651,7 @@ fn parse_answer(raw: &[u8]) -> RawAnswer {
     let chunked = headers
         .iter()
         .any(|(n, v)| n == "transfer-encoding" && v.to_ascii_lowercase().contains("chunked"));
-    let body = if chunked {
+    let (body, used) = if chunked {
         let mut body = Vec::new();
         let mut at = 0;
         loop {
@@ -635,24 +665,43 @@ fn parse_answer(raw: &[u8]) -> RawAnswer {
                 .unwrap_or_else(|e| panic!("bad chunk size {size_text:?}: {e}"));
             at = line_end + 2;
             if size == 0 {
-                break body;
+                // Trailers, if any, end with an empty line.
+                let trailers_end = rest[at..]
+                    .windows(2)
+                    .position(|w| w == b"\r\n")
+                    .map(|p| if p == 0 { at + 2 } else { at })
+                    .unwrap_or(rest.len());
+                let end_at = if trailers_end == at {
+                    rest[at..]
+                        .windows(4)
+                        .position(|w| w == b"\r\n\r\n")
+                        .map_or(rest.len(), |p| at + p + 4)
+                } else {
+                    trailers_end
+                };
+                break (body, end_at);
             }
             body.extend_from_slice(&rest[at..at + size]);
             at += size + 2;
         }
     } else {
+        let none = status < 200 || status == 204 || status == 304;
         let length = headers
             .iter()
             .find(|(n, _)| n == "content-length")
             .and_then(|(_, v)| v.parse().ok())
-            .unwrap_or(rest.len());
-        rest[..length.min(rest.len())].to_vec()
+            .unwrap_or(if none { 0 } else { rest.len() });
+        let length = length.min(rest.len());
+        (rest[..length].to_vec(), length)
     };
-    RawAnswer {
-        status,
-        headers,
-        body,
-    }
+    (
+        RawAnswer {
+            status,
+            headers,
+            body,
+        },
+        end + 4 + used,
+    )
 }
 
 /// An answer from the `curl` command (TLS client certificates and HTTP/2,

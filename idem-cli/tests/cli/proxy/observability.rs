@@ -266,3 +266,26 @@ async fn a_password_in_the_store_urls_query_is_left_out_of_the_logs() {
         "the password is in the logs.\nready:\n{ready_logs}\nstore down (exit {code:?}):\n{stderr}"
     );
 }
+
+/// `--protect "* /"`: `GET /healthz` and `GET /metrics` are still the
+/// proxy's own (no key asked), and a `POST /healthz` with a key is a
+/// protected request like any other.
+#[tokio::test(flavor = "multi_thread")]
+async fn health_and_metrics_stay_the_proxys_own_under_a_protect_everything_rule() {
+    let upstream = Upstream::start();
+    let proxy = Proxy::start(&anonymous(
+        &upstream,
+        &scope("ownpaths"),
+        &["--protect", "* /"],
+    ));
+    let health = send(client().get(proxy.at("/healthz"))).await;
+    assert_eq!((health.status, health.text()), (200, "ok\n".to_owned()));
+    let metrics = send(client().get(proxy.at("/metrics"))).await;
+    assert_eq!(metrics.status, 200);
+    let body = json!({"x": 1});
+    let ran = send(post(&proxy.at("/healthz"), "hz-1", &body)).await;
+    assert_eq!(ran.status, 201, "{}", ran.text());
+    let again = settled(post(&proxy.at("/healthz"), "hz-1", &body)).await;
+    assert!(again.replayed());
+    assert_eq!(upstream.seen("hz-1").await.len(), 1);
+}

@@ -1,9 +1,12 @@
 //! Which requests are protected: routes matched on one form of the path
 //! however a client spells it.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use serde_json::json;
 
-use super::wire::{memory, raw_post};
+use super::wire::{body_text, memory, raw_post, raw_settled, raw_upstream, response};
 use super::{client, raw_exchange, Proxy, Upstream};
 
 /// With `--protect "POST /pay"`, the same payment sent as `//pay` (a base
@@ -383,5 +386,106 @@ async fn requests_forwarded_alike_share_one_key() {
         a.status,
         b.status,
         b.values("idempotent-replayed")
+    );
+}
+
+/// A raw upstream that reads methods without regard to case, as
+/// ASP.NET Core (`HttpMethods.IsPost`), Werkzeug/Flask and Django
+/// (`REQUEST_METHOD.upper()`) do: every request it takes for a POST is a
+/// side effect, counted.
+async fn case_blind_upstream() -> (String, Arc<AtomicUsize>, Arc<std::sync::Mutex<Vec<String>>>) {
+    let effects = Arc::new(AtomicUsize::new(0));
+    let methods = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let (e, m) = (effects.clone(), methods.clone());
+    let (url, _) = raw_upstream(true, move |_, seen| {
+        let method = seen.head.split(' ').next().unwrap_or("").to_owned();
+        m.lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(method.clone());
+        let n = if method.eq_ignore_ascii_case("POST") {
+            e.fetch_add(1, Ordering::SeqCst) + 1
+        } else {
+            0
+        };
+        Some((response("201 Created", &format!("charged-{n}")), false))
+    })
+    .await;
+    (url, effects, methods)
+}
+
+fn raw_with_method(method: &str, key: &str) -> Vec<u8> {
+    let body = r#"{"amount":5}"#;
+    format!(
+        "{method} /pay HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// `POST /pay` with a key runs once; a retry of it spelt `post` (a client
+/// given the method in lower case) never runs it again on an upstream
+/// that reads methods without regard to case: the proxy keys it as
+/// `POST`, and the method as sent differs from the first's, so it gets
+/// `422`. Under the default routes and under `* /`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_method_spelt_in_lower_case_never_runs_a_protected_key_again() {
+    for routes in [&[][..], &["--protect", "* /"][..]] {
+        let (url, effects, methods) = case_blind_upstream().await;
+        let proxy = Proxy::start(&memory(&url, "lcase", routes));
+        let first = raw_exchange(&proxy.addr(), &raw_with_method("POST", "lc-1")).await;
+        assert_eq!(
+            (first.status, body_text(&first)),
+            (201, "charged-1".to_owned())
+        );
+        for _ in 0..2 {
+            let again = raw_exchange(&proxy.addr(), &raw_with_method("post", "lc-1")).await;
+            assert_eq!(again.status, 422, "{routes:?}: {}", body_text(&again));
+        }
+        // Spelt `post` first, it is protected too: its retry is the replay.
+        let other = raw_exchange(&proxy.addr(), &raw_with_method("post", "lc-2")).await;
+        let again = raw_settled(&proxy.addr(), &raw_with_method("post", "lc-2")).await;
+        assert_eq!(again.values("idempotent-replayed"), vec!["true"]);
+        assert_eq!(again.body, other.body);
+        assert_eq!(
+            effects.load(Ordering::SeqCst),
+            2,
+            "{routes:?}: one run per key; the upstream saw {:?}",
+            methods.lock().unwrap_or_else(|p| p.into_inner())
+        );
+    }
+}
+
+/// `--protect "* /"` and a request with an extension method (WebDAV's
+/// `MKCOL`, a custom `CHARGE`) sent twice with one key: the upstream runs
+/// it once.
+#[tokio::test(flavor = "multi_thread")]
+async fn star_protects_extension_methods_too() {
+    let count = Arc::new(AtomicUsize::new(0));
+    let counted = count.clone();
+    let (url, _) = raw_upstream(true, move |_, seen| {
+        let n = if seen.head.starts_with("CHARGE ") {
+            counted.fetch_add(1, Ordering::SeqCst) + 1
+        } else {
+            0
+        };
+        Some((response("201 Created", &format!("charged-{n}")), false))
+    })
+    .await;
+    let proxy = Proxy::start(&memory(&url, "xmethod", &["--protect", "* /"]));
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let a = raw_exchange(&proxy.addr(), &raw_with_method("CHARGE", "xm-1")).await;
+        answers.push((
+            a.status,
+            body_text(&a),
+            a.values("idempotent-replayed").join(","),
+        ));
+    }
+    assert_eq!(
+        count.load(Ordering::SeqCst),
+        1,
+        "`* /` protects every method, yet CHARGE with one key ran {} times: {answers:?}",
+        count.load(Ordering::SeqCst)
     );
 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use serde_json::json;
 
 use super::wire::memory;
-use super::{anonymous, post, scope, send, try_send, Proxy, Upstream};
+use super::{anonymous, client, post, scope, send, try_send, Proxy, Upstream};
 
 /// Waits (`within` at most) until `addr` refuses new connections: whether
 /// it did.
@@ -155,4 +155,64 @@ async fn a_far_shutdown_wait_still_shuts_down_with_exit_0() {
         "exit after SIGTERM: {status}\nproxy stderr:\n{}",
         proxy.logs()
     );
+}
+
+/// SIGTERM while a protected request runs and a duplicate waits for it
+/// (`--wait`): the run finishes and is recorded, the duplicate gets the
+/// replay (or a 409), the upstream ran once, the proxy exits 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_with_a_run_in_flight_and_a_duplicate_waiting_records_the_run_once() {
+    let upstream = Upstream::start();
+    let mut proxy = Proxy::start(&anonymous(
+        &upstream,
+        &scope("termwait"),
+        &["--wait", "20s", "--shutdown-wait", "20s"],
+    ));
+    let url = proxy.at("/block?id=termwait");
+    let body = json!({"amount": 2});
+    let first = {
+        let (url, body) = (url.clone(), body.clone());
+        tokio::spawn(async move { try_send(post(&url, "tw-1", &body)).await })
+    };
+    upstream.until_seen("tw-1", 1).await;
+    let dup = {
+        let (url, body) = (url.clone(), body.clone());
+        tokio::spawn(async move { try_send(post(&url, "tw-1", &body)).await })
+    };
+    // The duplicate is waiting once the store has told it "in progress".
+    let waiting = Instant::now();
+    loop {
+        let metrics = send(client().get(proxy.at("/metrics"))).await.text();
+        if metrics
+            .lines()
+            .any(|l| l.starts_with("idem_in_progress_total") && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        assert!(
+            waiting.elapsed() < Duration::from_secs(10),
+            "the duplicate never waited:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    proxy.terminate();
+    until_refused(&proxy.addr(), Duration::from_secs(5)).await;
+    upstream.release("termwait").await;
+    let first = first.await.expect("task");
+    let dup = dup.await.expect("task");
+    let status = proxy.wait_exit(Duration::from_secs(30));
+    let first =
+        first.unwrap_or_else(|e| panic!("the running request failed: {e}\n{}", proxy.logs()));
+    assert_eq!(first.status, 200, "{}", first.text());
+    match &dup {
+        Ok(a) => assert!(
+            (a.status == 200 && a.replayed()) || a.status == 409,
+            "the duplicate: {} {}",
+            a.status,
+            a.text()
+        ),
+        Err(e) => panic!("the duplicate failed: {e}\n{}", proxy.logs()),
+    }
+    assert!(status.success(), "exit {status}\n{}", proxy.logs());
+    assert_eq!(upstream.seen("tw-1").await.len(), 1);
 }

@@ -257,3 +257,44 @@ fn a_redis_cache_tier_in_front_of_a_redis_store_is_refused() {
     assert_eq!(code, Some(2), "{stderr}");
     assert!(stderr.contains("--cache"), "{stderr}");
 }
+
+async fn storm(store: &str, extra: &[&str], tag: &str) {
+    let upstream = Upstream::start();
+    let mut more = vec!["--allow-anonymous", "--wait", "20s"];
+    more.extend_from_slice(extra);
+    let proxy = Proxy::start(&options(&upstream.url(), store, &scope(tag), &more));
+    let url = proxy.at("/pay?delay_ms=300");
+    let body = json!({"amount": 5});
+    let key = format!("{tag}-storm");
+    let calls: Vec<_> = (0..20)
+        .map(|_| {
+            let (url, body, key) = (url.clone(), body.clone(), key.clone());
+            tokio::spawn(async move { send(post(&url, &key, &body)).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for c in calls {
+        answers.push(c.await.expect("task"));
+    }
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
+    assert!(statuses.iter().all(|s| *s == 201), "{tag}: {statuses:?}");
+    assert!(answers.iter().all(|a| a.body == answers[0].body), "{tag}");
+    assert_eq!(upstream.seen(&key).await.len(), 1, "{tag}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_duplicates_at_once_on_dynamodb_run_once() {
+    let table = format!("idem_proxy_{:08x}", fastrand::u32(..));
+    let url = format!(
+        "dynamodb://{table}?region=us-east-1&endpoint={}",
+        support::moto::shared_url()
+    );
+    storm(&url, &[], "dynstorm").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_duplicates_at_once_on_a_tiered_store_run_once() {
+    let pg = super::postgres_url();
+    let redis = super::redis_url();
+    storm(&pg, &["--cache", "moka", "--cache", &redis], "tierstorm").await;
+}

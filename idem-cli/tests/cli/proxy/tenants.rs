@@ -346,3 +346,43 @@ async fn a_jwt_whose_issuer_is_not_a_string_names_no_tenant() {
     .await;
     assert_eq!(named.status, 201, "{}", named.text());
 }
+
+/// Two tenants send the same key at the same moment, both still running
+/// when the other arrives: each runs once and gets its own answer; each
+/// replay is its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_same_key_from_two_tenants_at_once_runs_for_each_and_replays_each_its_own() {
+    let upstream = Upstream::start();
+    let args = options(
+        &upstream.url(),
+        &super::redis_url(),
+        &scope("twotenants"),
+        &["--tenant-header", "x-api-key"],
+    );
+    let proxy = Proxy::start(&args);
+    let url = proxy.at("/pay?delay_ms=700");
+    let body = json!({"amount": 1});
+    let calls: Vec<_> = ["tenant-a", "tenant-b"]
+        .iter()
+        .map(|t| {
+            let (url, body, t) = (url.clone(), body.clone(), t.to_string());
+            tokio::spawn(
+                async move { send(post(&url, "same-key", &body).header("x-api-key", t)).await },
+            )
+        })
+        .collect();
+    let mut firsts = Vec::new();
+    for c in calls {
+        firsts.push(c.await.expect("task"));
+    }
+    assert!(
+        firsts.iter().all(|a| a.status == 201 && !a.replayed()),
+        "{firsts:?}"
+    );
+    for (i, t) in ["tenant-a", "tenant-b"].iter().enumerate() {
+        let again = settled(post(&url, "same-key", &body).header("x-api-key", *t)).await;
+        assert!(again.replayed(), "{t}: {} {}", again.status, again.text());
+        assert_eq!(again.body, firsts[i].body, "{t} got another's answer");
+    }
+    assert_eq!(upstream.seen("same-key").await.len(), 2);
+}

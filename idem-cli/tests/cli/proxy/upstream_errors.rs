@@ -1,13 +1,17 @@
 //! What the upstream's failures do to the key.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::json;
 use tokio::net::TcpStream;
 
-use super::wire::{raw_upstream, response, serve_raw};
-use super::{anonymous, options, post, redis_url, scope, send, settled, support, Proxy, Upstream};
+use super::wire::{body_text, memory, raw_post, raw_upstream, response, serve_raw};
+use super::{
+    anonymous, options, post, raw_exchange, redis_url, scope, send, settled, support, Proxy,
+    Upstream,
+};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn an_upstream_503_is_passed_through_and_releases_the_key_so_a_retry_runs_again() {
@@ -255,4 +259,48 @@ async fn a_connect_that_hangs_past_a_short_upstream_timeout_is_nothing_sent_and_
         count.load(Ordering::SeqCst),
         burnt.join("\n")
     );
+}
+
+/// The upstream acts, then answers with a head the proxy's client cannot
+/// parse (150 headers; a 1 MiB header). The key must not run again.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreadable_upstream_head_never_runs_the_key_twice() {
+    for (tag, head) in [
+        (
+            "many",
+            (0..150)
+                .map(|i| format!("X-H{i}: v\r\n"))
+                .collect::<String>(),
+        ),
+        ("huge", format!("X-Big: {}\r\n", "a".repeat(1 << 20))),
+    ] {
+        let count = Arc::new(AtomicUsize::new(0));
+        let counted = count.clone();
+        let (url, _) = raw_upstream(true, move |_, seen| {
+            let n =
+                if seen.head.contains("Idempotency-Key") || seen.head.contains("idempotency-key") {
+                    counted.fetch_add(1, Ordering::SeqCst) + 1
+                } else {
+                    0
+                };
+            Some((
+                format!("HTTP/1.1 201 Created\r\n{head}Content-Length: 4\r\n\r\nr-{n:02}")
+                    .into_bytes(),
+                false,
+            ))
+        })
+        .await;
+        let proxy = Proxy::start(&memory(&url, tag, &[]));
+        let raw = raw_post("/pay", &format!("{tag}-1"), r#"{"a":1}"#);
+        let first = raw_exchange(&proxy.addr(), &raw).await;
+        let again = raw_exchange(&proxy.addr(), &raw).await;
+        assert_eq!(first.status, 502, "{tag}: {}", body_text(&first));
+        assert_eq!(
+            (again.status, count.load(Ordering::SeqCst)),
+            (409, 1),
+            "{tag}: the retry got {} {} (the upstream may have acted: never again)",
+            again.status,
+            body_text(&again)
+        );
+    }
 }
