@@ -386,7 +386,7 @@ where
             )
             .with_head_length_if(head, &parts.headers);
             let mut parts = parts;
-            recorded::frame_by_body(&mut parts.headers, head, bytes.len());
+            recorded::frame_by_body(&mut parts, head, bytes.len());
             Ran::Record(
                 Response::from_parts(parts, full(bytes)),
                 Outcome::Recorded(copy),

@@ -83,12 +83,17 @@ fn vary_value(request: &HeaderMap, name: &str) -> Option<Blob> {
 /// The framing of a body read whole: its `Content-Length` says the length
 /// of the bytes that follow (a handler's or an upstream's that says
 /// otherwise would cut the body, or leave its rest on the connection as
-/// the next answer). A `HEAD` answer keeps its own: it has no body and its
-/// length is the `GET`'s.
-pub(crate) fn frame_by_body(headers: &mut HeaderMap, head: bool, len: usize) {
-    if head {
+/// the next answer). A `HEAD` answer keeps its own (it has no body and its
+/// length is the `GET`'s), and so do the statuses that never have a body
+/// (1xx, `204`, `304`: a `304`'s length is the representation's).
+pub(crate) fn frame_by_body(parts: &mut http::response::Parts, head: bool, len: usize) {
+    let bodiless = parts.status.is_informational()
+        || parts.status == http::StatusCode::NO_CONTENT
+        || parts.status == http::StatusCode::NOT_MODIFIED;
+    if head || bodiless {
         return;
     }
+    let headers = &mut parts.headers;
     let says = headers.get(http::header::CONTENT_LENGTH);
     if says.is_some_and(|v| v.as_bytes() != len.to_string().as_bytes())
         || headers

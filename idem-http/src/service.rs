@@ -386,7 +386,7 @@ where
                             &request_headers,
                         )
                         .with_head_length_if(head, &parts.headers);
-                        recorded::frame_by_body(&mut parts.headers, head, bytes.len());
+                        recorded::frame_by_body(&mut parts, head, bytes.len());
                         (full(bytes), Outcome::Recorded(copy))
                     }
                     Buffered::Streamed { read, rest, why } => (
