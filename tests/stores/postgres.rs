@@ -2374,6 +2374,22 @@ async fn a_batch_that_waited_on_a_lock_gets_leases_counted_from_after_the_wait()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_behind_a_lock_past_the_server_timeout_is_unavailable_and_writes_nothing() {
     let store = store_with_timeout(Duration::from_secs(1)).await;
+    // Connections opened before the lock is taken: on a loaded machine,
+    // opening one within the call's wait for a connection could fail
+    // first (`NoConnection`), before the server's timeout is reached.
+    let warm = (
+        store
+            .pool()
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+        store
+            .pool()
+            .acquire()
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    drop(warm);
     let ks = keys("batch-timeout", 3);
     let mut tx = store.pool().begin().await.unwrap_or_else(|e| panic!("{e}"));
     let claim = store

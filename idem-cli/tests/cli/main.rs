@@ -151,11 +151,14 @@ fn pg_args() -> Vec<String> {
     ])
 }
 
+/// A store on the shared Redis, with a call timeout a loaded machine never
+/// reaches (these tests are about the command, not about timeouts).
 async fn redis_store(prefix: &str) -> RedisStore {
     RedisStore::connect(support::redis_server::shared_url())
         .await
         .unwrap_or_else(|e| panic!("{e}"))
         .prefix(prefix)
+        .call_timeout(Duration::from_secs(30))
 }
 
 fn redis_args(prefix: &str) -> Vec<String> {
@@ -1115,11 +1118,7 @@ async fn paused_clients(conn: &mut redis::aio::MultiplexedConnection, cmd: &str,
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_delete_without_force_never_deletes_a_lease_extended_after_its_check() {
     let prefix = format!("{}:", unique("race2"));
-    // The holder's extend waits behind the pause while the CLI starts: on
-    // a loaded machine that is longer than the default call timeout.
-    let store = redis_store(&prefix)
-        .await
-        .call_timeout(Duration::from_secs(30));
+    let store = redis_store(&prefix).await;
     let k = key("orders", "k");
     let first = acquire(&store, &k, Duration::from_secs(60)).await;
     // Both scripts known to the server, so neither is reloaded after the pause.
