@@ -144,11 +144,11 @@ where
     ResBody: http_body::Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    if config
-        .methods
-        .as_ref()
-        .is_some_and(|listed| !listed.contains(request.method()))
-    {
+    if config.methods.as_ref().is_some_and(|listed| {
+        !listed
+            .iter()
+            .any(|m| m.as_str().eq_ignore_ascii_case(request.method().as_str()))
+    }) {
         return inner.call(request).await.map(box_response);
     }
     let (parts, body) = request.into_parts();

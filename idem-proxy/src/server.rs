@@ -400,6 +400,16 @@ async fn dispatch(
         });
     }
     let method = request.method().clone();
+    // A standard method spelt otherwise (`post`, `Head`): refused, nothing
+    // sent. A server that reads methods without regard to case would take
+    // it for the method, while HTTP clients (the proxy's own included)
+    // frame its answer as an unknown method's.
+    if is_misspelt_standard_method(&method) {
+        return Ok(answer(
+            StatusCode::BAD_REQUEST,
+            "Methods are case-sensitive: send the standard method in upper case.",
+        ));
+    }
     let path = path.to_owned();
     // Routes are chosen, and keys made, on one form of the path however a
     // client spells it (`//pay`, `/./pay`, `/%70ay`, `/pay/`).
@@ -505,4 +515,21 @@ async fn dispatch(
         "request"
     );
     Ok(response)
+}
+
+/// Whether `method` is a standard method in another case (`post`).
+fn is_misspelt_standard_method(method: &Method) -> bool {
+    [
+        Method::GET,
+        Method::HEAD,
+        Method::POST,
+        Method::PUT,
+        Method::PATCH,
+        Method::DELETE,
+        Method::OPTIONS,
+        Method::TRACE,
+        Method::CONNECT,
+    ]
+    .iter()
+    .any(|m| m != method && m.as_str().eq_ignore_ascii_case(method.as_str()))
 }

@@ -104,14 +104,26 @@ pub(crate) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if headers.contains_key(header::TRANSFER_ENCODING) {
         headers.remove(header::CONTENT_LENGTH);
     }
-    if headers
+    // One length given more than once (`5, 5`, or on two lines; hyper
+    // takes it when every value is the same): kept once, or dropped when
+    // the values differ.
+    let lengths: Vec<String> = headers
         .get_all(header::CONTENT_LENGTH)
         .iter()
-        .nth(1)
-        .is_some()
-    {
-        if let Some(first) = headers.get(header::CONTENT_LENGTH).cloned() {
-            headers.insert(header::CONTENT_LENGTH, first);
+        .flat_map(|v| {
+            v.to_str()
+                .unwrap_or("?")
+                .split(',')
+                .map(|s| s.trim().to_owned())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    if lengths.len() > 1 {
+        headers.remove(header::CONTENT_LENGTH);
+        if lengths.iter().all(|l| *l == lengths[0]) {
+            if let Ok(one) = HeaderValue::from_str(&lengths[0]) {
+                headers.insert(header::CONTENT_LENGTH, one);
+            }
         }
     }
     let named: Vec<HeaderName> = headers
@@ -478,6 +490,9 @@ impl Forwarder {
             Ok(Ok(response)) => {
                 telemetry::upstream_answered(started.elapsed());
                 let (mut parts, body) = response.into_parts();
+                // The caller's connection is the proxy's own: an HTTP/1.0
+                // upstream's answer does not end its keep-alive.
+                parts.version = Version::HTTP_11;
                 strip_hop_by_hop(&mut parts.headers);
                 if let (true, Some(name)) = (protected, &self.vary_on) {
                     if let Ok(value) = HeaderValue::from_str(name.as_str()) {

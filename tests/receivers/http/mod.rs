@@ -47,6 +47,7 @@ mod in_transaction_edges;
 #[cfg(feature = "tiered")]
 mod isolation;
 mod keys;
+mod methods;
 mod outages;
 mod recording;
 mod streaming;

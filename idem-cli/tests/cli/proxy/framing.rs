@@ -3,12 +3,14 @@
 //! requests with trailers, a client's `Content-Length` beside chunked,
 //! `HEAD`, `204` and `101` answers, on keep-alive connections.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
+use tokio::net::{TcpListener, TcpStream};
 
-use super::wire::{body_text, memory, raw_post, raw_settled, raw_upstream, response};
+use super::wire::{body_text, memory, raw_post, raw_settled, raw_upstream, read_request, response};
 use super::{anonymous, curl, raw_exchange, raw_exchanges, scope, Proxy, RawAnswer, Upstream};
 
 /// The body of the upstream answer below: chunked, 36 bytes.
@@ -346,5 +348,317 @@ async fn an_upstream_101_to_a_protected_request_never_runs_it_again() {
         body_text(&first),
         again.status,
         body_text(&again)
+    );
+}
+
+/// A raw upstream whose every answer is `head` then `first` at once, then
+/// `rest` after `pause` (a body that comes in two parts), on keep-alive
+/// connections. Counts the requests it reads.
+async fn two_part_upstream(
+    head: &'static str,
+    first: &'static str,
+    rest: &'static str,
+    pause: Duration,
+) -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let count = Arc::new(AtomicUsize::new(0));
+    let counted = count.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut stream, _)) = listener.accept().await else {
+                return;
+            };
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                while let Some(_seen) = read_request(&mut stream, &mut buf, true).await {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    if stream
+                        .write_all(format!("{head}{first}").as_bytes())
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    let _ = stream.flush().await;
+                    tokio::time::sleep(pause).await;
+                    if stream.write_all(rest.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (format!("http://{addr}"), count)
+}
+
+/// Writes `raw` on a fresh connection and reads until the proxy closes
+/// it (20 s at most): all the bytes.
+async fn read_all(addr: &str, raw: &[u8]) -> Vec<u8> {
+    let mut stream = TcpStream::connect(addr).await.expect("connect");
+    let _ = stream.write_all(raw).await;
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(20), stream.read_to_end(&mut out)).await;
+    out
+}
+
+/// The upstream answers a protected `POST` with `Content-Length: 5, 5`
+/// (one length, said twice in one field: hyper's client takes it as 5)
+/// and a body that comes in two parts. The caller whose request ran must
+/// get its answer: `201` and `hello`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_length_listed_twice_on_a_body_in_two_parts_reaches_the_caller_that_ran() {
+    let (url, count) = two_part_upstream(
+        "HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 5, 5\r\n\r\n",
+        "he",
+        "llo",
+        Duration::from_millis(500),
+    )
+    .await;
+    let proxy = Proxy::start(&memory(&url, "cl-list-h1", &[]));
+    let raw = raw_post("/pay", "cll-1", "{}");
+    let first = read_all(&proxy.addr(), &raw).await;
+    let first_text = String::from_utf8_lossy(&first).into_owned();
+    let again = raw_settled(&proxy.addr(), &raw).await;
+    let logs = proxy.logs();
+    assert_eq!(count.load(Ordering::SeqCst), 1, "ran once");
+    assert!(
+        first_text.starts_with("HTTP/1.1 201") && first_text.ends_with("hello"),
+        "the caller whose request ran got {first_text:?} (its retry got {} {:?} {:?})\n{}",
+        again.status,
+        again.headers,
+        body_text(&again),
+        logs.lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR") || l.contains("panicked"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// The same answer (`Content-Length: 5, 5`) to a passed `GET` from an
+/// HTTP/2 caller (h2c, prior knowledge): it gets `hello`, not a stream
+/// reset for a `content-length` that is not a number.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_length_listed_twice_reaches_an_http2_caller_of_a_passed_get() {
+    let (url, _count) = raw_upstream(true, |_, _| {
+        Some((
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5, 5\r\n\r\nhello"
+                .to_vec(),
+            false,
+        ))
+    })
+    .await;
+    let proxy = Proxy::start(&memory(&url, "cl-list-h2", &[]));
+    let at = proxy.at("/page");
+    let answer = curl(&["--http2-prior-knowledge", &at]).await;
+    // What an HTTP/1.1 caller gets, for the report.
+    let h1 = raw_exchange(
+        &proxy.addr(),
+        b"GET /page HTTP/1.1\r\nHost: shop.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    match answer {
+        Ok(a) => assert_eq!((a.status, a.text()), (200, "hello".to_owned())),
+        Err(e) => panic!(
+            "the HTTP/2 caller got no answer: {e}\n(an HTTP/1.1 caller gets content-length {:?})",
+            h1.values("content-length")
+        ),
+    }
+}
+
+/// A protected `POST` from an HTTP/2 caller, the upstream answering
+/// `Content-Length: 5, 5` with a body in two parts: the caller gets its
+/// `201` and `hello`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_length_listed_twice_reaches_an_http2_caller_that_ran() {
+    let (url, count) = two_part_upstream(
+        "HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 5, 5\r\n\r\n",
+        "he",
+        "llo",
+        Duration::from_millis(500),
+    )
+    .await;
+    let proxy = Proxy::start(&memory(&url, "cl-list-h2p", &[]));
+    let at = proxy.at("/pay");
+    let answer = curl(&[
+        "--http2-prior-knowledge",
+        "-X",
+        "POST",
+        "-H",
+        "Idempotency-Key: h2l-1",
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        "{}",
+        &at,
+    ])
+    .await;
+    assert_eq!(count.load(Ordering::SeqCst), 1);
+    match answer {
+        Ok(a) => assert_eq!((a.status, a.text()), (201, "hello".to_owned())),
+        Err(e) => panic!("the HTTP/2 caller whose request ran got no answer: {e}"),
+    }
+}
+
+/// `HEAD` under `* /`, the resource longer than `--max-response-bytes`:
+/// the replay keeps the length its caller got, and the next answer on
+/// the connection is its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_replayed_head_of_a_large_resource_keeps_its_length() {
+    let (url, count) = raw_upstream(true, |_, seen| {
+        Some((
+            if seen.head.starts_with("HEAD") {
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5000\r\n\r\n"
+                    .to_vec()
+            } else {
+                response("200 OK", "after")
+            },
+            false,
+        ))
+    })
+    .await;
+    let proxy = Proxy::start(&memory(
+        &url,
+        "head-big",
+        &["--protect", "* /", "--max-response-bytes", "100"],
+    ));
+    let head = "HEAD /doc HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: hb-1\r\n\r\n";
+    let after = "GET /after HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: hb-after\r\nConnection: close\r\n\r\n";
+    let alone = "HEAD /doc HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: hb-1\r\nConnection: close\r\n\r\n";
+    let first = raw_exchange(&proxy.addr(), alone.as_bytes()).await;
+    let again = raw_exchange(&proxy.addr(), alone.as_bytes()).await;
+    assert_eq!(first.values("content-length"), vec!["5000"], "{first:?}");
+    assert_eq!(
+        again.values("idempotent-replayed"),
+        vec!["true"],
+        "{again:?}"
+    );
+    assert_eq!(again.values("content-length"), vec!["5000"], "{again:?}");
+    // The replay of the HEAD then a GET on one connection: two answers,
+    // the second its own.
+    let both = read_all(&proxy.addr(), format!("{head}{after}").as_bytes()).await;
+    let text = String::from_utf8_lossy(&both).into_owned();
+    assert_eq!(text.matches("HTTP/1.1 ").count(), 2, "{text:?}");
+    assert!(text.ends_with("after"), "{text:?}");
+    assert_eq!(count.load(Ordering::SeqCst), 2, "HEAD once, GET once");
+}
+
+/// An upstream answering in HTTP/1.0 without a length (the body runs to
+/// the close) a protected request sent on a keep-alive connection with
+/// another after it: the caller gets the whole body, then the next
+/// answer its own; the retry replays the body.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_http10_answer_without_a_length_keeps_the_connection_in_step() {
+    let (url, count) = raw_upstream(true, |_, seen| {
+        if seen.head.starts_with("POST") {
+            Some((
+                b"HTTP/1.0 201 Created\r\nContent-Type: text/plain\r\n\r\nold-style".to_vec(),
+                true,
+            ))
+        } else {
+            Some((response("200 OK", "after"), false))
+        }
+    })
+    .await;
+    let proxy = Proxy::start(&memory(&url, "http10", &[]));
+    let post = "POST /pay HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: h10-1\r\n\
+                Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}";
+    let after = "GET /after HTTP/1.1\r\nHost: shop.test\r\nConnection: close\r\n\r\n";
+    let raw = read_all(&proxy.addr(), format!("{post}{after}").as_bytes()).await;
+    let first = super::parse_answers(&raw);
+    let shown: Vec<(u16, String)> = first.iter().map(|a| (a.status, body_text(a))).collect();
+    assert_eq!(
+        shown,
+        vec![(201, "old-style".to_owned()), (200, "after".to_owned())],
+        "raw: {:?}",
+        String::from_utf8_lossy(&raw)
+    );
+    let again = raw_settled(&proxy.addr(), &raw_post("/pay", "h10-1", "{}")).await;
+    assert_eq!(again.values("idempotent-replayed"), vec!["true"]);
+    assert_eq!(body_text(&again), "old-style");
+    assert_eq!(count.load(Ordering::SeqCst), 2);
+}
+
+/// An upstream that answers a `HEAD` with a body anyway (its length's
+/// worth), then a protected `POST` on the proxy's pooled connection: the
+/// `POST` runs once and its caller gets the upstream's answer, never a
+/// `502` read from the `HEAD`'s leftover bytes (which would burn the key:
+/// it ran, and no retry would ever get its answer).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_head_answered_with_a_body_leaves_the_next_protected_request_whole() {
+    let (url, count) = raw_upstream(true, |n, seen| {
+        Some((
+            if seen.head.starts_with("HEAD") {
+                b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nhello"
+                    .to_vec()
+            } else {
+                response("201 Created", &format!("run-{n}"))
+            },
+            false,
+        ))
+    })
+    .await;
+    let proxy = Proxy::start(&memory(&url, "head-body", &["--protect", "* /"]));
+    let mut report = Vec::new();
+    for i in 0..3 {
+        let head = format!(
+            "HEAD /doc HTTP/1.1\r\nHost: shop.test\r\nIdempotency-Key: hbb-{i}\r\nConnection: close\r\n\r\n"
+        );
+        let h = raw_exchange(&proxy.addr(), head.as_bytes()).await;
+        let p = raw_exchange(&proxy.addr(), &raw_post("/pay", &format!("hbp-{i}"), "{}")).await;
+        report.push(format!(
+            "HEAD {} {:?} / POST {} {:?}",
+            h.status,
+            h.values("content-length"),
+            p.status,
+            body_text(&p)
+        ));
+    }
+    let logs = proxy.logs();
+    assert!(
+        report.iter().all(|r| r.contains("POST 201")),
+        "{}\nupstream saw {} requests\n{}",
+        report.join("\n"),
+        count.load(Ordering::SeqCst),
+        logs.lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// A protected `HEAD` (`* /`) from an HTTP/2 caller, and its replay: both
+/// answered, both with the upstream's `Content-Length`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_head_and_its_replay_reach_an_http2_caller() {
+    let (url, count) = raw_upstream(true, |_, _| {
+        Some((
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n\r\n".to_vec(),
+            false,
+        ))
+    })
+    .await;
+    let proxy = Proxy::start(&memory(&url, "head-h2", &["--protect", "* /"]));
+    let at = proxy.at("/doc");
+    let mut seen = Vec::new();
+    for _ in 0..2 {
+        let a = curl(&[
+            "--http2-prior-knowledge",
+            "-I",
+            "-H",
+            "Idempotency-Key: h2h-1",
+            &at,
+        ])
+        .await;
+        seen.push(a.map(|a| (a.status, a.header("content-length"), a.replayed())));
+    }
+    assert_eq!(count.load(Ordering::SeqCst), 1, "{seen:?}");
+    assert_eq!(
+        seen,
+        vec![
+            Ok((200, Some("1234".to_owned()), false)),
+            Ok((200, Some("1234".to_owned()), true))
+        ]
     );
 }
