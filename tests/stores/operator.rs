@@ -104,12 +104,16 @@ async fn postgres_lists_stuck_keys_and_counts_by_scope_and_state() {
         .iter()
         .map(|r| (r.id.clone(), r.record.is_ok()))
         .collect();
-    // Oldest deadline first, then the corrupt row (in progress, no lease).
+    // Oldest deadline first (the deadlines as the server set them: on a
+    // loaded machine the second acquire may come late enough to end
+    // last), then the corrupt row (in progress, no lease).
+    let mut by_deadline = [("stuck-1", s1.expires_at), ("stuck-2", s2.expires_at)];
+    by_deadline.sort_by_key(|(_, deadline)| *deadline);
     assert_eq!(
         listed,
         vec![
-            ("stuck-2".to_owned(), true),
-            ("stuck-1".to_owned(), true),
+            (by_deadline[0].0.to_owned(), true),
+            (by_deadline[1].0.to_owned(), true),
             ("bad".to_owned(), false)
         ]
     );

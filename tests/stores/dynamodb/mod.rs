@@ -270,8 +270,12 @@ async fn a_lost_reply_and_its_resend_are_one_operation() {
 /// per request) still answers inside it; waiters poll every 100 ms, so
 /// they do not crowd out the holder's completion.
 fn fault_executor(store: DynamoDbStore) -> Idempotency<DynamoDbStore> {
+    // The lease is far longer than the faults (a cut of 500 ms, a freeze):
+    // on a loaded machine moto's answers may take seconds, and a lease
+    // passed is a takeover (`LeaseLost`), the window these tests are not
+    // about.
     Idempotency::new(store.call_timeout(Duration::from_secs(1)))
-        .lease(Duration::from_secs(5))
+        .lease(Duration::from_secs(30))
         .retention(DAY)
         .on_in_progress(InProgressPolicy::Wait {
             max_wait: Duration::from_secs(60),
