@@ -70,8 +70,13 @@ const MAX_RAW_PART: usize = 64;
 /// method as sent: it gets `422`).
 pub(crate) fn key_id(tenant: &str, method: &str, path: &str, client_key: &str) -> String {
     let mut id = String::with_capacity(3 * 72 + client_key.len());
-    let method = method.to_ascii_uppercase();
-    for part in [tenant, method.as_str(), path] {
+    // Standard methods come in upper case already: no copy for them.
+    let method: std::borrow::Cow<'_, str> = if method.bytes().any(|b| b.is_ascii_lowercase()) {
+        method.to_ascii_uppercase().into()
+    } else {
+        method.into()
+    };
+    for part in [tenant, &*method, path] {
         let mut escaped = String::with_capacity(part.len());
         for ch in part.chars() {
             match ch {
